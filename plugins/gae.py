@@ -1,0 +1,33 @@
+"""Advantage estimator `gae`: generalised advantage estimation over per-token rewards."""
+
+import attrs
+
+from rlkit_core import hookimpl
+from rlkit_core.config import between, setting
+from rlkit_core.functional import gae, masked_whiten
+from rlkit_core.interfaces import AdvantageEstimator
+
+
+@attrs.frozen
+class GAEConfig:
+    gamma: float = setting(1.0, help="discount γ per token", validator=between(0.0, 1.0))
+    lam: float = setting(0.95, help="GAE λ: 1 is Monte-Carlo returns, 0 is one-step TD", validator=between(0.0, 1.0))
+    whiten: bool = setting(True, help="normalise advantages to mean 0, std 1 over the batch's counted tokens")
+
+
+class GAE(AdvantageEstimator):
+    needs_values = True
+
+    def __init__(self, config: GAEConfig, context=None):
+        self.config = config
+
+    def estimate(self, batch):
+        advantages, returns = gae(batch.rewards, batch.values, batch.response_mask, self.config.gamma, self.config.lam)
+        if self.config.whiten:
+            advantages = masked_whiten(advantages, batch.response_mask)
+        return advantages, returns
+
+
+@hookimpl
+def register_advantage_estimators(register):
+    register("gae", GAE, GAEConfig)

@@ -1,0 +1,133 @@
+"""Policy `hf`: any transformers causal LM, with optional LoRA through peft.
+
+The reference is a frozen copy of the starting weights, or, with LoRA, the same base with the
+adapters disabled, so that one copy of the base weights serves both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+
+import attrs
+import torch
+
+from rlkit_core import hookimpl
+from rlkit_core.config import at_least, one_of, setting
+from rlkit_core.errors import RecipeError
+from rlkit_core.interfaces import Policy, PolicyOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PAD_TOKEN = "<|rlkit_pad|>"
+
+
+@attrs.frozen
+class HFPolicyConfig:
+    model: str = setting(help="a local model directory, or a hub name when the machine has network")
+    tokenizer: str = setting("", help="tokenizer directory or hub name (empty: the model's)")
+    dtype: str = setting("float32", help="weights dtype: float32, bfloat16 or float16", validator=one_of(*DTYPES))
+    lora_r: int = setting(0, help="LoRA rank (0: train all weights)", validator=at_least(0))
+    lora_alpha: int = setting(16, help="LoRA scaling α", validator=at_least(1))
+    lora_target_modules: list[str] = setting(factory=list, help="module names LoRA adapts (empty: peft's default for the architecture)")
+    gradient_checkpointing: bool = setting(False, help="trade compute for memory in the training forward pass")
+    trust_remote_code: bool = setting(False, help="allow model code from the checkpoint (only for checkpoints you trust)")
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """A left-padding tokenizer whose PAD differs from EOS (a shared id would mask the EOS out of the loss)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.eos_token_id is None:
+        raise RecipeError([f"$.policy.tokenizer: tokenizer {name!r} has no EOS token; responses could never end"])
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    return tokenizer
+
+
+def switch_off_dropout(model: torch.nn.Module) -> None:
+    """RL wants π_θ and π_old to differ only by the update, not by random masks."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+class HFPolicy(Policy):
+    def __init__(self, config: HFPolicyConfig, context=None):
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+        try:
+            base = AutoModelForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code)
+        except OSError as exc:
+            where = "a local directory" if os.path.sep in config.model or config.model.startswith(".") else "a hub name (needs network)"
+            raise RecipeError([f"$.policy.model: cannot load {config.model!r} as {where}: {exc}"]) from None
+        if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
+            base.resize_token_embeddings(len(self.tokenizer))
+        base.config.pad_token_id = self.tokenizer.pad_token_id
+        base.generation_config.pad_token_id = self.tokenizer.pad_token_id
+        base.generation_config.eos_token_id = self.tokenizer.eos_token_id
+        switch_off_dropout(base)
+        if config.gradient_checkpointing:
+            base.gradient_checkpointing_enable()
+        if context is not None:
+            base.to(context.device)
+
+        if config.lora_r:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                              target_modules=list(config.lora_target_modules) or None, task_type="CAUSAL_LM")
+            self._model = get_peft_model(base, lora)
+            self._reference = None
+        else:
+            self._model = base
+            self._reference = copy.deepcopy(base).eval().requires_grad_(False)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    def forward(self, input_ids, attention_mask, position_ids) -> PolicyOutput:
+        out = self._model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          output_hidden_states=True, use_cache=False)
+        return PolicyOutput(logits=out.logits, hidden=out.hidden_states[-1])
+
+    @torch.no_grad()
+    def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        if self._reference is not None:
+            model, adapters_off = self._reference, contextlib.nullcontext()
+        else:
+            model, adapters_off = self._model, self._model.disable_adapter()
+        with adapters_off:
+            return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+
+    def parameters(self):
+        return [p for p in self._model.parameters() if p.requires_grad]
+
+    def state_dict(self):
+        return {name: p.detach().clone() for name, p in self._model.named_parameters() if p.requires_grad}
+
+    def load_state_dict(self, state) -> None:
+        params = dict(self._model.named_parameters())
+        missing = [name for name, p in params.items() if p.requires_grad and name not in state]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[0]!r}")
+        with torch.no_grad():
+            for name, value in state.items():
+                params[name].copy_(value)
+
+    def save_pretrained(self, path: str, merge_adapters: bool = True) -> None:
+        model = self._model
+        if self.config.lora_r and merge_adapters:
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+
+@hookimpl
+def register_policies(register):
+    register("hf", HFPolicy, HFPolicyConfig)

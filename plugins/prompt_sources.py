@@ -1,0 +1,87 @@
+"""Prompt sources: `jsonl` (one JSON object a line) and `hf-dataset` (local files or hub datasets through `datasets`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+
+from rlkit_core import hookimpl
+from rlkit_core.config import at_least, setting
+from rlkit_core.errors import RecipeError
+from rlkit_core.interfaces import PromptSource
+
+
+@attrs.frozen
+class JsonlConfig:
+    path: str = setting(help="a .jsonl file: one JSON object per line")
+    prompt_field: str = setting("prompt", help="the key holding the prompt text; other keys go to the reward as columns")
+    limit: int = setting(0, help="use only the first N records (0: all)", validator=at_least(0))
+
+
+@attrs.frozen
+class HFDatasetConfig:
+    path: str = setting(help="a dataset name for datasets.load_dataset ('json', 'csv', 'parquet' or a hub name)")
+    data_files: list[str] = setting(factory=list, help="local files for the 'json'/'csv'/'parquet' loaders")
+    split: str = setting("train", help="which split to read")
+    prompt_field: str = setting("prompt", help="the column holding the prompt text")
+    limit: int = setting(0, help="use only the first N records (0: all)", validator=at_least(0))
+
+
+def _with_prompt(record: dict, field: str, where: str) -> dict:
+    if field not in record:
+        raise RecipeError([f"{where}: has no field {field!r} (fields: {', '.join(record) or 'none'}); set data.prompt_field"])
+    if not isinstance(record[field], str):
+        raise RecipeError([f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}"])
+    rest = {k: v for k, v in record.items() if k != field}
+    return {"prompt": record[field], **rest}
+
+
+class JsonlPrompts(PromptSource):
+    def __init__(self, config: JsonlConfig, context=None):
+        self.config = config
+
+    def load(self):
+        path = Path(self.config.path)
+        if not path.is_file():
+            raise RecipeError([f"$.data.path: no file {str(path)!r}"])
+        records = []
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise RecipeError([f"{path}:{number}: not valid JSON: {exc.msg}"]) from None
+                if not isinstance(record, dict):
+                    raise RecipeError([f"{path}:{number}: expected a JSON object, got {type(record).__name__}"])
+                records.append(_with_prompt(record, self.config.prompt_field, f"{path}:{number}"))
+                if self.config.limit and len(records) == self.config.limit:
+                    break
+        if not records:
+            raise RecipeError([f"$.data.path: {str(path)!r} holds no records"])
+        return records
+
+
+class HFDatasetPrompts(PromptSource):
+    def __init__(self, config: HFDatasetConfig, context=None):
+        self.config = config
+
+    def load(self):
+        try:
+            import datasets
+        except ImportError:
+            raise RecipeError(["$.data.type: 'hf-dataset' needs the datasets package: pip install 'rlkit[datasets]'"]) from None
+        kwargs = {"data_files": list(self.config.data_files)} if self.config.data_files else {}
+        table = datasets.load_dataset(self.config.path, split=self.config.split, **kwargs)
+        if self.config.limit:
+            table = table.select(range(min(self.config.limit, len(table))))
+        return [_with_prompt(dict(row), self.config.prompt_field, f"{self.config.path}[{i}]") for i, row in enumerate(table)]
+
+
+@hookimpl
+def register_prompt_sources(register):
+    register("jsonl", JsonlPrompts, JsonlConfig)
+    register("hf-dataset", HFDatasetPrompts, HFDatasetConfig)

@@ -1,0 +1,131 @@
+"""Reward sources: `python` (a function you name) and `reward-model` (a sequence classifier)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+from pathlib import Path
+
+import attrs
+import torch
+
+from rlkit_core import hookimpl
+from rlkit_core.config import at_least, greater_than, setting
+from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.interfaces import RewardSource
+
+
+@attrs.frozen
+class PythonRewardConfig:
+    function: str = setting(help="'package.module:function' or 'path/to/file.py:function', called with prompts=, responses= and every data column")
+
+
+@attrs.frozen
+class RewardModelConfig:
+    model: str = setting(help="a transformers sequence-classification model directory or hub name")
+    tokenizer: str = setting("", help="its tokenizer (empty: the model's)")
+    label_index: int = setting(0, help="which output logit is the score", validator=at_least(0))
+    batch_size: int = setting(32, help="pairs scored per forward pass", validator=greater_than(0))
+    max_length: int = setting(1024, help="longest prompt + response in tokens; longer inputs keep their end", validator=greater_than(0))
+
+
+def import_function(spec: str, where: str):
+    """`module:function` or `file.py:function` → the callable, or a located RecipeError."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise RecipeError([f"{where}: expected 'module:function' or 'path/to/file.py:function', got {spec!r}"])
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise RecipeError([f"{where}: no file {target!r} (relative paths start at the working directory)"])
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except RecipeError:
+        raise
+    except Exception as exc:
+        raise RecipeError([f"{where}: importing {target!r} failed: {type(exc).__name__}: {exc}"]) from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise RecipeError([f"{where}: {target!r} has no function {name!r}"])
+    return function
+
+
+def checked_scores(scores, count: int, who: str) -> list[float]:
+    """A reward must return one finite number per response; say so plainly when it does not."""
+    if isinstance(scores, torch.Tensor):
+        scores = scores.tolist()
+    try:
+        values = [float(s) for s in scores]
+    except (TypeError, ValueError):
+        raise RunError(f"{who} must return a list of numbers, got {type(scores).__name__}") from None
+    if len(values) != count:
+        raise RunError(f"{who} returned {len(values)} scores for {count} responses")
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise RunError(f"{who} returned a non-finite score ({values[bad[0]]}) for response {bad[0]}")
+    return values
+
+
+class PythonReward(RewardSource):
+    def __init__(self, config: PythonRewardConfig, context=None):
+        self.name = config.function
+        self.function = import_function(config.function, "$.reward.function")
+        parameters = inspect.signature(self.function).parameters
+        self.takes_everything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        self.accepted = set(parameters)
+        missing = {"prompts", "responses"} - self.accepted
+        if missing and not self.takes_everything:
+            raise RecipeError([f"$.reward.function: {config.function} must accept keyword arguments prompts and responses "
+                               f"(missing: {', '.join(sorted(missing))}); add **columns to receive the data's other columns"])
+
+    def score(self, prompts, responses, **columns):
+        if not self.takes_everything:
+            columns = {k: v for k, v in columns.items() if k in self.accepted}
+        return checked_scores(self.function(prompts=prompts, responses=responses, **columns), len(responses), self.name)
+
+
+class RewardModel(RewardSource):
+    """Scores prompt + response with a classifier read at the last real token."""
+
+    def __init__(self, config: RewardModelConfig, context):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from rlkit_plugins.hf_policy import switch_off_dropout
+
+        self.config = config
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            self.model = AutoModelForSequenceClassification.from_pretrained(config.model)
+        except OSError as exc:
+            raise RecipeError([f"$.reward.model: cannot load {config.model!r}: {exc}"]) from None
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer.padding_side = "right"
+        self.tokenizer.truncation_side = "left"
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        switch_off_dropout(self.model)
+        self.model.eval().to(context.device)
+        self.device = context.device
+
+    @torch.no_grad()
+    def score(self, prompts, responses, **columns):
+        scores = []
+        texts = [p + r for p, r in zip(prompts, responses)]
+        for start in range(0, len(texts), self.config.batch_size):
+            enc = self.tokenizer(texts[start:start + self.config.batch_size], return_tensors="pt", padding=True,
+                                 truncation=True, max_length=self.config.max_length).to(self.device)
+            logits = self.model(**enc).logits
+            scores += logits[:, self.config.label_index].float().tolist()
+        return checked_scores(scores, len(texts), self.config.model)
+
+
+@hookimpl
+def register_rewards(register):
+    register("python", PythonReward, PythonRewardConfig)
+    register("reward-model", RewardModel, RewardModelConfig)

@@ -1,0 +1,80 @@
+"""The rollout batch: the one type that carries tensors from stage to stage of a PPO iteration.
+
+Shapes: B rollouts, P prompt positions (left-padded), R response positions (right-padded).
+Each stage reads the fields it needs and returns a copy with the fields it made
+(`batch.with_(advantages=...)`); nothing is written back into an earlier stage's fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class RolloutBatch:
+    prompts: list[str]  # B prompt texts
+    columns: dict[str, list[Any]]  # every other column of the prompt data, B values each
+    group_ids: torch.Tensor  # [B] long: rollouts sampled from the same prompt share an id
+    prompt_ids: torch.Tensor  # [B, P] long, left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 on real prompt tokens
+    response_ids: torch.Tensor  # [B, R] long, padded after the first EOS
+    response_mask: torch.Tensor  # [B, R] 1 on counted tokens: up to and including the first EOS
+    sampled_logprobs: torch.Tensor  # [B, R] log π_sampler of each sampled token
+    responses: list[str] | None = None  # B decoded responses, cut at the first EOS
+    ended: torch.Tensor | None = None  # [B] bool: the response contains an EOS
+    scores: torch.Tensor | None = None  # [B] float: the reward source's score
+    old_logprobs: torch.Tensor | None = None  # [B, R] log π_old with the training code path
+    ref_logprobs: torch.Tensor | None = None  # [B, R] log π_ref
+    values: torch.Tensor | None = None  # [B, R] V(s_t) before the update
+    kl: torch.Tensor | None = None  # [B, R] per-token KL estimate to the reference
+    rewards: torch.Tensor | None = None  # [B, R] per-token rewards (score + KL penalty)
+    advantages: torch.Tensor | None = None  # [B, R]
+    returns: torch.Tensor | None = None  # [B, R] value targets
+
+    def with_(self, **fields) -> RolloutBatch:
+        return attrs.evolve(self, **fields)
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def prompt_length(self) -> int:
+        return self.prompt_ids.shape[1]
+
+    def sequence(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask, position_ids) of prompt + response, as the policy sees them.
+
+        Position ids count real tokens only, so a left-padded prompt starts at position 0.
+        Padding after the response's EOS is masked out.
+        """
+        input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
+        attention_mask = torch.cat([self.prompt_mask, self.response_mask], dim=1).long()
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        return input_ids, attention_mask, position_ids
+
+    def select(self, index: torch.Tensor) -> RolloutBatch:
+        """The rollouts at `index` (a 1-D long tensor), every field sliced alike."""
+        picked = index.tolist()
+        changes = {}
+        for f in attrs.fields(RolloutBatch):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, torch.Tensor):
+                changes[f.name] = value[index]
+            elif isinstance(value, dict):
+                changes[f.name] = {k: [col[i] for i in picked] for k, col in value.items()}
+            else:
+                changes[f.name] = [value[i] for i in picked]
+        return attrs.evolve(self, **changes)
+
+    def to(self, device) -> RolloutBatch:
+        changes = {
+            f.name: getattr(self, f.name).to(device)
+            for f in attrs.fields(RolloutBatch)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return attrs.evolve(self, **changes)

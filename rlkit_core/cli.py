@@ -1,0 +1,94 @@
+"""The `rlkit` command: run, check, plugins.
+
+Exit codes: 0 success; 2 bad input (recipe, arguments), printed without a traceback; 1 failure
+at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rlkit_core.errors import RlkitError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlkit", description="PPO fine-tuning of language models, every part a plugin.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="train a recipe")
+    run.add_argument("recipe", help="path to a TOML recipe")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a recipe value, e.g. --set kl.target=4 (repeatable)")
+    run.add_argument("--quiet", action="store_true", help="no per-iteration progress lines")
+
+    check = commands.add_parser("check", help="validate a recipe, resolve its plugins and print the plan; trains nothing")
+    check.add_argument("recipe")
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    plugins = commands.add_parser("plugins", help="list every registered component with its plugin, version and settings")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _cmd_plugins(args) -> int:
+    from rlkit_core.inventory import registry_rows
+    from rlkit_core.plugins import load_registry
+
+    registry = load_registry()
+    rows = registry_rows(registry)
+    if args.json:
+        print(json.dumps({"components": rows, "broken": registry.broken}, indent=2, default=str))
+        return 0
+    kind = None
+    for row in rows:
+        if row["kind"] != kind:
+            kind = row["kind"]
+            print(f"\n{kind}")
+        print(f"  {row['name']:<16} {row['plugin']} ({row['distribution']} {row['version']})")
+        for f in row["fields"]:
+            default = "required" if f["required"] else f"default {f['default']!r}"
+            print(f"      {f['name']:<24} {f['type']:<10} {default:<24} {f['help']}")
+    for name, why in registry.broken.items():
+        print(f"\nbroken plugin {name!r}: {why}", file=sys.stderr)
+    return 0
+
+
+def _cmd_check(args) -> int:
+    from rlkit_core.plan import describe_plan
+    from rlkit_core.plugins import load_registry
+    from rlkit_core.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, load_registry(), args.overrides)
+    print(describe_plan(recipe))
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from rlkit_core.plugins import load_registry
+    from rlkit_core.recipe import load_recipe
+    from rlkit_core.run import run_recipe
+
+    recipe = load_recipe(args.recipe, load_registry(), args.overrides)
+    run_recipe(recipe, quiet=args.quiet)
+    return 0
+
+
+COMMANDS = {"run": _cmd_run, "check": _cmd_check, "plugins": _cmd_plugins}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except RlkitError as exc:
+        print(f"rlkit {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("rlkit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

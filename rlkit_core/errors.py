@@ -1,0 +1,32 @@
+"""Errors a user can act on. The CLI prints them without a traceback and picks the exit code."""
+
+
+class RlkitError(Exception):
+    """Base class: a problem the user can fix. Exit code 2 (bad input) unless a subclass says otherwise."""
+
+    exit_code = 2
+
+
+class RecipeError(RlkitError):
+    """One or more located problems in a recipe, reported together.
+
+    Each problem reads `$.path.to.key: what is wrong` so the user can find it in the file.
+    """
+
+    def __init__(self, problems, source=None):
+        self.problems = list(problems)
+        self.source = source
+        where = f"{source}: " if source else ""
+        lines = "\n".join(f"  {p}" for p in self.problems)
+        count = len(self.problems)
+        super().__init__(f"{where}{count} problem{'s' if count != 1 else ''} in the recipe:\n{lines}")
+
+
+class PluginError(RlkitError):
+    """A plugin is broken or conflicts with another (duplicate name, misspelled hook, import failure)."""
+
+
+class RunError(RlkitError):
+    """A failure while training that is not the recipe's fault (exit code 1)."""
+
+    exit_code = 1

@@ -1,0 +1,246 @@
+"""The PPO math as pure torch functions: no state, no model, no config.
+
+Shapes follow `rlkit_core.batch`: B rollouts, R response positions, V vocabulary entries.
+`mask` is [B, R] (any dtype; nonzero = counted): 1 on response tokens up to and including the
+first EOS, contiguous from position 0. Values at mask == 0 positions may be garbage (even inf or
+nan): functions that take a mask select with `torch.where` instead of multiplying by it, so
+garbage reaches neither a result nor a gradient. The math follows PPO_REFERENCE.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "full")
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of x over mask != 0 entries; x and mask broadcast. dim=None sums everything to a scalar.
+
+    Selecting (not multiplying) keeps inf/nan padding out of the sum: 0 * inf is nan.
+    """
+    selected = torch.where(mask.bool(), x, torch.zeros_like(x))
+    return selected.sum() if dim is None else selected.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x over mask != 0 entries (scalar for dim=None); nan where nothing is counted."""
+    return masked_sum(x, mask, dim) / masked_sum(torch.ones_like(x), mask, dim)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scalar variance of x over all mask != 0 entries.
+
+    Biased (population, divide by n): the counted tokens are the whole set being normalised, not a
+    sample of a larger one, so after `masked_whiten` their std is exactly 1; at batch sizes of
+    hundreds of tokens and more, n - 1 would make no practical difference.
+    """
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """x normalised to std 1 (biased, see `masked_var`) over the counted entries, same shape as x.
+
+    shift_mean=True also centres to mean 0 (advantage whitening); shift_mean=False keeps the mean
+    (reward whitening: subtracting a constant from every token's reward is a per-token bonus or
+    penalty, i.e. a length bias).
+    Zero on mask == 0 positions so padding never feeds a later sum.
+    """
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[..., V] float32 log-probabilities at `temperature`: bf16 log_softmax loses the small ratios PPO needs."""
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[B, T, V] logits, [B, T] tokens -> [B, T] float32 log π(token) at `temperature`.
+
+    The temperature must be the sampler's, or π_old differs from the sampling policy.
+    """
+    return _log_softmax(logits, temperature).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[B, T, V] logits -> [B, T] float32 entropy -Σ_v p log p of the distribution at `temperature`."""
+    logp = _log_softmax(logits, temperature)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_per_token(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    estimator: str,
+    logits: torch.Tensor | None = None,
+    ref_logits: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """[B, R] per-token estimate of KL(π || π_ref) at the sampled tokens; not masked (caller masks).
+
+    With Δ = logprobs - ref_logprobs: k1 = Δ (unbiased, can be negative), k2 = Δ²/2,
+    k3 = exp(-Δ) - 1 + Δ (non-negative, low variance). "full" is the exact KL over the vocabulary,
+    from [B, R, V] `logits` and `ref_logits` at `temperature` (the sampled-token log-probs are then
+    unused). The same estimator must feed the penalty and the logged KL.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    if estimator == "full":
+        if logits is None or ref_logits is None:
+            raise ValueError('KL estimator "full" needs both logits and ref_logits ([B, R, V])')
+        logp = _log_softmax(logits, temperature)
+        ref_logp = _log_softmax(ref_logits, temperature)
+        return (logp.exp() * (logp - ref_logp)).sum(-1)
+    delta = logprobs - ref_logprobs
+    if estimator == "k1":
+        return delta
+    if estimator == "k2":
+        return 0.5 * delta**2
+    return torch.expm1(-delta) + delta
+
+
+@torch.no_grad()
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation: [B, R] rewards, values, mask -> ([B, R] advantages, [B, R] returns).
+
+    δ_t = r_t + γ V_{t+1} - V_t, with V = 0 after the last counted token (the episode ends at EOS
+    or truncation); A_t = δ_t + γλ A_{t+1}; returns = A + V, before any whitening, as value targets.
+    Padded values are replaced by 0 (the V after the last token) and the advantage is reset to 0 on
+    padding, so padded rewards and values cannot leak in; both outputs are zero on padding.
+    No gradient: advantages and returns are targets. Loops backwards over R (short), vectorised over B.
+    """
+    counted = mask.bool()
+    values = torch.where(counted, values, torch.zeros_like(values))
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    advantages = []
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = torch.where(counted[:, t], delta + gamma * lam * next_advantage, 0.0)
+        next_value = values[:, t]
+        advantages.append(next_advantage)
+    advantages = torch.stack(advantages[::-1], dim=1)
+    return advantages, advantages + values
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    token_count: int | torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Clipped PPO surrogate over [B, R] inputs -> dict of scalars.
+
+    loss = Σ_counted max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) / token_count, ratio = exp(logprobs -
+    old_logprobs) in log space. token_count is passed in rather than taken from `mask` so that it can
+    be the global count over all accumulation steps and processes: then the summed gradients do not
+    depend on how the batch was split. Diagnostics (detached, over counted tokens): clipfrac (clipped
+    branch strictly active), approx_kl (k3 of π_θ vs π_old: mean of (ratio - 1) - log ratio),
+    ratio_mean, ratio_max.
+    """
+    counted = mask.bool()
+    # Padded log-ratios become 0 before exp: exp(garbage) = inf would turn a zero gradient into nan.
+    log_ratio = torch.where(counted, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
+    loss = masked_sum(torch.maximum(unclipped, clipped), counted) / token_count
+    ratio, log_ratio = ratio.detach(), log_ratio.detach()
+    return {
+        "loss": loss,
+        "clipfrac": masked_mean((clipped.detach() > unclipped.detach()).float(), counted),
+        "approx_kl": masked_mean((ratio - 1.0) - log_ratio, counted),
+        "ratio_mean": masked_mean(ratio, counted),
+        "ratio_max": torch.where(counted, ratio, float("-inf")).max(),
+    }
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    token_count: int | torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Clipped value loss over [B, R] inputs -> dict of scalars.
+
+    loss = ½ Σ_counted max((V - R)², (V_clip - R)²) / token_count, V_clip = V_old + clip(V - V_old,
+    -ε_v, ε_v): the pessimistic max keeps the critic from moving far from V_old in one update.
+    token_count is the global count, as in `policy_loss`. clipfrac (detached): fraction of counted
+    tokens where the clipped error is strictly larger, i.e. the one that sets the loss.
+    """
+    counted = mask.bool()
+    # Padded values become 0 first: a garbage value there would turn a zero gradient into nan.
+    values = torch.where(counted, values, torch.zeros_like(values))
+    values_clipped = old_values + (values - old_values).clamp(-clip, clip)
+    unclipped = (values - returns) ** 2
+    clipped = (values_clipped - returns) ** 2
+    return {
+        "loss": 0.5 * masked_sum(torch.maximum(unclipped, clipped), counted) / token_count,
+        "clipfrac": masked_mean((clipped.detach() > unclipped.detach()).float(), counted),
+    }
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scalar 1 - var(returns - values) / var(returns) over counted tokens of [B, R] inputs.
+
+    1 = the critic predicts the returns, 0 = no better than their mean, < 0 = worse. nan when the
+    returns are constant (undefined, rather than a misleading number). Biased variances: the
+    n/(n-1) factor would cancel anyway.
+    """
+    values, returns = values.detach(), returns.detach()
+    var_returns = masked_var(returns, mask)
+    explained = 1.0 - masked_var(returns - values, mask) / var_returns
+    return torch.where(var_returns == 0, float("nan"), explained)
+
+
+def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dense group index [B], group sizes [G], group sums [G]) for any long ids, without a loop over groups."""
+    _, index = torch.unique(group_ids, return_inverse=True)
+    sizes = torch.bincount(index)
+    sums = torch.zeros(sizes.shape[0], dtype=scores.dtype, device=scores.device).index_add_(0, index, scores)
+    return index, sizes, sums
+
+
+def group_normalized(
+    scores: torch.Tensor, group_ids: torch.Tensor, divide_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO advantage: [B] scores, [B] long group ids -> [B] (score - group mean) / (group std + eps).
+
+    Std is unbiased (divide by n - 1), as torch.std and the GRPO implementations use; a group of one
+    has score - mean = 0 and gets 0 (its std is taken as 0, not nan). divide_by_std=False only
+    centres, as Dr. GRPO proposes, avoiding the up-weighting of near-constant groups.
+    """
+    index, sizes, sums = _group_stats(scores, group_ids)
+    centred = scores - (sums / sizes)[index]
+    if not divide_by_std:
+        return centred
+    squares = torch.zeros_like(sums).index_add_(0, index, centred**2)
+    std = (squares / (sizes - 1).clamp(min=1)).sqrt()
+    return centred / (std[index] + eps)
+
+
+def leave_one_out(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """RLOO advantage: [B] scores, [B] long group ids -> [B] score - mean of the group's other scores.
+
+    The baseline excludes the sample itself, so it is independent of it and the estimate unbiased;
+    it needs at least two samples per group.
+    """
+    index, sizes, sums = _group_stats(scores, group_ids)
+    if (sizes < 2).any():
+        lonely = torch.unique(group_ids)[sizes < 2].tolist()
+        raise ValueError(f"leave_one_out needs at least 2 samples per group; groups of 1: {lonely}")
+    others = (sums[index] - scores) / (sizes[index] - 1)
+    return scores - others

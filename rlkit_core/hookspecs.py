@@ -1,0 +1,57 @@
+"""The hooks a plugin implements: one per component kind.
+
+Each hook receives a `register(name, factory, config_class)` callable. The factory is called as
+`factory(config, context)` with an instance of `config_class` (a frozen attrs class) and a
+`rlkit_core.context.BuildContext`, and returns an object implementing the kind's interface.
+"""
+
+import pluggy
+
+PROJECT = "rlkit"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def register_policies(register):
+    """Register trainable causal language models (`rlkit_core.interfaces.Policy`)."""
+
+
+@hookspec
+def register_value_heads(register):
+    """Register critics (`rlkit_core.interfaces.ValueHead`)."""
+
+
+@hookspec
+def register_rewards(register):
+    """Register reward sources (`rlkit_core.interfaces.RewardSource`)."""
+
+
+@hookspec
+def register_kl_controllers(register):
+    """Register KL coefficient controllers (`rlkit_core.interfaces.KLController`)."""
+
+
+@hookspec
+def register_advantage_estimators(register):
+    """Register advantage estimators (`rlkit_core.interfaces.AdvantageEstimator`)."""
+
+
+@hookspec
+def register_losses(register):
+    """Register optimisation objectives (`rlkit_core.interfaces.Loss`)."""
+
+
+@hookspec
+def register_generators(register):
+    """Register response generators (`rlkit_core.interfaces.Generator`)."""
+
+
+@hookspec
+def register_prompt_sources(register):
+    """Register prompt sources (`rlkit_core.interfaces.PromptSource`)."""
+
+
+@hookspec
+def register_trackers(register):
+    """Register metric trackers (`rlkit_core.interfaces.Tracker`)."""

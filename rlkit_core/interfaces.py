@@ -1,0 +1,190 @@
+"""The parts of the PPO loop. A plugin implements one of these and registers a factory for it.
+
+Shapes follow `rlkit_core.batch`: B rollouts, L = P + R sequence positions, V vocabulary entries.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from rlkit_core.batch import RolloutBatch
+
+
+@attrs.frozen
+class PolicyOutput:
+    logits: torch.Tensor  # [B, L, V] next-token logits at every position
+    hidden: torch.Tensor | None  # [B, L, H] last hidden state, for a value head on the shared trunk
+
+
+@attrs.frozen
+class Generation:
+    response_ids: torch.Tensor  # [B, R] sampled tokens, padded after the first EOS
+    response_mask: torch.Tensor  # [B, R] 1 up to and including the first EOS
+    logprobs: torch.Tensor  # [B, R] the sampler's log-probability of each sampled token
+
+
+class Policy(ABC):
+    """The trainable causal LM and its frozen reference."""
+
+    tokenizer: Any  # a transformers tokenizer with distinct pad and EOS tokens
+
+    @property
+    @abstractmethod
+    def model(self) -> torch.nn.Module:
+        """The module that is trained (and that an in-process generator samples from)."""
+
+    @abstractmethod
+    def forward(self, input_ids, attention_mask, position_ids) -> PolicyOutput:
+        """Logits (with gradient) of the current policy."""
+
+    @abstractmethod
+    def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        """[B, L, V] logits of the frozen reference, without gradient."""
+
+    @abstractmethod
+    def parameters(self) -> Iterable[torch.nn.Parameter]:
+        """The trainable parameters (LoRA adapters only, when LoRA is on)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trainable state, for checkpoints."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def save_pretrained(self, path: str, merge_adapters: bool = True) -> None:
+        """Write a plain transformers model directory (tokenizer included)."""
+
+
+class ValueHead(ABC):
+    """The critic: a value for every position."""
+
+    @abstractmethod
+    def values(self, policy_output: PolicyOutput, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        """[B, L] values; a head on the shared trunk reads `policy_output.hidden`."""
+
+    @abstractmethod
+    def parameters(self) -> Iterable[torch.nn.Parameter]: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+    def train(self, mode: bool = True) -> None:
+        """Switch dropout-free training or evaluation mode; heads without modes ignore it."""
+
+
+class RewardSource(ABC):
+    """Scores (prompt, response) pairs: a learned model or a rule."""
+
+    @abstractmethod
+    def score(self, prompts: list[str], responses: list[str], **columns: list[Any]) -> list[float]:
+        """One float per response. `columns` holds every other column of the prompt data."""
+
+
+class KLController(ABC):
+    """The KL coefficient β and how it moves between iterations."""
+
+    @property
+    @abstractmethod
+    def beta(self) -> float: ...
+
+    @abstractmethod
+    def update(self, kl: float, n_samples: int) -> None:
+        """Move β after an iteration whose mean per-sequence KL was `kl` over `n_samples` rollouts."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"beta": self.beta}
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, float]) -> None: ...
+
+
+class AdvantageEstimator(ABC):
+    """Advantages and value targets from a scored batch."""
+
+    needs_values: bool = True  # critic-free estimators set False and the loop skips the critic
+
+    @abstractmethod
+    def estimate(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages [B, R], returns [B, R]); zero on positions outside `batch.response_mask`."""
+
+
+@attrs.frozen
+class LossInputs:
+    """What the current parameters say about a minibatch."""
+
+    logprobs: torch.Tensor  # [b, R] log π_θ of the sampled tokens
+    values: torch.Tensor | None  # [b, R] V_θ, None without a critic
+    entropy: torch.Tensor  # [b, R] entropy of π_θ at each position
+
+
+class Loss(ABC):
+    """The objective over a minibatch. Returns named terms: `loss_*` are summed and optimised,
+    the rest are diagnostics that the loop logs under `train/`."""
+
+    @abstractmethod
+    def __call__(self, minibatch: RolloutBatch, current: LossInputs, token_count: float) -> dict[str, torch.Tensor]:
+        """`token_count` is the number of counted tokens the loss is averaged over (the global
+        count of the optimiser step), so that results do not depend on how the batch was split."""
+
+
+class Generator(ABC):
+    """Samples responses and the sampler's log-probs for a batch of prompts."""
+
+    temperature: float  # the loop divides logits by it when it recomputes log-probs
+
+    @abstractmethod
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Generation: ...
+
+    def sync_weights(self, policy: Policy) -> None:
+        """Bring the sampler's weights up to date with the policy; in-process samplers share them."""
+
+
+class PromptSource(ABC):
+    """Prompt records: each a dict with a `prompt` string and any other columns (passed to the reward)."""
+
+    @abstractmethod
+    def load(self) -> list[dict[str, Any]]: ...
+
+
+class Tracker(ABC):
+    """Where metrics go besides `metrics.jsonl`."""
+
+    @abstractmethod
+    def start(self, *, run_name: str, params: dict[str, Any], tags: dict[str, str], resume_id: str | None) -> str | None:
+        """Open (or reopen, with `resume_id`) a run; return its id for checkpoints."""
+
+    @abstractmethod
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
+        """A table of sample prompts and responses."""
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        """A file or folder to keep with the run."""
+
+    @abstractmethod
+    def finish(self, status: str) -> None:
+        """Close the run; `status` is "FINISHED", "FAILED" or "KILLED"."""
+
+
+KINDS = {
+    "policy": Policy,
+    "value_head": ValueHead,
+    "reward": RewardSource,
+    "kl_controller": KLController,
+    "advantage_estimator": AdvantageEstimator,
+    "loss": Loss,
+    "generator": Generator,
+    "prompt_source": PromptSource,
+    "tracker": Tracker,
+}

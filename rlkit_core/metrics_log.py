@@ -1,0 +1,30 @@
+"""`metrics.jsonl`: one JSON object per iteration under the run's output_dir, written whatever the tracker does."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def truncate_after(self, iteration: int) -> None:
+        """Drop lines past `iteration`, so a resumed run does not duplicate the iterations it redoes."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["iteration"] <= iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def append(self, iteration: int, metrics: dict[str, float]) -> None:
+        clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+        with self.path.open("a", encoding="utf-8") as out:
+            out.write(json.dumps({"iteration": iteration, **clean}) + "\n")
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,32 @@
+"""The end-of-run report: where reward and KL started and ended, and what the policy says now."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def tenth_means(history: list[dict], key: str) -> tuple[float, float]:
+    """Mean of `key` over the first and the last 10% of iterations (at least one each)."""
+    n = max(1, len(history) // 10)
+    values = [h[key] for h in history]
+    return statistics.fmean(values[:n]), statistics.fmean(values[-n:])
+
+
+def print_report(history, samples, metrics_path, tracker, out) -> None:
+    if not history:
+        return
+    first_score, last_score = tenth_means(history, "score/mean")
+    first_kl, last_kl = tenth_means(history, "kl/ref")
+    seconds = [h["time/iteration"] for h in history]
+    print("\n== rlkit report ==", file=out)
+    print(f"iterations: {len(history)}, median {statistics.median(seconds):.2f} s each, {sum(seconds):.0f} s in all", file=out)
+    print(f"mean score, first 10% → last 10% of iterations: {first_score:.4f} → {last_score:.4f} ({last_score - first_score:+.4f})", file=out)
+    print(f"KL to the reference, first 10% → last 10%: {first_kl:.4f} → {last_kl:.4f}", file=out)
+    for i, sample in enumerate(samples, start=1):
+        print(f"\nsample {i}: {sample['prompt']!r}", file=out)
+        print(f"  before: {sample['before']!r}", file=out)
+        print(f"  after:  {sample['after']!r}", file=out)
+    print(f"\nmetrics: {metrics_path}", file=out)
+    where = getattr(tracker, "location", None)
+    if where:
+        print(f"tracker: {where}", file=out)

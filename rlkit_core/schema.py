@@ -1,0 +1,84 @@
+"""The core tables of a recipe: `[run]`, `[ppo]` and `[optim]`.
+
+Component tables (`[policy]`, `[kl]`, ...) are described by their plugins' own config classes;
+`COMPONENT_TABLES` maps each table to its component kind and the type used when the table is absent.
+"""
+
+import attrs
+
+from rlkit_core.config import at_least, between, greater_than, one_of, setting
+from rlkit_core.functional import KL_ESTIMATORS
+
+
+@attrs.frozen
+class RunConfig:
+    steps: int = setting(help="PPO iterations to run (one rollout batch each)", validator=greater_than(0))
+    seed: int = setting(0, help="seed for torch, Python and the prompt order")
+    output_dir: str = setting("runs/rlkit", help="where metrics.jsonl, checkpoints and the final model go")
+    name: str = setting("", help="run name in the tracker; empty means the recipe file's name")
+    device: str = setting("auto", help="'auto' (GPU when there is one), 'cpu', 'cuda' or 'cuda:N'")
+    checkpoint_every: int = setting(0, help="write a checkpoint every N iterations (0: only at the end)", validator=at_least(0))
+    keep_checkpoints: int = setting(2, help="how many of the latest checkpoints to keep", validator=at_least(1))
+    sample_every: int = setting(10, help="log a table of sample prompts and responses every N iterations", validator=at_least(1))
+    threads: int = setting(0, help="CPU threads for torch (0: torch's default)", validator=at_least(0))
+
+
+@attrs.frozen
+class PPOConfig:
+    batch_size: int = setting(64, help="rollouts per iteration (prompts × samples_per_prompt)", validator=greater_than(0))
+    samples_per_prompt: int = setting(1, help="responses sampled for each prompt (critic-free estimators need ≥ 2)", validator=greater_than(0))
+    minibatch_size: int = setting(16, help="rollouts per optimiser step; must divide batch_size", validator=greater_than(0))
+    epochs: int = setting(4, help="passes over the rollout batch per iteration", validator=greater_than(0))
+    kl_estimator: str = setting("k1", help="per-token KL estimator: k1, k2, k3 or full (the logged KL uses the same)", validator=one_of(*KL_ESTIMATORS))
+    kl_penalty: str = setting("reward", help="'reward': −β·KL in the per-token rewards; 'loss': β·KL added to the loss", validator=one_of("reward", "loss"))
+    score_clip: float = setting(0.0, help="clip scores to ±score_clip (0: no clipping)", validator=at_least(0))
+    missing_eos_penalty: float = setting(0.0, help="subtracted from the score of a response that never emitted EOS", validator=at_least(0))
+
+
+@attrs.frozen
+class OptimConfig:
+    learning_rate: float = setting(1e-5, help="AdamW learning rate of the policy", validator=greater_than(0))
+    value_learning_rate: float = setting(0.0, help="learning rate of the critic (0: same as the policy)", validator=at_least(0))
+    weight_decay: float = setting(0.0, help="AdamW weight decay", validator=at_least(0))
+    adam_eps: float = setting(1e-8, help="AdamW epsilon", validator=greater_than(0))
+    schedule: str = setting("constant", help="learning-rate schedule: constant, linear or cosine (decay to 0 over the run)", validator=one_of("constant", "linear", "cosine"))
+    warmup_steps: int = setting(0, help="optimiser steps of linear warm-up", validator=at_least(0))
+    max_grad_norm: float = setting(1.0, help="clip gradients to this global norm (0: no clipping)", validator=at_least(0))
+
+
+CORE_TABLES = {"run": RunConfig, "ppo": PPOConfig, "optim": OptimConfig}
+
+# table -> (component kind, type used when the table is absent; None: the table is required)
+COMPONENT_TABLES = {
+    "policy": ("policy", None),
+    "value_head": ("value_head", "shared"),
+    "generator": ("generator", "hf"),
+    "reward": ("reward", None),
+    "kl": ("kl_controller", "adaptive"),
+    "advantage": ("advantage_estimator", "gae"),
+    "loss": ("loss", "ppo-clip"),
+    "data": ("prompt_source", None),
+    "tracker": ("tracker", "mlflow"),
+}
+
+
+def batch_arithmetic_problems(ppo: PPOConfig) -> list[str]:
+    """Problems with how the rollout batch splits, each located."""
+    problems = []
+    if ppo.batch_size % ppo.samples_per_prompt:
+        problems.append(
+            f"$.ppo.batch_size: {ppo.batch_size} rollouts do not split into groups of samples_per_prompt="
+            f"{ppo.samples_per_prompt}; use a multiple of {ppo.samples_per_prompt}"
+        )
+    if ppo.minibatch_size > ppo.batch_size:
+        problems.append(f"$.ppo.minibatch_size: {ppo.minibatch_size} is larger than batch_size={ppo.batch_size}")
+    elif ppo.batch_size % ppo.minibatch_size:
+        problems.append(
+            f"$.ppo.minibatch_size: {ppo.minibatch_size} does not divide batch_size={ppo.batch_size}; "
+            f"pick a divisor such as {_largest_divisor_at_most(ppo.batch_size, ppo.minibatch_size)}"
+        )
+    return problems
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, limit + 1) if n % d == 0)

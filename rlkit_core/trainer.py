@@ -1,0 +1,251 @@
+"""One PPO iteration, read top to bottom:
+
+prompts → generate → score → old/reference log-probs and values → per-token rewards with the KL
+penalty → advantages → epochs of shuffled minibatches → KL controller update → metrics.
+
+The trainer owns the order of the stages and the bookkeeping (optimiser, schedule, seeds, timing);
+every stage's own logic lives in a component or in `rlkit_core.functional`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from rlkit_core.assemble import build_components
+from rlkit_core.batch import RolloutBatch
+from rlkit_core.context import BuildContext
+from rlkit_core.errors import RunError
+from rlkit_core.functional import (
+    entropy_from_logits,
+    explained_variance,
+    kl_per_token,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+)
+from rlkit_core.interfaces import LossInputs
+from rlkit_core.metrics_log import MetricsLog
+from rlkit_core.prompt_stream import PromptStream
+from rlkit_core.recipe import Recipe
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RunError(f"run.device = {name!r} but torch sees no GPU; use 'auto' or 'cpu'")
+    return torch.device(name)
+
+
+def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask. A trailing EOS that the tokenizer appends (ByT5, T5) is
+    dropped: a prompt that already ended would teach the policy to stop at once."""
+    rows = []
+    for text in prompts:
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        if ids and ids[-1] == tokenizer.eos_token_id:
+            ids = ids[:-1]
+        rows.append(ids)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row):] = torch.tensor(row)
+            mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _schedule(kind: str, warmup: int, total: int):
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return 1.0 - progress
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, device: torch.device | None = None):
+        self.recipe = recipe
+        run, ppo, optim = recipe.run, recipe.ppo, recipe.optim
+        if run.threads:
+            torch.set_num_threads(run.threads)
+        torch.manual_seed(run.seed)
+        self.device = device or pick_device(run.device)
+        self.output_dir = Path(run.output_dir)
+        context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
+        self.parts = build_components(recipe, context)
+        self.policy, self.value_head = self.parts.policy, self.parts.value_head
+        self.tokenizer = self.policy.tokenizer
+        self.records = self.parts.data.load()
+        self.stream = PromptStream(self.records, ppo.batch_size // ppo.samples_per_prompt, run.seed)
+
+        groups = [{"params": list(self.policy.parameters()), "lr": optim.learning_rate}]
+        if self.value_head is not None:
+            groups.append({"params": list(self.value_head.parameters()), "lr": optim.value_learning_rate or optim.learning_rate})
+        self.parameters = [p for g in groups for p in g["params"]]
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps)
+        updates = run.steps * ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(optim.schedule, optim.warmup_steps, updates))
+        self.iteration = 0  # iterations completed
+        self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
+
+    # --- stage 1: rollouts -------------------------------------------------------------------
+    def rollout(self, records: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
+        """Sample `samples_per_prompt` responses for each record and score them."""
+        k = self.recipe.ppo.samples_per_prompt
+        records = [r for r in records for _ in range(k)]
+        prompts = [r["prompt"] for r in records]
+        columns = {key: [r.get(key) for r in records] for key in records[0] if key != "prompt"}
+        group_ids = torch.arange(len(records), device=self.device) // k
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, self.device)
+
+        started = time.perf_counter()
+        self.parts.generator.sync_weights(self.policy)
+        generation = self.parts.generator.generate(prompt_ids, prompt_mask)
+        generated = time.perf_counter()
+        mask = generation.response_mask
+        ended = (generation.response_ids == self.tokenizer.eos_token_id).any(dim=1)
+        responses = self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
+        scores = self.parts.reward.score(prompts, responses, **columns)
+        scored = time.perf_counter()
+        batch = RolloutBatch(
+            prompts=prompts, columns=columns, group_ids=group_ids, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+            response_ids=generation.response_ids, response_mask=mask, sampled_logprobs=generation.logprobs,
+            responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=self.device),
+        )
+        return batch, {"time/generate": generated - started, "time/score": scored - generated}
+
+    # --- stage 2: what the rollout policy, the reference and the critic say -------------------
+    def _response_view(self, batch: RolloutBatch, grad: bool):
+        """(logprobs, values, entropy, response logits) of the current parameters on `batch`."""
+        input_ids, attention_mask, position_ids = batch.sequence()
+        out = self.policy.forward(input_ids, attention_mask, position_ids)
+        start = batch.prompt_length - 1  # the logits at position t predict the token at t + 1
+        logits = out.logits[:, start:-1]
+        temperature = self.parts.generator.temperature
+        logprobs = logprobs_from_logits(logits, batch.response_ids, temperature)
+        values = None
+        if self.value_head is not None:
+            values = self.value_head.values(out, input_ids, attention_mask, position_ids)[:, start:-1]
+        entropy = entropy_from_logits(logits, temperature) if grad else None
+        return logprobs, values, entropy, logits
+
+    @torch.no_grad()
+    def evaluate(self, batch: RolloutBatch) -> RolloutBatch:
+        """Old and reference log-probs, values, per-token KL and rewards, advantages and returns."""
+        ppo = self.recipe.ppo
+        temperature = self.parts.generator.temperature
+        pieces = defaultdict(list)
+        for index in torch.arange(len(batch), device=self.device).split(ppo.minibatch_size):
+            part = batch.select(index)
+            logprobs, values, _, logits = self._response_view(part, grad=False)
+            input_ids, attention_mask, position_ids = part.sequence()
+            ref_logits = self.policy.reference_logits(input_ids, attention_mask, position_ids)[:, part.prompt_length - 1:-1]
+            ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature)
+            full = ppo.kl_estimator == "full"
+            pieces["kl"].append(kl_per_token(logprobs, ref_logprobs, ppo.kl_estimator, logits if full else None,
+                                             ref_logits if full else None, temperature))
+            pieces["old_logprobs"].append(logprobs)
+            pieces["ref_logprobs"].append(ref_logprobs)
+            if values is not None:
+                pieces["values"].append(values)
+        fields = {name: torch.cat(parts) for name, parts in pieces.items()}
+        mask = batch.response_mask
+        fields["kl"] = torch.where(mask.bool(), fields["kl"], torch.zeros_like(fields["kl"]))
+        batch = batch.with_(**fields)
+
+        scores = batch.scores - ppo.missing_eos_penalty * (~batch.ended).float()
+        if ppo.score_clip:
+            scores = scores.clamp(-ppo.score_clip, ppo.score_clip)
+        beta = self.parts.kl.beta
+        rewards = -beta * batch.kl if ppo.kl_penalty == "reward" else torch.zeros_like(batch.kl)
+        last = mask.sum(dim=1).long() - 1  # the last counted token: the EOS when there is one
+        rewards[torch.arange(len(batch), device=self.device), last] += scores
+        batch = batch.with_(rewards=rewards)
+        advantages, returns = self.parts.advantage.estimate(batch)
+        return batch.with_(advantages=advantages, returns=returns)
+
+    # --- stage 3: the update -------------------------------------------------------------------
+    def train_on(self, batch: RolloutBatch) -> dict[str, float]:
+        ppo, optim = self.recipe.ppo, self.recipe.optim
+        shuffler = torch.Generator().manual_seed(self.recipe.run.seed * 1_000_003 + self.iteration)
+        sums, count = defaultdict(float), 0
+        for _ in range(ppo.epochs):
+            for index in torch.randperm(len(batch), generator=shuffler).to(self.device).split(ppo.minibatch_size):
+                minibatch = batch.select(index)
+                logprobs, values, entropy, _ = self._response_view(minibatch, grad=True)
+                mask = minibatch.response_mask
+                token_count = mask.sum().clamp(min=1)
+                terms = self.parts.loss(minibatch, LossInputs(logprobs=logprobs, values=values, entropy=entropy), token_count)
+                if ppo.kl_penalty == "loss":
+                    kl = kl_per_token(logprobs, minibatch.ref_logprobs, ppo.kl_estimator)
+                    terms["loss_kl"] = self.parts.kl.beta * masked_sum(kl, mask) / token_count
+                total = sum(value for name, value in terms.items() if name.startswith("loss_"))
+                self.optimizer.zero_grad(set_to_none=True)
+                total.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
+                self.optimizer.step()
+                self.scheduler.step()
+                for name, value in terms.items():
+                    sums[f"train/{name}"] += float(value.detach())
+                sums["train/loss"] += float(total.detach())
+                sums["train/grad_norm"] += float(grad_norm)
+                count += 1
+        metrics = {name: value / count for name, value in sums.items()}
+        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    # --- one whole iteration -------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        """Run iteration `self.iteration + 1` and return its metrics."""
+        started = time.perf_counter()
+        batch, metrics = self.rollout(self.stream.batch(self.iteration))
+        forward_started = time.perf_counter()
+        batch = self.evaluate(batch)
+        train_started = time.perf_counter()
+        metrics.update(self.train_on(batch))
+        finished = time.perf_counter()
+
+        mask = batch.response_mask
+        kl_per_sequence = masked_sum(batch.kl, mask, dim=1)
+        kl_now = float(kl_per_sequence.mean())
+        beta = self.parts.kl.beta
+        self.parts.kl.update(kl_now, len(batch))
+        self.iteration += 1
+        metrics.update({
+            "score/mean": float(batch.scores.mean()),
+            "score/std": float(batch.scores.std()) if len(batch) > 1 else 0.0,
+            "kl/ref": kl_now,
+            "kl/ref_per_token": float(masked_mean(batch.kl, mask)),
+            "kl/beta": beta,
+            "response/length": float(mask.sum(dim=1).float().mean()),
+            "response/eos_rate": float(batch.ended.float().mean()),
+            "check/logprob_gap": float(masked_mean((batch.old_logprobs - batch.sampled_logprobs).abs(), mask)),
+            "time/forward": train_started - forward_started,
+            "time/train": finished - train_started,
+            "time/iteration": finished - started,
+            "time/tokens_per_second": float(mask.sum()) / (finished - started),
+        })
+        if batch.values is not None:
+            metrics["train/explained_variance"] = float(explained_variance(batch.values, batch.returns, mask))
+        self.last_batch = batch
+        return metrics
+
+    def sample_responses(self, records: list[dict]) -> list[str]:
+        """Responses to `records` without touching the training random stream (for before/after reports)."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            prompt_ids, prompt_mask = encode_prompts(self.tokenizer, [r["prompt"] for r in records], self.device)
+            generation = self.parts.generator.generate(prompt_ids, prompt_mask)
+        return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)

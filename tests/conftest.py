@@ -1,0 +1,94 @@
+"""Shared fixtures: a tiny real GPT-2 with the byte-level ByT5 tokenizer, built once per session
+(no files from a hub), a prompt file, and a recipe writer."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+REWARD_SOURCE = '''
+def count_letter(prompts, responses, letter):
+    """Rewards each occurrence of the row's letter: trivially learnable."""
+    return [r.count(l) / 4 for r, l in zip(responses, letter)]
+'''
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    import torch
+    from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=384, n_positions=128, n_embd=32, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    ByT5Tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    rng = random.Random(0)
+    with path.open("w") as out:
+        for _ in range(64):
+            prompt = "".join(rng.choice("abcdfg") for _ in range(rng.randint(2, 10)))
+            out.write(json.dumps({"prompt": prompt, "letter": "e"}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reward") / "letter_reward.py"
+    path.write_text(REWARD_SOURCE)
+    return path
+
+
+def to_toml(document: dict) -> str:
+    """Tables of scalars and lists only, which is all a recipe needs."""
+    def literal(value):
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, list):
+            return "[" + ", ".join(literal(v) for v in value) + "]"
+        return json.dumps(value)
+
+    lines = []
+    for table, body in document.items():
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {literal(value)}" for key, value in body.items()]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def recipe_document(tmp_path, tiny_model, prompt_file, reward_file):
+    """A small valid recipe as a dict; tests change it and parse or write it."""
+    return {
+        "run": {"steps": 2, "seed": 0, "output_dir": str(tmp_path / "run")},
+        "ppo": {"batch_size": 16, "minibatch_size": 8, "epochs": 2},
+        "optim": {"learning_rate": 1e-3},
+        "policy": {"type": "hf", "model": str(tiny_model)},
+        "generator": {"max_new_tokens": 8},
+        "reward": {"type": "python", "function": f"{reward_file}:count_letter"},
+        "data": {"type": "jsonl", "path": str(prompt_file)},
+        "tracker": {"type": "none"},
+    }
+
+
+@pytest.fixture
+def write_recipe(tmp_path):
+    def write(document: dict, name: str = "recipe.toml") -> str:
+        path = tmp_path / name
+        path.write_text(to_toml(document))
+        return str(path)
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def registry():
+    from rlkit_core.plugins import load_registry
+
+    return load_registry(environ={"RLKIT_PLUGINS": "none"})

@@ -1,0 +1,81 @@
+"""Plugin discovery and the registry's rules: duplicates are loud, misspelled hooks and broken
+plugins are named, the rest keep working."""
+
+import types
+
+import attrs
+import pytest
+
+from rlkit_core import hookimpl
+from rlkit_core.errors import PluginError, RecipeError
+from rlkit_core.plugins import load_registry
+from rlkit_core.registry import Component, Registry
+
+KINDS_WITH_BUILTINS = ["policy", "value_head", "reward", "kl_controller", "advantage_estimator", "loss", "generator", "prompt_source", "tracker"]
+
+
+@attrs.frozen
+class EmptyConfig:
+    pass
+
+
+def plugin_module(name, **hooks):
+    module = types.ModuleType(name)
+    for hook_name, function in hooks.items():
+        setattr(module, hook_name, hookimpl(function))
+    return module
+
+
+def test_every_kind_has_a_builtin(registry):
+    for kind in KINDS_WITH_BUILTINS:
+        assert registry.names(kind), kind
+    assert registry.get("kl_controller", "adaptive", "$.kl.type").distribution == "rlkit"
+    assert registry.broken == {}
+
+
+def test_duplicate_name_names_both_plugins():
+    def register_kl_controllers(register):
+        register("adaptive", object, EmptyConfig)
+
+    clash = plugin_module("clash", register_kl_controllers=register_kl_controllers)
+    with pytest.raises(PluginError) as caught:
+        load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[("acme-kl", clash, "rlkit-acme", "1.2")])
+    message = str(caught.value)
+    assert "duplicate kl_controller 'adaptive'" in message
+    assert "plugin 'kl' (rlkit" in message and "plugin 'acme-kl' (rlkit-acme 1.2)" in message
+
+
+def test_misspelled_hook_marks_the_plugin_broken_with_a_suggestion():
+    def register_reward(register):
+        register("mine", object, EmptyConfig)
+
+    typo = plugin_module("typo", register_reward=register_reward)
+    registry = load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[("typo", typo, "rlkit-typo", "0.1")])
+    assert registry.broken["typo"] == "hook 'register_reward' is not an rlkit hook; did you mean 'register_rewards'?"
+    assert "mine" not in registry.names("reward")
+    assert "python" in registry.names("reward")  # the others still load
+
+
+def test_plugin_that_raises_while_registering_is_named_and_others_load():
+    def register_rewards(register):
+        raise RuntimeError("reward service unreachable")
+
+    bad = plugin_module("bad", register_rewards=register_rewards)
+    registry = load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[("bad", bad, "rlkit-bad", "0.1")])
+    assert registry.broken["bad"] == "register_rewards failed: RuntimeError: reward service unreachable"
+    with pytest.raises(RecipeError) as caught:
+        registry.get("reward", "acme", "$.reward.type")
+    assert "plugins that failed to load: bad (register_rewards failed" in str(caught.value)
+
+
+def test_unknown_component_lists_names_and_closest():
+    registry = load_registry(environ={"RLKIT_PLUGINS": "none"})
+    with pytest.raises(RecipeError) as caught:
+        registry.get("kl_controller", "adaptiv", "$.kl.type")
+    assert caught.value.problems == ["$.kl.type: unknown kl_controller 'adaptiv'; registered: adaptive, fixed; did you mean 'adaptive'?"]
+
+
+def test_config_class_must_be_attrs():
+    registry = Registry()
+    with pytest.raises(PluginError, match="not an attrs class"):
+        registry.add(Component("reward", "x", object, dict, "p", "d", "1"))

@@ -1,0 +1,115 @@
+"""Recipe validation: every problem located, all of them reported together."""
+
+import pytest
+
+from rlkit_core.errors import RecipeError
+from rlkit_core.recipe import apply_overrides, load_recipe, parse_recipe
+
+
+def problems_of(document, registry):
+    with pytest.raises(RecipeError) as caught:
+        parse_recipe(document, registry)
+    return caught.value.problems
+
+
+def test_valid_recipe_structures_every_table(recipe_document, registry):
+    recipe = parse_recipe(recipe_document, registry)
+    assert recipe.run.steps == 2
+    assert recipe["kl"].component.name == "adaptive"  # default type when the table is absent
+    assert recipe["kl"].config.target == 6.0
+    assert recipe["generator"].config.max_new_tokens == 8
+
+
+def test_typo_key_is_located_with_a_suggestion(recipe_document, registry):
+    recipe_document["run"]["stpes"] = 3
+    assert problems_of(recipe_document, registry) == ["$.run.stpes: unknown key; did you mean 'steps'?"]
+
+
+def test_wrong_type_is_located(recipe_document, registry):
+    recipe_document["ppo"]["batch_size"] = "sixteen"
+    assert problems_of(recipe_document, registry) == ["$.ppo.batch_size: expected an integer, got 'sixteen' (str)"]
+
+
+def test_float_for_int_and_bool_for_number_are_refused(recipe_document, registry):
+    recipe_document["ppo"]["epochs"] = 2.5
+    recipe_document["optim"]["learning_rate"] = True
+    assert problems_of(recipe_document, registry) == [
+        "$.ppo.epochs: expected an integer, got 2.5 (float)",
+        "$.optim.learning_rate: expected a number, got True (bool)",
+    ]
+
+
+def test_out_of_range_in_a_component_table(recipe_document, registry):
+    recipe_document["kl"] = {"type": "adaptive", "target": -1}
+    assert problems_of(recipe_document, registry) == ["$.kl.target: must be > 0, got -1.0"]
+
+
+def test_unknown_type_lists_registered_names_and_closest(recipe_document, registry):
+    recipe_document["kl"] = {"type": "adaptve"}
+    assert problems_of(recipe_document, registry) == [
+        "$.kl.type: unknown kl_controller 'adaptve'; registered: adaptive, fixed; did you mean 'adaptive'?"
+    ]
+
+
+def test_all_problems_are_reported_together(recipe_document, registry):
+    recipe_document["run"]["stpes"] = 3
+    recipe_document["run"]["seed"] = "zero"
+    recipe_document["ppo"]["minibatch_size"] = 5
+    recipe_document["kl"] = {"type": "fixed", "beta": -0.1}
+    recipe_document["lossy"] = {}
+    problems = problems_of(recipe_document, registry)
+    assert problems == [
+        "$.lossy: unknown table; did you mean [loss]?",
+        "$.run.seed: expected an integer, got 'zero' (str)",
+        "$.run.stpes: unknown key; did you mean 'steps'?",
+        "$.ppo.minibatch_size: 5 does not divide batch_size=16; pick a divisor such as 4",
+        "$.kl.beta: must be >= 0, got -0.1",
+    ]
+
+
+def test_batch_arithmetic(recipe_document, registry):
+    recipe_document["ppo"].update(batch_size=10, samples_per_prompt=4, minibatch_size=20)
+    assert problems_of(recipe_document, registry) == [
+        "$.ppo.batch_size: 10 rollouts do not split into groups of samples_per_prompt=4; use a multiple of 4",
+        "$.ppo.minibatch_size: 20 is larger than batch_size=10",
+    ]
+
+
+def test_missing_required_table_and_key(recipe_document, registry):
+    del recipe_document["reward"]
+    del recipe_document["policy"]["model"]
+    problems = problems_of(recipe_document, registry)
+    assert problems[0] == "$.policy.model: required key is missing"
+    assert problems[1].startswith("$.reward: this table is required; add [reward] with type = one of ")
+
+
+def test_overrides_go_through_the_same_validation(recipe_document, registry, write_recipe):
+    path = write_recipe(recipe_document)
+    recipe = load_recipe(path, registry, ["kl.target=4", "run.steps=10", "kl.type=\"adaptive\""])
+    assert recipe["kl"].config.target == 4.0 and recipe.run.steps == 10
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(path, registry, ["kl.target=-4"])
+    assert caught.value.problems == ["$.kl.target: must be > 0, got -4.0"]
+
+
+def test_override_syntax_errors():
+    with pytest.raises(RecipeError) as caught:
+        apply_overrides({"run": {"steps": 1}}, ["run.steps", "run.steps.deeper=1"])
+    assert caught.value.problems == [
+        "--set run.steps: expected KEY=VALUE with a dotted key, such as kl.target=4",
+        "--set run.steps.deeper=1: 'steps' is not a table in the recipe",
+    ]
+
+
+def test_override_values_are_toml_literals_or_plain_strings():
+    document = apply_overrides({}, ["a.n=4", "a.f=0.5", "a.b=true", "a.s=hello", "a.l=[1, 2]"])
+    assert document == {"a": {"n": 4, "f": 0.5, "b": True, "s": "hello", "l": [1, 2]}}
+
+
+def test_missing_file_and_bad_toml(tmp_path, registry):
+    with pytest.raises(RecipeError, match="no recipe at"):
+        load_recipe(tmp_path / "nope.toml", registry)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nsteps = 1")
+    with pytest.raises(RecipeError, match="not valid TOML"):
+        load_recipe(bad, registry)
