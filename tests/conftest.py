@@ -9,9 +9,9 @@ import random
 import pytest
 
 REWARD_SOURCE = '''
-def count_letter(prompts, responses, letter):
-    """Rewards each occurrence of the row's letter: trivially learnable."""
-    return [r.count(l) / 4 for r, l in zip(responses, letter)]
+def lowercase_share(prompts, responses, letter):
+    """Share of lowercase letters in an 8-byte response: dense, so trivially learnable."""
+    return [sum(c.islower() for c in r) / 8 for r in responses]
 '''
 
 
@@ -66,12 +66,12 @@ def to_toml(document: dict) -> str:
 def recipe_document(tmp_path, tiny_model, prompt_file, reward_file):
     """A small valid recipe as a dict; tests change it and parse or write it."""
     return {
-        "run": {"steps": 2, "seed": 0, "output_dir": str(tmp_path / "run")},
+        "run": {"steps": 2, "seed": 0, "output_dir": str(tmp_path / "run"), "threads": 1},
         "ppo": {"batch_size": 16, "minibatch_size": 8, "epochs": 2},
         "optim": {"learning_rate": 1e-3},
         "policy": {"type": "hf", "model": str(tiny_model)},
         "generator": {"max_new_tokens": 8},
-        "reward": {"type": "python", "function": f"{reward_file}:count_letter"},
+        "reward": {"type": "python", "function": f"{reward_file}:lowercase_share"},
         "data": {"type": "jsonl", "path": str(prompt_file)},
         "tracker": {"type": "none"},
     }

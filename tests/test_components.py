@@ -1,0 +1,79 @@
+"""Built-in components on their own: response masks, prompt encoding, rewards and prompt files."""
+
+import json
+
+import pytest
+import torch
+
+from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.trainer import encode_prompts
+from rlkit_plugins.hf_generator import response_mask
+from rlkit_plugins.hf_policy import load_tokenizer
+from rlkit_plugins.prompt_sources import JsonlConfig, JsonlPrompts
+from rlkit_plugins.rewards import PythonReward, PythonRewardConfig, checked_scores
+
+
+def test_response_mask_counts_up_to_and_including_the_first_eos():
+    eos = 1
+    ids = torch.tensor([[5, 6, 1, 0, 0], [5, 1, 7, 1, 0], [5, 6, 7, 8, 9], [1, 0, 0, 0, 0]])
+    assert response_mask(ids, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_tokenizer_gets_a_pad_distinct_from_eos(tiny_model):
+    tokenizer = load_tokenizer(str(tiny_model))
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert tokenizer.padding_side == "left"
+
+
+def test_encode_prompts_left_pads_and_drops_the_appended_eos(tiny_model):
+    tokenizer = load_tokenizer(str(tiny_model))
+    ids, mask = encode_prompts(tokenizer, ["ab", "abcd"], "cpu")
+    # ByT5: byte b → id b + 3; 'a' = 97 → 100. Its trailing EOS (1) is dropped; pad is 0.
+    assert ids.tolist() == [[0, 0, 100, 101], [100, 101, 102, 103]]
+    assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+
+
+def test_python_reward_passes_columns_it_accepts(tmp_path):
+    module = tmp_path / "my_reward.py"
+    module.write_text("def score(prompts, responses, target):\n    return [float(r == t) for r, t in zip(responses, target)]\n")
+    reward = PythonReward(PythonRewardConfig(function=f"{module}:score"))
+    assert reward.score(["p", "q"], ["x", "y"], target=["x", "z"], unused=[1, 2]) == [1.0, 0.0]
+
+
+def test_python_reward_bad_specs_are_located(tmp_path):
+    with pytest.raises(RecipeError, match=r"\$.reward.function: expected 'module:function'"):
+        PythonReward(PythonRewardConfig(function="no_colon"))
+    with pytest.raises(RecipeError, match="no file"):
+        PythonReward(PythonRewardConfig(function=f"{tmp_path}/missing.py:f"))
+    with pytest.raises(RecipeError, match="has no function 'nope'"):
+        PythonReward(PythonRewardConfig(function="json:nope"))
+    module = tmp_path / "narrow.py"
+    module.write_text("def f(texts):\n    return []\n")
+    with pytest.raises(RecipeError, match="must accept keyword arguments prompts and responses"):
+        PythonReward(PythonRewardConfig(function=f"{module}:f"))
+
+
+def test_reward_results_are_checked():
+    assert checked_scores(torch.tensor([1, 2]), 2, "r") == [1.0, 2.0]
+    with pytest.raises(RunError, match="returned 1 scores for 2 responses"):
+        checked_scores([1.0], 2, "r")
+    with pytest.raises(RunError, match="non-finite score"):
+        checked_scores([1.0, float("nan")], 2, "r")
+    with pytest.raises(RunError, match="must return a list of numbers"):
+        checked_scores(["high", "low"], 2, "r")
+
+
+def test_jsonl_errors_name_the_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"text": "b"}) + "\n")
+    with pytest.raises(RecipeError, match=r"p.jsonl:2: has no field 'prompt' \(fields: text\); set data.prompt_field"):
+        JsonlPrompts(JsonlConfig(path=str(path))).load()
+    path.write_text("{not json\n")
+    with pytest.raises(RecipeError, match=r"p.jsonl:1: not valid JSON"):
+        JsonlPrompts(JsonlConfig(path=str(path))).load()
+
+
+def test_jsonl_keeps_other_columns(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"text": "a", "reference": "r"}) + "\n")
+    assert JsonlPrompts(JsonlConfig(path=str(path), prompt_field="text")).load() == [{"prompt": "a", "reference": "r"}]
