@@ -1,0 +1,91 @@
+"""The `rlkit` command as a user meets it: a real subprocess, real exit codes, no tracebacks for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlkit_core.plugins import HOOKS
+
+
+def rlkit(*args, cwd=None):
+    env = {**os.environ, "RLKIT_PLUGINS": "none"}
+    return subprocess.run([sys.executable, "-m", "rlkit_core.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def test_plugins_json_lists_a_builtin_of_every_kind():
+    result = rlkit("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    listing = json.loads(result.stdout)
+    kinds = {row["kind"] for row in listing["components"]}
+    assert kinds == set(HOOKS.values())
+    adaptive = next(r for r in listing["components"] if r["kind"] == "kl_controller" and r["name"] == "adaptive")
+    assert adaptive["distribution"] == "rlkit"
+    target = next(f for f in adaptive["fields"] if f["name"] == "target")
+    assert target["default"] == 6.0 and "target KL" in target["help"]
+
+
+def test_plugins_text_shows_fields_with_help():
+    result = rlkit("plugins")
+    assert result.returncode == 0
+    assert "adaptive" in result.stdout and "horizon" in result.stdout and "initial KL coefficient" in result.stdout
+
+
+def test_check_valid_recipe_prints_the_plan(recipe_document, write_recipe):
+    result = rlkit("check", write_recipe(recipe_document), "--set", "run.steps=5")
+    assert result.returncode == 0, result.stderr
+    assert "is valid" in result.stdout
+    assert "iterations          5" in result.stdout
+    assert "[kl] adaptive" in result.stdout
+
+
+@pytest.mark.parametrize("change, message", [
+    (("run", "stpes", 3), "$.run.stpes: unknown key; did you mean 'steps'?"),
+    (("ppo", "batch_size", "many"), "$.ppo.batch_size: expected an integer, got 'many' (str)"),
+    (("ppo", "epochs", 0), "$.ppo.epochs: must be > 0, got 0"),
+    (("kl", "type", "adaptve"), "$.kl.type: unknown kl_controller 'adaptve'; registered: adaptive, fixed; did you mean 'adaptive'?"),
+])
+def test_check_bad_recipe_exits_2_with_one_located_message(recipe_document, write_recipe, change, message):
+    table, key, value = change
+    recipe_document.setdefault(table, {})[key] = value
+    result = rlkit("check", write_recipe(recipe_document))
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "1 problem in the recipe" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_bad_override_exits_2(recipe_document, write_recipe):
+    result = rlkit("check", write_recipe(recipe_document), "--set", "kl.target=-1")
+    assert result.returncode == 2
+    assert "$.kl.target: must be > 0, got -1.0" in result.stderr
+
+
+def test_missing_recipe_exits_2(tmp_path):
+    result = rlkit("run", str(tmp_path / "missing.toml"))
+    assert result.returncode == 2 and "no recipe at" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bad_arguments_exit_2():
+    assert rlkit("run").returncode == 2
+    assert rlkit("launch").returncode == 2
+
+
+def test_runtime_failure_exits_1(recipe_document, write_recipe, tmp_path):
+    broken = tmp_path / "broken_reward.py"
+    broken.write_text("def score(prompts, responses, **columns):\n    return [1.0]\n")
+    recipe_document["reward"]["function"] = f"{broken}:score"
+    result = rlkit("run", write_recipe(recipe_document), "--quiet")
+    assert result.returncode == 1
+    assert "returned 1 scores for 16 responses" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_run_trains_and_writes_metrics(recipe_document, write_recipe):
+    result = rlkit("run", write_recipe(recipe_document))
+    assert result.returncode == 0, result.stderr
+    assert "== rlkit report ==" in result.stdout and "before:" in result.stdout
+    lines = open(os.path.join(recipe_document["run"]["output_dir"], "metrics.jsonl")).read().splitlines()
+    assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
