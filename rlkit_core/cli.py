@@ -1,4 +1,4 @@
-"""The `rlkit` command: run, check, plugins.
+"""The `rlkit` command: run, check, export, plugins.
 
 Exit codes: 0 success; 2 bad input (recipe, arguments), printed without a traceback; 1 failure
 at run time.
@@ -21,11 +21,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", help="path to a TOML recipe")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a recipe value, e.g. --set kl.target=4 (repeatable)")
-    run.add_argument("--quiet", action="store_true", help="no per-iteration progress lines")
+    run.add_argument("--quiet", action="store_true", help="no progress display")
+    run.add_argument("--resume", metavar="PATH|auto", help="continue from a checkpoint folder, or 'auto' for the latest in run.output_dir")
 
     check = commands.add_parser("check", help="validate a recipe, resolve its plugins and print the plan; trains nothing")
     check.add_argument("recipe")
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    export = commands.add_parser("export", help="write a checkpoint's policy as a plain transformers model directory")
+    export.add_argument("checkpoint", help="a checkpoint folder (<output_dir>/checkpoints/iter_NNNNNN)")
+    export.add_argument("out", help="a new folder for the model")
+    export.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into the base weights")
 
     plugins = commands.add_parser("plugins", help="list every registered component with its plugin, version and settings")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
@@ -71,11 +77,20 @@ def _cmd_run(args) -> int:
     from rlkit_core.run import run_recipe
 
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)
-    run_recipe(recipe, quiet=args.quiet)
+    run_recipe(recipe, quiet=args.quiet, resume=args.resume)
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "check": _cmd_check, "plugins": _cmd_plugins}
+def _cmd_export(args) -> int:
+    from rlkit_core.export import export_checkpoint
+    from rlkit_core.plugins import load_registry
+
+    target = export_checkpoint(args.checkpoint, args.out, load_registry(), merge_lora=args.merge_lora)
+    print(f"wrote {target}; load it with transformers' AutoModelForCausalLM.from_pretrained({str(target)!r})")
+    return 0
+
+
+COMMANDS = {"run": _cmd_run, "check": _cmd_check, "plugins": _cmd_plugins, "export": _cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

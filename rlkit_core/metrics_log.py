@@ -16,7 +16,7 @@ class MetricsLog:
         """Drop lines past `iteration`, so a resumed run does not duplicate the iterations it redoes."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["iteration"] <= iteration]
+        kept = [json.dumps(row) for row in self.read() if row["iteration"] <= iteration]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def append(self, iteration: int, metrics: dict[str, float]) -> None:
@@ -25,6 +25,13 @@ class MetricsLog:
             out.write(json.dumps({"iteration": iteration, **clean}) + "\n")
 
     def read(self) -> list[dict]:
+        """Every complete line; a line cut short by a killed process is dropped."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        rows = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows

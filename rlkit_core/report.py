@@ -12,7 +12,7 @@ def tenth_means(history: list[dict], key: str) -> tuple[float, float]:
     return statistics.fmean(values[:n]), statistics.fmean(values[-n:])
 
 
-def print_report(history, samples, metrics_path, tracker, out) -> None:
+def print_report(history, samples, metrics_path, checkpoint_path, tracker, out) -> None:
     if not history:
         return
     first_score, last_score = tenth_means(history, "score/mean")
@@ -27,6 +27,7 @@ def print_report(history, samples, metrics_path, tracker, out) -> None:
         print(f"  before: {sample['before']!r}", file=out)
         print(f"  after:  {sample['after']!r}", file=out)
     print(f"\nmetrics: {metrics_path}", file=out)
+    print(f"checkpoint: {checkpoint_path} (continue with --resume auto; export with rlkit export)", file=out)
     where = getattr(tracker, "location", None)
     if where:
         print(f"tracker: {where}", file=out)

@@ -1,32 +1,45 @@
-"""`rlkit run`: a recipe from start to report, with the tracker and metrics.jsonl kept in step."""
+"""`rlkit run`: a recipe from start (or a checkpoint) to report, with the tracker, metrics.jsonl
+and checkpoints kept in step."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
-from rlkit_core import __version__
+from rlkit_core import __version__, checkpoint
 from rlkit_core.inventory import flatten, inventory_rows
+from rlkit_core.plot import plot_curves
+from rlkit_core.progress import Progress
 from rlkit_core.recipe import Recipe
 from rlkit_core.report import print_report
 from rlkit_core.trainer import Trainer
 
 SAMPLE_COUNT = 3
+SAMPLES_SHOWN = 4
 
 
-def run_recipe(recipe: Recipe, quiet: bool = False, out=sys.stdout) -> dict:
-    """Train `recipe.run.steps` iterations; returns {'metrics': [...], 'samples': ...} for the report."""
+def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, out=sys.stdout) -> list[dict]:
+    """Train up to `recipe.run.steps` iterations; returns the metrics of every iteration."""
     trainer = Trainer(recipe)
     tracker = trainer.parts.tracker
-    inventory = inventory_rows(recipe)
-    tags = {"rlkit.version": __version__, **{f"rlkit.plugin.{r['table']}": f"{r['type']} ({r['distribution']} {r['version']})" for r in inventory}}
-    tracker.start(run_name=recipe.run.name, params=flatten(recipe.document), tags=tags, resume_id=None)
+    run_id = None
+    if resume:
+        meta = checkpoint.load_checkpoint(trainer, checkpoint.resolve(resume, recipe.run.output_dir))
+        run_id = meta["run_id"]
     trainer.metrics_log.truncate_after(trainer.iteration)
+    history = trainer.metrics_log.read()
 
-    sample_records = trainer.records[:SAMPLE_COUNT]
-    before = trainer.sample_responses(sample_records)
-    history = []
-    status = "FAILED"
+    tags = {"rlkit.version": __version__}
+    tags.update({f"rlkit.component.{r['table']}": f"{r['type']} ({r['distribution']} {r['version']})" for r in inventory_rows(recipe)})
+    run_id = tracker.start(run_name=recipe.run.name, params=flatten(recipe.document), tags=tags, resume_id=run_id)
+    if recipe.source and not resume:
+        tracker.log_artifact(recipe.source, "recipe")
+    samples_before = _samples_before(trainer)
+
+    progress = Progress(recipe.run.steps, start=trainer.iteration, quiet=quiet)
+    status, final_checkpoint = "FAILED", None
     try:
         while trainer.iteration < recipe.run.steps:
             metrics = trainer.step()
@@ -34,19 +47,52 @@ def run_recipe(recipe: Recipe, quiet: bool = False, out=sys.stdout) -> dict:
             trainer.metrics_log.append(trainer.iteration, metrics)
             tracker.log_metrics(metrics, step=trainer.iteration)
             if trainer.iteration % recipe.run.sample_every == 0 or trainer.iteration == recipe.run.steps:
-                batch = trainer.last_batch
-                rows = [{"prompt": p, "response": r, "score": float(s)} for p, r, s in zip(batch.prompts[:4], batch.responses[:4], batch.scores[:4])]
-                tracker.log_samples(rows, step=trainer.iteration)
+                tracker.log_samples(_sample_rows(trainer.last_batch), step=trainer.iteration)
             metrics["time/tracking"] = time.perf_counter() - started
-            history.append(metrics)
-            if not quiet:
-                print(f"iter {trainer.iteration:>4}/{recipe.run.steps}  {metrics['time/iteration']:5.1f}s  "
-                      f"score {metrics['score/mean']:.3f}  kl {metrics['kl/ref']:.3f}  beta {metrics['kl/beta']:.4f}",
-                      file=sys.stderr, flush=True)
+            history.append({"iteration": trainer.iteration, **metrics})
+            progress.update(trainer.iteration, metrics)
+            every = recipe.run.checkpoint_every
+            if every and trainer.iteration % every == 0 and trainer.iteration < recipe.run.steps:
+                checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
         status = "FINISHED"
     finally:
+        progress.close()
+        if status == "FINISHED":
+            final_checkpoint = _finish_outputs(trainer, tracker, run_id, history)
         tracker.finish(status)
-    after = trainer.sample_responses(sample_records)
-    samples = [{"prompt": r["prompt"], "before": b, "after": a} for r, b, a in zip(sample_records, before, after)]
-    print_report(history, samples, trainer.metrics_log.path, tracker, out=out)
-    return {"metrics": history, "samples": samples}
+
+    after = trainer.sample_responses(trainer.records[:SAMPLE_COUNT])
+    samples = [{**before, "after": a} for before, a in zip(samples_before, after)]
+    print_report(history, samples, trainer.metrics_log.path, final_checkpoint, tracker, out=out)
+    return history
+
+
+def _samples_before(trainer) -> list[dict]:
+    """Responses of the starting policy to the first prompts, kept on disk so a resumed run can
+    still show what the policy said before any training."""
+    path = Path(trainer.output_dir) / "samples_before.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    records = trainer.records[:SAMPLE_COUNT]
+    samples = [{"prompt": r["prompt"], "before": b} for r, b in zip(records, trainer.sample_responses(records))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(samples, indent=2))
+    return samples
+
+
+def _sample_rows(batch) -> list[dict]:
+    return [{"prompt": p, "response": r, "score": float(s)}
+            for p, r, s in zip(batch.prompts[:SAMPLES_SHOWN], batch.responses[:SAMPLES_SHOWN], batch.scores[:SAMPLES_SHOWN])]
+
+
+def _finish_outputs(trainer, tracker, run_id, history) -> Path:
+    """The last checkpoint, the final model and the curves, logged with the run."""
+    final_checkpoint = checkpoint.save_checkpoint(trainer, run_id, trainer.recipe.run.keep_checkpoints)
+    model_dir = Path(trainer.output_dir) / "final_model"
+    trainer.policy.save_pretrained(str(model_dir), merge_adapters=True)
+    tracker.log_artifact(str(model_dir), "final_model")
+    tracker.log_artifact(str(trainer.metrics_log.path))
+    curves = plot_curves(history, Path(trainer.output_dir) / "curves.png")
+    if curves:
+        tracker.log_artifact(str(curves))
+    return final_checkpoint

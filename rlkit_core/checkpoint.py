@@ -1,0 +1,113 @@
+"""Checkpoints: everything a run needs to continue exactly where it stopped.
+
+Layout of `<output_dir>/checkpoints/iter_000012/`:
+  policy.safetensors      trainable policy tensors (all weights, or the LoRA adapters)
+  value_head.safetensors  critic tensors (absent without a critic)
+  trainer.pt              optimiser, schedule, KL controller, RNG states, iteration
+  meta.json               iteration, tracker run id, the recipe document, rlkit version
+
+A checkpoint is written into a hidden temporary folder and renamed into place only when complete,
+so a crash mid-write never leaves one that looks whole; only the latest `keep` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlkit_core import __version__
+from rlkit_core.errors import RlkitError
+
+PREFIX = "iter_"
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(trainer, run_id: str | None, keep: int) -> Path:
+    root = checkpoint_root(trainer.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{trainer.iteration:06d}"
+    temporary = root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    save_file({k: v.contiguous() for k, v in trainer.policy.state_dict().items()}, temporary / "policy.safetensors")
+    if trainer.value_head is not None:
+        save_file({k: v.contiguous() for k, v in trainer.value_head.state_dict().items()}, temporary / "value_head.safetensors")
+    torch.save({
+        "iteration": trainer.iteration,
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "kl": trainer.parts.kl.state_dict(),
+        "rng": _rng_state(),
+    }, temporary / "trainer.pt")
+    meta = {"iteration": trainer.iteration, "run_id": run_id, "rlkit_version": __version__, "recipe": trainer.recipe.document}
+    (temporary / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+    if final.exists():  # the same iteration written again (a resumed run redoing it): replace it whole
+        shutil.rmtree(final)
+    os.replace(temporary, final)
+    for old in complete_checkpoints(trainer.output_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Finished checkpoints, oldest first (temporary folders start with a dot and are ignored)."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "meta.json").is_file())
+
+
+def resolve(resume: str, output_dir: str | Path) -> Path:
+    """`auto` → the latest complete checkpoint in output_dir; otherwise the given folder."""
+    if resume == "auto":
+        found = complete_checkpoints(output_dir)
+        if not found:
+            raise RlkitError(f"--resume auto: no complete checkpoint under {checkpoint_root(output_dir)}; "
+                             "start without --resume, or set run.checkpoint_every so runs leave checkpoints")
+        return found[-1]
+    path = Path(resume)
+    if not (path / "meta.json").is_file():
+        raise RlkitError(f"--resume {resume}: not a complete checkpoint (no meta.json); "
+                         f"pick one of the {PREFIX}* folders under <output_dir>/checkpoints, or use --resume auto")
+    return path
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((path / "meta.json").read_text())
+
+
+def load_checkpoint(trainer, path: Path) -> dict:
+    """Restore `trainer` from `path`; returns the checkpoint's meta (iteration, run id, recipe)."""
+    trainer.policy.load_state_dict(load_file(path / "policy.safetensors", device=str(trainer.device)))
+    if trainer.value_head is not None:
+        trainer.value_head.load_state_dict(load_file(path / "value_head.safetensors", device=str(trainer.device)))
+    state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)  # our own file; RNG states must stay on the CPU
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.parts.kl.load_state_dict(state["kl"])
+    _set_rng_state(state["rng"])
+    trainer.iteration = state["iteration"]
+    return read_meta(path)
