@@ -91,6 +91,28 @@ class HFPolicy(Policy):
     def model(self) -> torch.nn.Module:
         return self._model
 
+    @staticmethod
+    def describe(config: HFPolicyConfig) -> list[str]:
+        """Size and a rough training-memory figure from the model's config alone (no weights loaded)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        try:
+            model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+        except OSError:
+            return [f"{config.model}: config not readable here (a hub name without network?); size unknown"]
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(model_config)
+        count = sum(p.numel() for p in skeleton.parameters())
+        width = DTYPES[config.dtype].itemsize
+        if config.lora_r:
+            copies, note = 1, "base shared by policy and reference; LoRA adapters trained"
+        else:
+            copies, note = 2, "policy + frozen reference copy"
+        optimiser = 0 if config.lora_r else count * 4 * 3  # fp32 gradients + two AdamW moments
+        total = count * width * copies + optimiser
+        return [f"{model_config.model_type}: {count:,} parameters ({config.dtype})",
+                f"about {total / 2**20:,.0f} MiB for weights and optimiser state ({note}), before activations"]
+
     def forward(self, input_ids, attention_mask, position_ids) -> PolicyOutput:
         out = self._model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           output_hidden_states=True, use_cache=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from rlkit_core.errors import RlkitError
@@ -22,6 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a recipe value, e.g. --set kl.target=4 (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress display")
+    run.add_argument("--overwrite", action="store_true", help="start over in an output_dir that holds an earlier run")
     run.add_argument("--resume", metavar="PATH|auto", help="continue from a checkpoint folder, or 'auto' for the latest in run.output_dir")
 
     check = commands.add_parser("check", help="validate a recipe, resolve its plugins and print the plan; trains nothing")
@@ -77,7 +79,7 @@ def _cmd_run(args) -> int:
     from rlkit_core.run import run_recipe
 
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)
-    run_recipe(recipe, quiet=args.quiet, resume=args.resume)
+    run_recipe(recipe, quiet=args.quiet, resume=args.resume, overwrite=args.overwrite)
     return 0
 
 
@@ -93,7 +95,16 @@ def _cmd_export(args) -> int:
 COMMANDS = {"run": _cmd_run, "check": _cmd_check, "plugins": _cmd_plugins, "export": _cmd_export}
 
 
+def _quiet_libraries() -> None:
+    """transformers' progress bars and advice drown the run's own output; users can still set
+    TRANSFORMERS_VERBOSITY themselves."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
     args = _parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)

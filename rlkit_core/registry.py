@@ -27,6 +27,12 @@ class Component:
     version: str
 
 
+# Components that rlkit knows of but that ship separately: (kind, name) -> how to get them.
+NOT_INSTALLED = {
+    ("generator", "vllm"): "pip install 'rlkit[vllm]' on a machine with a GPU",
+}
+
+
 class Registry:
     def __init__(self):
         self._components: dict[str, dict[str, Component]] = {kind: {} for kind in KINDS}
@@ -62,10 +68,14 @@ class Registry:
 
     def unknown_message(self, kind: str, name: str, where: str) -> str:
         known = self.names(kind)
-        message = f"{where}: unknown {kind} {name!r}; registered: {', '.join(known) or '(none)'}"
-        close = difflib.get_close_matches(name, known, n=1)
-        if close:
-            message += f"; did you mean {close[0]!r}?"
+        how_to_get = NOT_INSTALLED.get((kind, name))
+        if how_to_get:
+            message = f"{where}: the {name} {kind} is not installed; to get it: {how_to_get} (installed: {', '.join(known) or 'none'})"
+        else:
+            message = f"{where}: unknown {kind} {name!r}; registered: {', '.join(known) or '(none)'}"
+            close = difflib.get_close_matches(name, known, n=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
         if self.broken:
             message += "; plugins that failed to load: " + "; ".join(f"{p} ({why})" for p, why in self.broken.items())
         return message

@@ -4,11 +4,13 @@ and checkpoints kept in step."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
 
 from rlkit_core import __version__, checkpoint
+from rlkit_core.errors import RlkitError
 from rlkit_core.inventory import flatten, inventory_rows
 from rlkit_core.plot import plot_curves
 from rlkit_core.progress import Progress
@@ -20,8 +22,26 @@ SAMPLE_COUNT = 3
 SAMPLES_SHOWN = 4
 
 
-def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, out=sys.stdout) -> list[dict]:
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "samples_before.json", "final_model", "curves.png")
+
+
+def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> None:
+    """A fresh run must not mix its files with an earlier run's; say how to continue or start over."""
+    folder = Path(output_dir)
+    found = [name for name in RUN_OUTPUTS if (folder / name).exists()]
+    if not found or resume:
+        return
+    if not overwrite:
+        raise RlkitError(f"{folder} already holds a run ({', '.join(found)}); continue it with --resume auto, "
+                         f"start over with --overwrite, or pick another folder with --set run.output_dir=...")
+    for name in found:
+        path = folder / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, overwrite: bool = False, out=sys.stdout) -> list[dict]:
     """Train up to `recipe.run.steps` iterations; returns the metrics of every iteration."""
+    claim_output_dir(recipe.run.output_dir, resume, overwrite)
     trainer = Trainer(recipe)
     tracker = trainer.parts.tracker
     run_id = None

@@ -98,3 +98,12 @@ def test_sigkill_mid_run_then_resume_auto(recipe_document, write_recipe, tmp_pat
     subprocess.run(command + [recipe, "--resume", "auto"], env=env, check=True, capture_output=True, timeout=300)
     assert [row["iteration"] for row in metrics_of(killed_dir)] == [1, 2, 3, 4, 5, 6]
     assert without_timing(metrics_of(killed_dir)) == without_timing(metrics_of(tmp_path / "straight"))
+
+
+def test_a_fresh_run_never_mixes_with_an_earlier_one(recipe_document, registry, tmp_path):
+    document = dict(recipe_document, run={**recipe_document["run"], "steps": 1, "output_dir": str(tmp_path / "twice")})
+    run_recipe(parse_recipe(document, registry), quiet=True)
+    with pytest.raises(RlkitError, match="already holds a run .*--resume auto.*--overwrite"):
+        run_recipe(parse_recipe(document, registry), quiet=True)
+    run_recipe(parse_recipe(document, registry), quiet=True, overwrite=True)
+    assert [row["iteration"] for row in metrics_of(tmp_path / "twice")] == [1]

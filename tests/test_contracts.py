@@ -1,0 +1,97 @@
+"""The built-in components pass the same contract tests that `rlkit_core.testing` offers plugin
+authors: every component that can be built offline."""
+
+import json
+
+import pytest
+
+from rlkit_core.testing import (
+    AdvantageEstimatorContract,
+    GeneratorContract,
+    KLControllerContract,
+    LossContract,
+    PolicyContract,
+    PromptSourceContract,
+    RewardContract,
+    TrackerContract,
+    ValueHeadContract,
+)
+
+
+class TestFixedKL(KLControllerContract):
+    component = "fixed"
+    config = {"beta": 0.1}
+
+
+class TestAdaptiveKL(KLControllerContract):
+    component = "adaptive"
+    config = {"beta": 0.1, "target": 6.0, "horizon": 10000.0}
+
+
+class TestGAE(AdvantageEstimatorContract):
+    component = "gae"
+
+
+class TestGAEWithoutWhitening(AdvantageEstimatorContract):
+    component = "gae"
+    config = {"gamma": 0.99, "lam": 0.9, "whiten": False}
+
+
+class TestPPOClip(LossContract):
+    component = "ppo-clip"
+    config = {"entropy_coef": 0.01}
+
+
+class TestPythonReward(RewardContract):
+    component = "python"
+    columns = {"letter": ["e", "e", "e"]}
+
+    @pytest.fixture
+    def component_config(self, reward_file):
+        return {"function": f"{reward_file}:lowercase_share"}
+
+
+class TestJsonlPrompts(PromptSourceContract):
+    component = "jsonl"
+
+    @pytest.fixture
+    def component_config(self, tmp_path):
+        path = tmp_path / "prompts.jsonl"
+        path.write_text("".join(json.dumps({"text": t, "reference": t.upper()}) + "\n" for t in ["ab", "cd", "ef"]))
+        return {"path": str(path), "prompt_field": "text"}
+
+
+class TestNoTracker(TrackerContract):
+    component = "none"
+
+
+class TestMLflowTracker(TrackerContract):
+    component = "mlflow"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store(cls, tmp_path_factory):
+        """One store for the class: creating an MLflow database takes seconds."""
+        return tmp_path_factory.mktemp("mlflow")
+
+    @pytest.fixture
+    def component_config(self, store, monkeypatch):
+        monkeypatch.chdir(store)  # a SQLite store puts artifacts under ./mlruns of the working directory
+        return {"uri": f"sqlite:///{store / 'mlflow.db'}", "experiment": "contract"}
+
+
+class TestHFPolicy(PolicyContract):
+    component = "hf"
+
+    @pytest.fixture
+    def component_config(self, tiny_model):
+        return {"model": str(tiny_model)}
+
+
+class TestHFGenerator(GeneratorContract):
+    component = "hf"
+    config = {"max_new_tokens": 6, "temperature": 0.7}
+
+
+class TestSharedValueHead(ValueHeadContract):
+    component = "shared"

@@ -1,0 +1,64 @@
+"""Swapping a part is one line of the recipe: each swap builds the named component and trains a
+step, or, for a part that ships separately, says how to get it."""
+
+import copy
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlkit_core.recipe import parse_recipe
+from rlkit_core.trainer import Trainer
+from rlkit_plugins.hf_generator import HFGenerator
+from rlkit_plugins.kl import AdaptiveKL, FixedKL
+from rlkit_plugins.rewards import PythonReward, RewardModel
+
+
+@pytest.fixture(scope="module")
+def tiny_reward_model(tmp_path_factory):
+    """A GPT-2 sequence classifier with one output and the ByT5 tokenizer, built offline."""
+    import torch
+    from transformers import ByT5Tokenizer, GPT2Config, GPT2ForSequenceClassification
+
+    path = tmp_path_factory.mktemp("tiny-reward-model")
+    torch.manual_seed(1)
+    config = GPT2Config(vocab_size=384, n_positions=128, n_embd=32, n_layer=1, n_head=2, num_labels=1, pad_token_id=0, eos_token_id=1)
+    GPT2ForSequenceClassification(config).save_pretrained(path)
+    ByT5Tokenizer().save_pretrained(path)
+    return path
+
+
+def one_step(document, registry):
+    document["run"]["steps"] = 1
+    trainer = Trainer(parse_recipe(document, registry))
+    metrics = trainer.step()
+    assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["score/mean"])
+    return trainer
+
+
+@pytest.mark.parametrize("kl_type, controller", [("fixed", FixedKL), ("adaptive", AdaptiveKL)])
+def test_kl_controller_swaps(recipe_document, registry, kl_type, controller):
+    recipe_document["kl"] = {"type": kl_type, "beta": 0.05}
+    kl = one_step(recipe_document, registry).parts.kl
+    assert type(kl) is controller
+    moved = kl.beta != 0.05
+    assert moved is (kl_type == "adaptive")
+
+
+def test_reward_swaps_from_python_function_to_reward_model(recipe_document, registry, tiny_reward_model):
+    assert type(one_step(copy.deepcopy(recipe_document), registry).parts.reward) is PythonReward
+    recipe_document["reward"] = {"type": "reward-model", "model": str(tiny_reward_model), "batch_size": 8}
+    assert type(one_step(recipe_document, registry).parts.reward) is RewardModel
+
+
+def test_generator_hf_trains_and_vllm_says_how_to_get_it(recipe_document, registry, write_recipe):
+    assert type(one_step(copy.deepcopy(recipe_document), registry).parts.generator) is HFGenerator
+    recipe_document["generator"]["type"] = "vllm"
+    result = subprocess.run([sys.executable, "-m", "rlkit_core.cli", "check", write_recipe(recipe_document)],
+                            capture_output=True, text=True, env={**os.environ, "RLKIT_PLUGINS": "none"}, timeout=300)
+    assert result.returncode == 2
+    assert ("$.generator.type: the vllm generator is not installed; "
+            "to get it: pip install 'rlkit[vllm]' on a machine with a GPU (installed: hf)") in result.stderr
+    assert "Traceback" not in result.stderr
