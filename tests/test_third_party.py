@@ -1,0 +1,150 @@
+"""Third-party plugins as a user meets them: pip-installed into this very environment (offline),
+listed and used through the `rlkit` command, and uninstalled again even when a test fails.
+
+Discovery and training run in a fresh interpreter, as a user's shell would; the other commands run
+`rlkit_core.cli.main` in this process, which is the same code without the start-up time."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlkit_core.cli import main
+from rlkit_core.errors import RecipeError
+from rlkit_core.plugins import load_registry
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "rlkit-example-plugins"
+BROKEN_PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=70.1"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "rlkit-broken-demo"
+version = "0.0.1"
+
+[project.entry-points.rlkit]
+broken-demo = "rlkit_broken_demo"
+
+[tool.setuptools]
+py-modules = ["rlkit_broken_demo"]
+"""
+BROKEN_ERROR = "this plugin needs acme-sdk: pip install acme-sdk"
+
+
+def pip(*args):
+    result = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (f"pip {' '.join(args)} failed (installing needs setuptools>=70.1 in this environment, "
+                                    f"since it builds without isolation):\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+
+
+def install(request, source: Path, distribution: str) -> None:
+    """Install offline; the uninstall is registered first, so it runs whatever happens next."""
+    request.addfinalizer(lambda: pip("uninstall", "--yes", distribution))
+    pip("install", "--no-build-isolation", "--no-deps", "--no-index", str(source))
+
+
+def rlkit(*args, plugins=None):
+    """The real command; `plugins` sets RLKIT_PLUGINS, None leaves every installed plugin on."""
+    env = {k: v for k, v in os.environ.items() if k != "RLKIT_PLUGINS"}
+    if plugins is not None:
+        env["RLKIT_PLUGINS"] = plugins
+    return subprocess.run([sys.executable, "-m", "rlkit_core.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def plugins_json(plugins=None) -> dict:
+    result = rlkit("plugins", "--json", plugins=plugins)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def component_names(listing, kind) -> set[str]:
+    return {row["name"] for row in listing["components"] if row["kind"] == kind}
+
+
+@pytest.fixture(scope="module")
+def example(request, tmp_path_factory) -> Path:
+    """The example package installed from a copy: pip builds in place, leaving build/ and *.egg-info behind."""
+    source = tmp_path_factory.mktemp("example") / EXAMPLE.name
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".pytest_cache"))
+    install(request, source, "rlkit-example-plugins")
+    return source
+
+
+@pytest.fixture
+def example_recipe(example, recipe_document, write_recipe) -> str:
+    """The conftest recipe with the KL controller and the reward taken from the example package."""
+    lowercase_share = recipe_document["reward"]["function"]
+    recipe_document["kl"] = {"type": "pid", "target": 1.0, "kp": 0.5}
+    recipe_document["reward"] = {"type": "weighted-sum"}
+    path = Path(write_recipe(recipe_document))
+    path.write_text(path.read_text() + (
+        f'\n[[reward.parts]]\ntype = "python"\nfunction = "{lowercase_share}"\nweight = 0.5\n'
+        f'\n[[reward.parts]]\ntype = "python"\nfunction = "{example / "tests" / "toy_rewards.py"}:exclamations"\n'
+    ))
+    return str(path)
+
+
+def test_plugins_lists_the_example_with_its_distribution_and_version(example):
+    rows = {(row["kind"], row["name"]): row for row in plugins_json()["components"]}
+    for key, plugin in [(("kl_controller", "pid"), "example-pid-kl"), (("reward", "weighted-sum"), "example-weighted-sum")]:
+        row = rows[key]
+        assert (row["plugin"], row["distribution"], row["version"]) == (plugin, "rlkit-example-plugins", "0.1.0")
+        assert row["fields"] and all(field["help"] for field in row["fields"])
+    assert rows[("kl_controller", "adaptive")]["distribution"] == "rlkit"
+
+
+def test_a_recipe_uses_both_by_name(example_recipe, recipe_document):
+    run = rlkit("run", example_recipe, "--quiet")
+    assert run.returncode == 0, run.stderr
+    metrics = [json.loads(line) for line in Path(recipe_document["run"]["output_dir"], "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    assert metrics[0]["kl/beta"] == 0.05 and metrics[1]["kl/beta"] < 0.05  # KL far below target 1: pid lowered β
+
+
+def test_rlkit_check_names_where_each_component_comes_from(example_recipe, monkeypatch, capsys):
+    monkeypatch.delenv("RLKIT_PLUGINS", raising=False)
+    assert main(["check", example_recipe]) == 0
+    plan = capsys.readouterr().out
+    assert "[kl] pid            from example-pid-kl (rlkit-example-plugins 0.1.0)" in plan
+    assert "[reward] weighted-sum   from example-weighted-sum (rlkit-example-plugins 0.1.0)" in plan
+
+
+def test_rlkit_plugins_none_hides_the_example(example_recipe, monkeypatch, capsys):
+    monkeypatch.setenv("RLKIT_PLUGINS", "none")
+    assert main(["check", example_recipe]) == 2
+    problems = capsys.readouterr().err
+    assert "$.kl.type: unknown kl_controller 'pid'; registered: adaptive, fixed" in problems
+    assert "$.reward.type: unknown reward 'weighted-sum'; registered: python, reward-model" in problems
+
+
+def test_rlkit_plugins_selects_plugins_by_name(example):
+    registry = load_registry(environ={"RLKIT_PLUGINS": "example-pid-kl"})
+    assert "pid" in registry.names("kl_controller")
+    assert "weighted-sum" not in registry.names("reward")
+
+
+def test_a_plugin_that_fails_to_import_is_named_and_the_rest_still_work(request, tmp_path):
+    source = tmp_path / "rlkit-broken-demo"
+    source.mkdir()
+    (source / "pyproject.toml").write_text(BROKEN_PYPROJECT)
+    (source / "rlkit_broken_demo.py").write_text(f"raise ImportError({BROKEN_ERROR!r})\n")
+    install(request, source, "rlkit-broken-demo")
+
+    listing = plugins_json()
+    assert listing["broken"]["broken-demo"] == f"import failed: ImportError: {BROKEN_ERROR}"
+    assert {"adaptive", "fixed"} <= component_names(listing, "kl_controller")
+    with pytest.raises(RecipeError) as caught:  # what a recipe that needs a missing reward is told
+        load_registry(environ={}).get("reward", "acme", "$.reward.type")
+    assert f"plugins that failed to load: broken-demo (import failed: ImportError: {BROKEN_ERROR})" in str(caught.value)
+
+
+def test_the_example_packages_own_tests_pass(example):
+    env = {k: v for k, v in os.environ.items() if k != "RLKIT_PLUGINS"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=example, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
