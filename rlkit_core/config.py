@@ -51,6 +51,6 @@ def fields_help(config_class):
             default = f.default.factory()
         else:
             default = None if required else f.default
-        type_name = getattr(f.type, "__name__", None) or str(f.type)
+        type_name = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # list[str] stays list[str]
         rows.append((f.name, type_name, default, required, f.metadata.get(HELP, "")))
     return rows

@@ -159,6 +159,8 @@ class PromptSource(ABC):
 class Tracker(ABC):
     """Where metrics go besides `metrics.jsonl`."""
 
+    location: str | None = None  # where a person finds the run (shown in the end-of-run report)
+
     @abstractmethod
     def start(self, *, run_name: str, params: dict[str, Any], tags: dict[str, str], resume_id: str | None) -> str | None:
         """Open (or reopen, with `resume_id`) a run; return its id for checkpoints."""

@@ -83,7 +83,12 @@ def load_registry(environ=None, extra_plugins=()) -> Registry:
         candidates.append((ep.name, module, dist, version))
     candidates.extend(extra_plugins)
 
+    seen: dict[str, str] = {}
     for name, module, dist, version in candidates:
+        if name in seen:
+            raise PluginError(f"two plugins are named {name!r}: one from {seen[name]}, one from {dist} {version}; "
+                              "plugin (entry-point) names must be unique: rename one, or uninstall it")
+        seen[name] = f"{dist} {version}"
         _register_plugin(manager, registry, name, module, dist, version)
     return registry
 
@@ -93,7 +98,11 @@ def _register_plugin(manager, registry, name, module, dist, version) -> None:
     if wrong:
         registry.broken[name] = "; ".join(wrong)
         return
-    manager.register(module, name=name)
+    try:
+        manager.register(module, name=name)
+    except ValueError:  # pluggy refuses a module registered twice (two entry points naming it)
+        registry.broken[name] = f"module {module.__name__} is already registered by another plugin entry point"
+        return
     for hook_name, kind in HOOKS.items():
         implementation = getattr(module, hook_name, None)
         if implementation is None:

@@ -79,3 +79,12 @@ def test_config_class_must_be_attrs():
     registry = Registry()
     with pytest.raises(PluginError, match="not an attrs class"):
         registry.add(Component("reward", "x", object, dict, "p", "d", "1"))
+
+
+def test_two_plugins_with_one_name_is_a_loud_error():
+    def register_rewards(register):
+        register("acme", object, EmptyConfig)
+
+    same_name = plugin_module("other", register_rewards=register_rewards)
+    with pytest.raises(PluginError, match="two plugins are named 'kl': one from rlkit .*, one from rlkit-acme 2.0"):
+        load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[("kl", same_name, "rlkit-acme", "2.0")])
