@@ -174,6 +174,13 @@ class Tracker(ABC):
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         """A file or folder to keep with the run."""
 
+    def log_model(self, path: str) -> None:
+        """The final model directory (a plain transformers model); kept like any artifact unless the tracker knows better."""
+        self.log_artifact(path, "final_model")
+
+    def log_checkpoint(self, path: str, step: int) -> None:
+        """Where the latest checkpoint is, so a run found in the tracker can be resumed."""
+
     @abstractmethod
     def finish(self, status: str) -> None:
         """Close the run; `status` is "FINISHED", "FAILED" or "KILLED"."""

@@ -73,7 +73,8 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
             progress.update(trainer.iteration, metrics)
             every = recipe.run.checkpoint_every
             if every and trainer.iteration % every == 0 and trainer.iteration < recipe.run.steps:
-                checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
+                saved = checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
+                tracker.log_checkpoint(str(saved), trainer.iteration)
         status = "FINISHED"
     finally:
         progress.close()
@@ -108,9 +109,10 @@ def _sample_rows(batch) -> list[dict]:
 def _finish_outputs(trainer, tracker, run_id, history) -> Path:
     """The last checkpoint, the final model and the curves, logged with the run."""
     final_checkpoint = checkpoint.save_checkpoint(trainer, run_id, trainer.recipe.run.keep_checkpoints)
+    tracker.log_checkpoint(str(final_checkpoint), trainer.iteration)
     model_dir = Path(trainer.output_dir) / "final_model"
     trainer.policy.save_pretrained(str(model_dir), merge_adapters=True)
-    tracker.log_artifact(str(model_dir), "final_model")
+    tracker.log_model(str(model_dir))
     tracker.log_artifact(str(trainer.metrics_log.path))
     curves = plot_curves(history, Path(trainer.output_dir) / "curves.png")
     if curves:
