@@ -1,0 +1,104 @@
+"""The default recipe's parts, as ordinary plugins: a miniature summarisation corpus
+(`toy-summaries`), a ROUGE reward against a reference column (`rouge`), and a policy that is a
+small byte-level GPT-2 warm-started by supervised fine-tuning, built once and cached
+(`warm-start-summarizer`). Everything is made here, offline; nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import attrs
+
+from rlkit_core import hookimpl
+from rlkit_core.config import at_least, between, greater_than, one_of, setting
+from rlkit_core.errors import RecipeError
+from rlkit_core.interfaces import PromptSource, RewardSource
+from rlkit_plugins import summarize_task
+from rlkit_plugins.hf_policy import DTYPES, HFPolicy, HFPolicyConfig
+from rlkit_plugins.rewards import checked_scores
+
+
+def default_cache_dir() -> str:
+    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlkit")
+
+
+@attrs.frozen
+class ToySummariesConfig:
+    size: int = setting(4096, help="documents to generate", validator=greater_than(0))
+    seed: int = setting(0, help="seed of the generator (the same seed gives the same documents)")
+    split: str = setting("train", help="'train' or 'eval': the two splits share no fact", validator=one_of("train", "eval"))
+
+
+@attrs.frozen
+class RougeConfig:
+    reference_field: str = setting("reference", help="data column holding the reference summary")
+    rouge_l_weight: float = setting(0.0, help="share of ROUGE-L F1 in the score; the rest is ROUGE-1 F1", validator=between(0.0, 1.0))
+
+
+@attrs.frozen
+class WarmStartConfig:
+    cache_dir: str = setting(factory=default_cache_dir, help="where the warm-start model is built once and reused")
+    n_layer: int = setting(2, help="transformer layers", validator=greater_than(0))
+    n_embd: int = setting(128, help="model width", validator=greater_than(0))
+    n_head: int = setting(4, help="attention heads (must divide n_embd)", validator=greater_than(0))
+    sft_steps: int = setting(650, help="supervised steps: few enough to leave PPO room (about 100 more and SFT starts copying facts)", validator=at_least(0))
+    sft_batch_size: int = setting(32, help="examples per supervised step", validator=greater_than(0))
+    sft_learning_rate: float = setting(3e-3, help="AdamW learning rate of the supervised warm start", validator=greater_than(0))
+    seed: int = setting(0, help="seed of the initial weights and the supervised data order")
+    dtype: str = setting("float32", help="weights dtype during RL", validator=one_of(*DTYPES))
+
+
+class ToySummaries(PromptSource):
+    def __init__(self, config: ToySummariesConfig, context=None):
+        self.config = config
+
+    def load(self):
+        return summarize_task.make_corpus(self.config.size, self.config.seed, split=self.config.split)
+
+
+class Rouge(RewardSource):
+    """ROUGE-1 F1 (optionally mixed with ROUGE-L F1) of each response against its reference."""
+
+    def __init__(self, config: RougeConfig, context=None):
+        self.config = config
+
+    def score(self, prompts, responses, **columns):
+        references = columns.get(self.config.reference_field)
+        if references is None:
+            raise RecipeError([f"$.reward.reference_field: the data has no column {self.config.reference_field!r} "
+                               f"(columns: {', '.join(columns) or 'none'})"])
+        scores = [summarize_task.summary_reward(r, ref, rouge_l_weight=self.config.rouge_l_weight) for r, ref in zip(responses, references)]
+        return checked_scores(scores, len(responses), "rouge")
+
+
+def warm_start_policy(config: WarmStartConfig, context) -> HFPolicy:
+    """Build the warm start on first use (about a minute on two CPU cores), then load it like any `hf` model."""
+    from rlkit_plugins.warm_start import build_warm_start
+
+    if config.n_embd % config.n_head:
+        raise RecipeError([f"$.policy.n_head: {config.n_head} does not divide n_embd={config.n_embd}"])
+    folder = Path(config.cache_dir) / (
+        f"summarizer-l{config.n_layer}-d{config.n_embd}-h{config.n_head}-s{config.sft_steps}-seed{config.seed}")
+    if not (folder / "warm_start.json").exists():
+        print(f"rlkit: building the warm-start summarizer in {folder} (once; later runs reuse it)", file=sys.stderr, flush=True)
+    path = build_warm_start(folder, n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
+                            sft_steps=config.sft_steps, batch_size=config.sft_batch_size, lr=config.sft_learning_rate,
+                            seed=config.seed)
+    return HFPolicy(HFPolicyConfig(model=str(path), dtype=config.dtype), context)
+
+
+@hookimpl
+def register_prompt_sources(register):
+    register("toy-summaries", ToySummaries, ToySummariesConfig)
+
+
+@hookimpl
+def register_rewards(register):
+    register("rouge", Rouge, RougeConfig)
+
+
+@hookimpl
+def register_policies(register):
+    register("warm-start-summarizer", warm_start_policy, WarmStartConfig)

@@ -1,0 +1,270 @@
+"""The warm-start policy of the default recipe: a tiny byte-level GPT-2, briefly supervised.
+
+``build_warm_start`` creates a randomly initialised ``GPT2LMHeadModel`` over the ``ByT5Tokenizer``
+byte vocabulary and fine-tunes it (SFT) on prompt + reference summary + EOS from
+``summarize_task.make_corpus``, the loss counting only the summary tokens (and the EOS). It is
+deliberately short: the policy should write summary-shaped text with mostly wrong or incomplete
+facts, so PPO has room to improve on it. The model and the tokenizer are saved together, so
+``AutoModelForCausalLM.from_pretrained(path)`` and ``AutoTokenizer.from_pretrained(path)`` work
+offline.
+
+Padding: batches are right-padded for SFT (positions then start at 0 for every row without any
+position_ids bookkeeping); ``evaluate`` left-pads prompts for generation and passes
+position_ids-consistent attention masks to ``generate``.
+
+The build is written to a hidden temporary directory beside ``out_dir`` and renamed into place
+only when complete, with a ``warm_start.json`` recording its settings. A later call with the same
+settings reuses the directory; with different settings it rebuilds and replaces it. A directory at
+``out_dir`` that lacks ``warm_start.json`` is not ours and is never touched. (Bump the
+``format`` number in ``_settings`` whenever the corpus or the training loop changes, so old builds
+are not reused.)
+
+The defaults are the default recipe's settings, measured on a 2-core CPU: 2 layers, width 128,
+4 heads (0.48 M parameters), 650 AdamW steps of batch 32 at lr 3e-3 take ~110 s and leave a
+policy whose sampled summaries (temperature 1, 40 new tokens) score a mean ROUGE-1 F1 of ~0.40
+(seeds 0/1/2: 0.40/0.43/0.51): the right shape, the city often right, the other facts mostly
+wrong. Some 100 steps later SFT crosses into copying the facts (0.55-0.7), so do not raise
+``sft_steps`` much if PPO is to have room.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+try:  # imported as rlkit_plugins.warm_start
+    from . import summarize_task
+except ImportError:  # loaded by file path (tests, probes)
+    import importlib.util as _ilu
+
+    _spec = _ilu.spec_from_file_location(
+        "_rlkit_summarize_task", Path(__file__).with_name("summarize_task.py")
+    )
+    summarize_task = _ilu.module_from_spec(_spec)
+    _spec.loader.exec_module(summarize_task)
+
+MARKER_FILE = "warm_start.json"
+PAD_ID = 0
+EOS_ID = 1
+VOCAB_SIZE = 384
+N_POSITIONS = 256
+
+
+def _tokenizer():
+    from transformers import ByT5Tokenizer
+
+    return ByT5Tokenizer()
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # ByT5Tokenizer appends EOS unless told not to.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _sft_examples(tokenizer, records: Sequence[dict]) -> list[tuple[list[int], int]]:
+    """(prompt ids + summary ids + EOS, number of prompt tokens) for each record."""
+    examples = []
+    for record in records:
+        prompt = _encode(tokenizer, record["prompt"])
+        target = _encode(tokenizer, record["reference"]) + [EOS_ID]
+        ids = prompt + target
+        if len(ids) > N_POSITIONS:
+            raise ValueError(f"example of {len(ids)} tokens exceeds n_positions={N_POSITIONS}")
+        examples.append((ids, len(prompt)))
+    return examples
+
+
+def _collate_right_padded(batch: Sequence[tuple[list[int], int]]):
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    for row, (ids, n_prompt) in enumerate(batch):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+        labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+    return input_ids, attention_mask, labels
+
+
+def _settings(**kwargs) -> dict:
+    return {"format": 1, "prompt_separator": summarize_task.PROMPT_SEPARATOR, **kwargs}
+
+
+def _existing_settings(path: Path) -> dict | None:
+    try:
+        return json.loads((path / MARKER_FILE).read_text())["settings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def build_warm_start(
+    out_dir: str | os.PathLike,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 128,
+    n_head: int = 4,
+    sft_steps: int = 650,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    corpus_size: int = 20000,
+    log_every: int = 0,
+) -> Path:
+    """Build (or reuse) the warm-start policy at ``out_dir``; return its path.
+
+    SFT: AdamW (``lr``, weight decay 0.01, betas (0.9, 0.95)), linear warm-up over the first 10% of
+    ``sft_steps`` then constant, gradient norm clipped at 1.0, ``batch_size`` examples per step drawn
+    without replacement from ``make_corpus(corpus_size, seed)`` (reshuffled each epoch).
+    ``log_every > 0`` prints the loss every that many steps.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    out = Path(out_dir)
+    settings = _settings(
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, sft_steps=sft_steps,
+        batch_size=batch_size, lr=lr, seed=seed, corpus_size=corpus_size,
+    )
+    if out.exists():
+        existing = _existing_settings(out)
+        if existing is None:
+            raise FileExistsError(f"{out} exists and is not a warm-start directory; not touching it")
+        if existing == settings:
+            return out
+    if sft_steps < 0 or batch_size < 1 or corpus_size < 1:
+        raise ValueError("sft_steps >= 0, batch_size >= 1 and corpus_size >= 1 are required")
+
+    started = time.perf_counter()
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tokenizer = _tokenizer()
+    config = GPT2Config(
+        vocab_size=VOCAB_SIZE, n_positions=N_POSITIONS, n_embd=n_embd, n_layer=n_layer,
+        n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )
+    model = GPT2LMHeadModel(config)
+    examples = _sft_examples(tokenizer, summarize_task.make_corpus(corpus_size, seed))
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, sft_steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    model.train()
+    order: list[int] = []
+    losses: list[float] = []
+    for step in range(sft_steps):
+        if len(order) < batch_size:
+            fresh = list(range(len(examples)))
+            rng.shuffle(fresh)
+            order.extend(fresh)
+        picked, order = order[:batch_size], order[batch_size:]
+        input_ids, attention_mask, labels = _collate_right_padded([examples[i] for i in picked])
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        if log_every and (step + 1) % log_every == 0:
+            print(f"sft step {step + 1}/{sft_steps} loss {loss.item():.4f} "
+                  f"({time.perf_counter() - started:.1f} s)", flush=True)
+    model.eval()
+    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.bos_token_id = EOS_ID
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tail = losses[-max(1, len(losses) // 10):]
+        info = {
+            "settings": settings,
+            "sft_seconds": round(time.perf_counter() - started, 2),
+            "final_loss": (sum(tail) / len(tail)) if losses else None,
+            "n_params": sum(p.numel() for p in model.parameters()),
+        }
+        (tmp / MARKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        if out.exists():  # ours, with other settings (checked above): swap it out
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, trash / "old")
+            os.replace(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+@torch.no_grad()
+def generate_summaries(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int = 40,
+    temperature: float = 1.0,
+    batch_size: int = 64,
+) -> list[str]:
+    """Sample one response per prompt (pure sampling at ``temperature``: no top-k / top-p;
+    ``temperature == 0`` means greedy). Left-padded batches; responses cut at the first EOS."""
+    model.eval()
+    responses: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        encoded = [_encode(tokenizer, p) for p in prompts[start:start + batch_size]]
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.full((len(encoded), width), PAD_ID, dtype=torch.long)
+        attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        for row, ids in enumerate(encoded):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention_mask[row, width - len(ids):] = 1
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+            if temperature > 0 else {"do_sample": False}
+        )
+        generated = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+            pad_token_id=PAD_ID, eos_token_id=EOS_ID, **sampling,
+        )
+        for row in generated[:, width:].tolist():
+            if EOS_ID in row:
+                row = row[: row.index(EOS_ID)]
+            responses.append(tokenizer.decode(row, skip_special_tokens=True))
+    return responses
+
+
+def evaluate(
+    model,
+    tokenizer,
+    records: Sequence[dict],
+    max_new_tokens: int = 40,
+    temperature: float = 1.0,
+    *,
+    seed: int | None = 0,
+    batch_size: int = 64,
+) -> float:
+    """Mean ``summary_reward`` of one sampled response per record. ``seed`` fixes the sampling
+    (without disturbing the caller's global RNG state); ``None`` uses the current RNG."""
+    if not records:
+        return math.nan
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        responses = generate_summaries(
+            model, tokenizer, [r["prompt"] for r in records], max_new_tokens=max_new_tokens,
+            temperature=temperature, batch_size=batch_size,
+        )
+    rewards = [summarize_task.summary_reward(resp, r["reference"]) for resp, r in zip(responses, records)]
+    return sum(rewards) / len(rewards)

@@ -1,0 +1,187 @@
+"""The miniature summarisation task, its ROUGE reward, and the warm-start builder."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlkit_plugins import summarize_task as st
+from rlkit_plugins import warm_start as ws
+
+REF = "The baker sold bread in Paris."  # words: the baker sold bread in paris (6)
+
+
+# --- ROUGE, against values worked out by hand -------------------------------------------------
+
+
+def test_rouge1_identical_and_case_punctuation_insensitive():
+    assert st.rouge_n_f1(REF, REF) == 1.0
+    # "The, BAKER!!" -> [the, baker]; same two words as the reference "the baker".
+    assert st.rouge_n_f1("The, BAKER!!", "the baker") == 1.0
+
+
+def test_rouge1_partial_overlap():
+    # candidate words: the cook sold fish in paris (6); shared with the reference: the, sold, in,
+    # paris = 4. P = 4/6, R = 4/6, F1 = 2/3.
+    assert st.rouge_n_f1("the cook sold fish in paris", REF) == pytest.approx(2 / 3)
+
+
+def test_rouge1_clips_repeated_words():
+    # candidate "the the the": count(the) = 3; reference "the cat": count(the) = 1.
+    # clipped overlap = min(3, 1) = 1; P = 1/3, R = 1/2; F1 = 2·(1/3)(1/2) / (1/3 + 1/2) = (1/3)/(5/6) = 2/5.
+    assert st.rouge_n_f1("the the the", "the cat") == pytest.approx(0.4)
+
+
+def test_rouge2():
+    # candidate bigrams: (the baker) (baker sold) (sold fish) = 3.
+    # reference "the baker sold bread in paris" bigrams: (the baker) (baker sold) (sold bread)
+    # (bread in) (in paris) = 5. Shared: 2. P = 2/3, R = 2/5; F1 = 2·(4/15) / (16/15) = 1/2.
+    assert st.rouge_n_f1("the baker sold fish", REF, n=2) == pytest.approx(0.5)
+
+
+def test_rouge_l_order_matters():
+    # The reference's six distinct words reversed: every unigram matches (ROUGE-1 = 1), but the
+    # longest common subsequence of a sequence of distinct words and its reverse is 1 word:
+    # P = 1/6, R = 1/6, F1 = 1/6.
+    reversed_ref = "paris in bread sold baker the"
+    assert st.rouge_n_f1(reversed_ref, REF) == 1.0
+    assert st.rouge_l_f1(reversed_ref, REF) == pytest.approx(1 / 6)
+
+
+def test_rouge_l_partial():
+    # candidate: the cook sold bread yesterday in rome (7 words); LCS with the reference
+    # = the, sold, bread, in = 4. P = 4/7, R = 4/6; F1 = 2·(16/42) / (4/7 + 2/3) = (16/21)/(26/21) = 8/13.
+    assert st.rouge_l_f1("the cook sold bread yesterday in rome", REF) == pytest.approx(8 / 13)
+
+
+def test_rouge_empty_sides_score_zero():
+    assert st.rouge_n_f1("", REF) == 0.0
+    assert st.rouge_l_f1("", REF) == 0.0
+    assert st.rouge_n_f1("...", REF) == 0.0
+    assert st.rouge_n_f1("a", "a", n=2) == 0.0  # no bigram on either side
+
+
+# --- the reward ---------------------------------------------------------------------------------
+
+
+def test_summary_reward_values_and_mix():
+    assert st.summary_reward(REF, REF) == 1.0
+    assert st.summary_reward("", REF) == 0.0
+    assert st.summary_reward("the cook sold fish in paris", REF) == pytest.approx(2 / 3)
+    # reversed reference, half ROUGE-L: 0.5·1 + 0.5·(1/6) = 7/12.
+    assert st.summary_reward("paris in bread sold baker the", REF, rouge_l_weight=0.5) == pytest.approx(7 / 12)
+    with pytest.raises(ValueError):
+        st.summary_reward(REF, REF, rouge_l_weight=1.5)
+
+
+def test_summary_reward_range_on_many_responses():
+    records = st.make_corpus(200, seed=3)
+    candidates = [r["document"] for r in records] + [r["reference"] for r in records] + ["", "x" * 300]
+    for i, record in enumerate(records):
+        for response in (candidates[i], candidates[(i + 1) % len(candidates)], candidates[-1]):
+            value = st.summary_reward(response, record["reference"])
+            assert 0.0 <= value <= 1.0 and math.isfinite(value)
+
+
+# --- the corpus ---------------------------------------------------------------------------------
+
+
+def test_corpus_is_deterministic_and_seed_dependent():
+    assert st.make_corpus(50, seed=7) == st.make_corpus(50, seed=7)
+    assert st.make_corpus(50, seed=7) != st.make_corpus(50, seed=8)
+    assert st.make_corpus(20, seed=7) == st.make_corpus(50, seed=7)[:20]
+
+
+def test_corpus_records_are_well_formed():
+    for record in st.make_corpus(500, seed=0) + st.make_corpus(100, seed=0, split="eval"):
+        assert set(record) == {"prompt", "document", "reference"}
+        assert record["prompt"] == record["document"] + st.PROMPT_SEPARATOR
+        assert len(record["document"].encode()) <= st.MAX_DOCUMENT_BYTES
+        assert 2 <= record["document"].count(".") <= 3  # 2-3 sentences
+        words = st.words(record["reference"])
+        assert len(words) == 6 and words[0] == "the" and words[4] == "in"
+        who, _, what, where = words[1], words[2], words[3], words[5]
+        document = record["document"].lower()
+        assert who in document and what in document and where in document
+
+
+def test_key_sentence_position_and_phrasing_vary():
+    records = st.make_corpus(300, seed=1)
+    starts_with_reference = sum(r["document"].startswith(r["reference"]) for r in records)
+    contains_reference = sum(r["reference"] in r["document"] for r in records)
+    assert starts_with_reference < len(records) / 4  # not a fixed slice at the front
+    assert contains_reference < len(records) / 2  # mostly rephrased, not copied verbatim
+
+
+def test_train_and_eval_share_no_fact():
+    train = st.make_corpus(5000, seed=0)
+    evaluation = st.make_corpus(500, seed=0, split="eval")  # same seed on purpose
+    # The reference spells out the whole fact (who, verb, object, city).
+    assert not {r["reference"] for r in train} & {r["reference"] for r in evaluation}
+    assert not {r["document"] for r in train} & {r["document"] for r in evaluation}
+    with pytest.raises(ValueError):
+        st.make_corpus(1, seed=0, split="test")
+
+
+# --- the warm start -----------------------------------------------------------------------------
+
+TINY = dict(n_layer=1, n_embd=32, n_head=2, sft_steps=5, batch_size=4, lr=1e-3, seed=0, corpus_size=16)
+
+
+def test_tiny_warm_start_builds_loads_and_is_reused(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = ws.build_warm_start(tmp_path / "policy", **TINY)
+    assert out == tmp_path / "policy"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]  # no temp dir left behind
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.vocab_size == 384 and model.config.n_positions == 256
+    assert (model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id) == (0, 1, 1)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
+
+    records = st.make_corpus(3, seed=0, split="eval")
+    value = ws.evaluate(model, tokenizer, records, max_new_tokens=6, temperature=1.0)
+    assert 0.0 <= value <= 1.0
+    assert ws.evaluate(model, tokenizer, records, 6, 1.0, seed=1) == ws.evaluate(model, tokenizer, records, 6, 1.0, seed=1)
+
+    # Same settings: reused, not rebuilt. Other settings: rebuilt in place.
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert ws.build_warm_start(out, **TINY) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    ws.build_warm_start(out, **{**TINY, "sft_steps": 2})
+    assert '"sft_steps": 2' in (out / ws.MARKER_FILE).read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
+
+
+def test_warm_start_is_deterministic(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    a = AutoModelForCausalLM.from_pretrained(ws.build_warm_start(tmp_path / "a", **TINY))
+    b = AutoModelForCausalLM.from_pretrained(ws.build_warm_start(tmp_path / "b", **TINY))
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa, pb), name
+
+
+def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
+    from transformers import GPT2LMHeadModel
+
+    def interrupted(self, path, *args, **kwargs):
+        (path / "partial.bin").write_bytes(b"half a model")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ws.build_warm_start(tmp_path / "policy", **TINY)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_foreign_directory_is_never_overwritten(tmp_path):
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        ws.build_warm_start(tmp_path / "policy", **TINY)
+    assert (tmp_path / "policy" / "keep.txt").read_text() == "mine"
