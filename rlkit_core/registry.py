@@ -29,7 +29,8 @@ class Component:
 
 # Components that rlkit knows of but that ship separately: (kind, name) -> how to get them.
 NOT_INSTALLED = {
-    ("generator", "vllm"): "pip install 'rlkit[vllm]' on a machine with a GPU",
+    ("generator", "vllm"): "it needs vLLM, whose wheels run only on a GPU machine; this rlkit release does not ship "
+                           "the vllm generator yet, so use generator.type = 'hf' for now",
 }
 
 
@@ -70,7 +71,7 @@ class Registry:
         known = self.names(kind)
         how_to_get = NOT_INSTALLED.get((kind, name))
         if how_to_get:
-            message = f"{where}: the {name} {kind} is not installed; to get it: {how_to_get} (installed: {', '.join(known) or 'none'})"
+            message = f"{where}: the {name} {kind} is not installed: {how_to_get} (installed: {', '.join(known) or 'none'})"
         else:
             message = f"{where}: unknown {kind} {name!r}; registered: {', '.join(known) or '(none)'}"
             close = difflib.get_close_matches(name, known, n=1)

@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 
 from rlkit_core.assemble import build_components
 from rlkit_core.batch import RolloutBatch
@@ -83,6 +84,9 @@ class Trainer:
             torch.set_num_threads(run.threads)
         torch.manual_seed(run.seed)
         self.device = device or pick_device(run.device)
+        # accelerate owns backward and gradient clipping, so mixed precision and `accelerate
+        # launch` (several processes) come through the same calls.
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu")
         self.output_dir = Path(run.output_dir)
         context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
         self.parts = build_components(recipe, context)
@@ -194,8 +198,8 @@ class Trainer:
                     terms["loss_kl"] = self.parts.kl.beta * masked_sum(kl, mask) / token_count
                 total = sum(value for name, value in terms.items() if name.startswith("loss_"))
                 self.optimizer.zero_grad(set_to_none=True)
-                total.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
+                self.accelerator.backward(total)
+                grad_norm = self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
                 self.optimizer.step()
                 self.scheduler.step()
                 for name, value in terms.items():

@@ -95,3 +95,26 @@ class TestHFGenerator(GeneratorContract):
 
 class TestSharedValueHead(ValueHeadContract):
     component = "shared"
+
+
+class TestRougeReward(RewardContract):
+    component = "rouge"
+    columns = {"reference": ["The baker sold bread in Paris."] * 3}
+
+
+class TestToySummaries(PromptSourceContract):
+    component = "toy-summaries"
+    config = {"size": 16, "seed": 3}
+
+
+class TestWarmStartSummarizer(PolicyContract):
+    component = "warm-start-summarizer"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def cache(cls, tmp_path_factory):
+        return tmp_path_factory.mktemp("warm-start-cache")
+
+    @pytest.fixture
+    def component_config(self, cache):
+        return {"cache_dir": str(cache), "n_layer": 1, "n_embd": 16, "n_head": 2, "sft_steps": 2, "sft_batch_size": 4}

@@ -185,3 +185,19 @@ def test_foreign_directory_is_never_overwritten(tmp_path):
     with pytest.raises(FileExistsError):
         ws.build_warm_start(tmp_path / "policy", **TINY)
     assert (tmp_path / "policy" / "keep.txt").read_text() == "mine"
+
+
+def test_rouge_reward_names_a_missing_reference_column():
+    from rlkit_core.errors import RecipeError
+    from rlkit_plugins.summarize import Rouge, RougeConfig
+
+    with pytest.raises(RecipeError, match=r"\$.reward.reference_field: the data has no column 'reference' \(columns: summary\)"):
+        Rouge(RougeConfig()).score(["p"], ["r"], summary=["s"])
+
+
+def test_warm_start_n_head_must_divide_width(tmp_path):
+    from rlkit_core.errors import RecipeError
+    from rlkit_plugins.summarize import WarmStartConfig, warm_start_policy
+
+    with pytest.raises(RecipeError, match=r"\$.policy.n_head: 3 does not divide n_embd=16"):
+        warm_start_policy(WarmStartConfig(cache_dir=str(tmp_path), n_embd=16, n_head=3), None)

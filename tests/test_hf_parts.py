@@ -1,0 +1,66 @@
+"""The transformers-backed parts in the configurations a user reaches for: LoRA (reference = the
+base with adapters off, no second copy), a separate critic, and LoRA export."""
+
+import torch
+
+from rlkit_core.recipe import parse_recipe
+from rlkit_core.trainer import Trainer
+
+
+def lora_trainer(recipe_document, registry):
+    recipe_document["policy"].update(lora_r=4, lora_alpha=8, lora_target_modules=["c_attn"])
+    recipe_document["optim"]["learning_rate"] = 1e-2
+    return Trainer(parse_recipe(recipe_document, registry))
+
+
+def test_lora_trains_only_adapters_and_the_reference_is_the_base(recipe_document, registry):
+    trainer = lora_trainer(recipe_document, registry)
+    policy = trainer.policy
+    assert policy._reference is None  # no frozen copy: the base with adapters disabled serves
+    names = [name for name, p in policy.model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in name for name in names)
+
+    batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+    sequence = batch.sequence()
+    reference_before = policy.reference_logits(*sequence)
+    trainer.train_on(batch)
+    with torch.no_grad():
+        policy_after = policy.forward(*sequence).logits
+    assert torch.equal(policy.reference_logits(*sequence), reference_before)  # the base never moves
+    assert not torch.allclose(policy_after, reference_before)  # the adapters did
+
+
+def test_lora_export_merges_when_asked(recipe_document, registry, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlkit_core import checkpoint
+    from rlkit_core.export import export_checkpoint
+    from rlkit_core.run import run_recipe
+
+    recipe_document["policy"].update(lora_r=4, lora_alpha=8, lora_target_modules=["c_attn"])
+    recipe_document["run"]["steps"] = 1
+    run_recipe(parse_recipe(recipe_document, registry), quiet=True)
+    source = checkpoint.resolve("auto", recipe_document["run"]["output_dir"])
+    merged = export_checkpoint(str(source), str(tmp_path / "merged"), registry, merge_lora=True)
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    assert not any("lora_" in name for name, _ in model.named_parameters())
+    adapters = export_checkpoint(str(source), str(tmp_path / "adapters"), registry, merge_lora=False)
+    assert (adapters / "adapter_config.json").is_file()
+
+
+def test_separate_critic_has_its_own_model(recipe_document, registry, tiny_model):
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    critic_dir = tiny_model.parent / "critic"
+    if not critic_dir.exists():
+        torch.manual_seed(2)
+        config = GPT2Config(vocab_size=384, n_positions=128, n_embd=32, n_layer=1, n_head=2, num_labels=1, pad_token_id=0)
+        GPT2ForSequenceClassification(config).save_pretrained(critic_dir)
+    recipe_document["value_head"] = {"type": "separate", "model": str(critic_dir)}
+    trainer = Trainer(parse_recipe(recipe_document, registry))
+    batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+    assert torch.count_nonzero(batch.values) == 0  # zero-initialised head: values start at 0
+    metrics = trainer.train_on(batch)
+    assert metrics["train/value_loss"] > 0
+    after = trainer.evaluate(trainer.rollout(trainer.stream.batch(1))[0])
+    assert torch.count_nonzero(after.values) > 0  # the critic learned something
