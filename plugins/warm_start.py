@@ -8,9 +8,9 @@ facts, so PPO has room to improve on it. The model and the tokenizer are saved t
 ``AutoModelForCausalLM.from_pretrained(path)`` and ``AutoTokenizer.from_pretrained(path)`` work
 offline.
 
-Padding: batches are right-padded for SFT (positions then start at 0 for every row without any
-position_ids bookkeeping); ``evaluate`` left-pads prompts for generation and passes
-position_ids-consistent attention masks to ``generate``.
+Padding: batches are right-padded for SFT, so positions start at 0 for every row without any
+position_ids bookkeeping. The warm start is measured the way PPO sees it: the first iterations of
+the default recipe report its sampled score.
 
 The build is written to a hidden temporary directory beside ``out_dir`` and renamed into place
 only when complete, with a ``warm_start.json`` recording its settings. A later call with the same
@@ -30,7 +30,6 @@ wrong. Some 100 steps later SFT crosses into copying the facts (0.55-0.7), so do
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import shutil
@@ -41,16 +40,7 @@ from typing import Sequence
 
 import torch
 
-try:  # imported as rlkit_plugins.warm_start
-    from . import summarize_task
-except ImportError:  # loaded by file path (tests, probes)
-    import importlib.util as _ilu
-
-    _spec = _ilu.spec_from_file_location(
-        "_rlkit_summarize_task", Path(__file__).with_name("summarize_task.py")
-    )
-    summarize_task = _ilu.module_from_spec(_spec)
-    _spec.loader.exec_module(summarize_task)
+from rlkit_plugins import summarize_task
 
 MARKER_FILE = "warm_start.json"
 PAD_ID = 0
@@ -206,65 +196,3 @@ def build_warm_start(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-@torch.no_grad()
-def generate_summaries(
-    model,
-    tokenizer,
-    prompts: Sequence[str],
-    *,
-    max_new_tokens: int = 40,
-    temperature: float = 1.0,
-    batch_size: int = 64,
-) -> list[str]:
-    """Sample one response per prompt (pure sampling at ``temperature``: no top-k / top-p;
-    ``temperature == 0`` means greedy). Left-padded batches; responses cut at the first EOS."""
-    model.eval()
-    responses: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        encoded = [_encode(tokenizer, p) for p in prompts[start:start + batch_size]]
-        width = max(len(ids) for ids in encoded)
-        input_ids = torch.full((len(encoded), width), PAD_ID, dtype=torch.long)
-        attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
-        for row, ids in enumerate(encoded):
-            input_ids[row, width - len(ids):] = torch.tensor(ids)
-            attention_mask[row, width - len(ids):] = 1
-        sampling = (
-            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-            if temperature > 0 else {"do_sample": False}
-        )
-        generated = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-            pad_token_id=PAD_ID, eos_token_id=EOS_ID, **sampling,
-        )
-        for row in generated[:, width:].tolist():
-            if EOS_ID in row:
-                row = row[: row.index(EOS_ID)]
-            responses.append(tokenizer.decode(row, skip_special_tokens=True))
-    return responses
-
-
-def evaluate(
-    model,
-    tokenizer,
-    records: Sequence[dict],
-    max_new_tokens: int = 40,
-    temperature: float = 1.0,
-    *,
-    seed: int | None = 0,
-    batch_size: int = 64,
-) -> float:
-    """Mean ``summary_reward`` of one sampled response per record. ``seed`` fixes the sampling
-    (without disturbing the caller's global RNG state); ``None`` uses the current RNG."""
-    if not records:
-        return math.nan
-    with torch.random.fork_rng(devices=[]):
-        if seed is not None:
-            torch.manual_seed(seed)
-        responses = generate_summaries(
-            model, tokenizer, [r["prompt"] for r in records], max_new_tokens=max_new_tokens,
-            temperature=temperature, batch_size=batch_size,
-        )
-    rewards = [summarize_task.summary_reward(resp, r["reference"]) for resp, r in zip(responses, records)]
-    return sum(rewards) / len(rewards)

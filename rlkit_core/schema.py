@@ -6,7 +6,7 @@ Component tables (`[policy]`, `[kl]`, ...) are described by their plugins' own c
 
 import attrs
 
-from rlkit_core.config import at_least, between, greater_than, one_of, setting
+from rlkit_core.config import at_least, greater_than, one_of, setting
 from rlkit_core.functional import KL_ESTIMATORS
 
 

@@ -142,10 +142,6 @@ def test_tiny_warm_start_builds_loads_and_is_reused(tmp_path):
     assert (model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id) == (0, 1, 1)
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
 
-    records = st.make_corpus(3, seed=0, split="eval")
-    value = ws.evaluate(model, tokenizer, records, max_new_tokens=6, temperature=1.0)
-    assert 0.0 <= value <= 1.0
-    assert ws.evaluate(model, tokenizer, records, 6, 1.0, seed=1) == ws.evaluate(model, tokenizer, records, 6, 1.0, seed=1)
 
     # Same settings: reused, not rebuilt. Other settings: rebuilt in place.
     stamp = (out / "model.safetensors").stat().st_mtime_ns
