@@ -22,6 +22,9 @@ def print_report(history, samples, metrics_path, checkpoint_path, tracker, out) 
     print(f"iterations: {len(history)}, median {statistics.median(seconds):.2f} s each, {sum(seconds):.0f} s in all", file=out)
     print(f"mean score, first 10% → last 10% of iterations: {first_score:.4f} → {last_score:.4f} ({last_score - first_score:+.4f})", file=out)
     print(f"KL to the reference, first 10% → last 10%: {first_kl:.4f} → {last_kl:.4f}", file=out)
+    tracking = [h["time/tracking"] / h["time/iteration"] for h in history if "time/tracking" in h]
+    if tracking:
+        print(f"tracking cost: median {100 * statistics.median(tracking):.2f}% of an iteration", file=out)
     for i, sample in enumerate(samples, start=1):
         print(f"\nsample {i}: {sample['prompt']!r}", file=out)
         print(f"  before: {sample['before']!r}", file=out)

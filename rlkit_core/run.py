@@ -76,6 +76,9 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
                 saved = checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
                 tracker.log_checkpoint(str(saved), trainer.iteration)
         status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
         progress.close()
         if status == "FINISHED":

@@ -103,6 +103,7 @@ class Trainer:
         updates = run.steps * ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(optim.schedule, optim.warmup_steps, updates))
         self.iteration = 0  # iterations completed
+        self.last_batch: RolloutBatch | None = None  # the latest scored batch, for sample tables
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
 
     # --- stage 1: rollouts -------------------------------------------------------------------

@@ -87,5 +87,6 @@ def test_run_trains_and_writes_metrics(recipe_document, write_recipe):
     result = rlkit("run", write_recipe(recipe_document))
     assert result.returncode == 0, result.stderr
     assert "== rlkit report ==" in result.stdout and "before:" in result.stdout
+    assert "tracking cost: median" in result.stdout
     lines = open(os.path.join(recipe_document["run"]["output_dir"], "metrics.jsonl")).read().splitlines()
     assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
