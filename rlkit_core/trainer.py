@@ -133,17 +133,20 @@ class Trainer:
         return batch, {"time/generate": generated - started, "time/score": scored - generated}
 
     # --- stage 2: what the rollout policy, the reference and the critic say -------------------
-    def _response_view(self, batch: RolloutBatch, grad: bool):
+    @staticmethod
+    def _at_response(per_position: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+        """The positions that predict the response tokens: position t's output is about token t + 1."""
+        return per_position[:, batch.prompt_length - 1:-1]
+
+    def _response_view(self, batch: RolloutBatch, sequence, grad: bool):
         """(logprobs, values, entropy, response logits) of the current parameters on `batch`."""
-        input_ids, attention_mask, position_ids = batch.sequence()
-        out = self.policy.forward(input_ids, attention_mask, position_ids)
-        start = batch.prompt_length - 1  # the logits at position t predict the token at t + 1
-        logits = out.logits[:, start:-1]
+        out = self.policy.forward(*sequence)
+        logits = self._at_response(out.logits, batch)
         temperature = self.parts.generator.temperature
         logprobs = logprobs_from_logits(logits, batch.response_ids, temperature)
         values = None
         if self.value_head is not None:
-            values = self.value_head.values(out, input_ids, attention_mask, position_ids)[:, start:-1]
+            values = self._at_response(self.value_head.values(out, *sequence), batch)
         entropy = entropy_from_logits(logits, temperature) if grad else None
         return logprobs, values, entropy, logits
 
@@ -155,9 +158,9 @@ class Trainer:
         pieces = defaultdict(list)
         for index in torch.arange(len(batch), device=self.device).split(ppo.minibatch_size):
             part = batch.select(index)
-            logprobs, values, _, logits = self._response_view(part, grad=False)
-            input_ids, attention_mask, position_ids = part.sequence()
-            ref_logits = self.policy.reference_logits(input_ids, attention_mask, position_ids)[:, part.prompt_length - 1:-1]
+            sequence = part.sequence()
+            logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
+            ref_logits = self._at_response(self.policy.reference_logits(*sequence), part)
             ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature)
             full = ppo.kl_estimator == "full"
             pieces["kl"].append(kl_per_token(logprobs, ref_logprobs, ppo.kl_estimator, logits if full else None,
@@ -190,7 +193,7 @@ class Trainer:
         for _ in range(ppo.epochs):
             for index in torch.randperm(len(batch), generator=shuffler).to(self.device).split(ppo.minibatch_size):
                 minibatch = batch.select(index)
-                logprobs, values, entropy, _ = self._response_view(minibatch, grad=True)
+                logprobs, values, entropy, _ = self._response_view(minibatch, minibatch.sequence(), grad=True)
                 mask = minibatch.response_mask
                 token_count = mask.sum().clamp(min=1)
                 terms = self.parts.loss(minibatch, LossInputs(logprobs=logprobs, values=values, entropy=entropy), token_count)

@@ -48,15 +48,8 @@ def test_lora_export_merges_when_asked(recipe_document, registry, tmp_path):
     assert (adapters / "adapter_config.json").is_file()
 
 
-def test_separate_critic_has_its_own_model(recipe_document, registry, tiny_model):
-    from transformers import GPT2Config, GPT2ForSequenceClassification
-
-    critic_dir = tiny_model.parent / "critic"
-    if not critic_dir.exists():
-        torch.manual_seed(2)
-        config = GPT2Config(vocab_size=384, n_positions=128, n_embd=32, n_layer=1, n_head=2, num_labels=1, pad_token_id=0)
-        GPT2ForSequenceClassification(config).save_pretrained(critic_dir)
-    recipe_document["value_head"] = {"type": "separate", "model": str(critic_dir)}
+def test_separate_critic_has_its_own_model(recipe_document, registry, tiny_reward_model):
+    recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
     trainer = Trainer(parse_recipe(recipe_document, registry))
     batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
     assert torch.count_nonzero(batch.values) == 0  # zero-initialised head: values start at 0

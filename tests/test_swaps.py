@@ -14,20 +14,6 @@ from rlkit_plugins.kl import AdaptiveKL, FixedKL
 from rlkit_plugins.rewards import PythonReward, RewardModel
 
 
-@pytest.fixture(scope="module")
-def tiny_reward_model(tmp_path_factory):
-    """A GPT-2 sequence classifier with one output and the ByT5 tokenizer, built offline."""
-    import torch
-    from transformers import ByT5Tokenizer, GPT2Config, GPT2ForSequenceClassification
-
-    path = tmp_path_factory.mktemp("tiny-reward-model")
-    torch.manual_seed(1)
-    config = GPT2Config(vocab_size=384, n_positions=128, n_embd=32, n_layer=1, n_head=2, num_labels=1, pad_token_id=0, eos_token_id=1)
-    GPT2ForSequenceClassification(config).save_pretrained(path)
-    ByT5Tokenizer().save_pretrained(path)
-    return path
-
-
 def one_step(document, registry):
     document["run"]["steps"] = 1
     trainer = Trainer(parse_recipe(document, registry))
