@@ -7,7 +7,7 @@ import torch
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, greater_than, setting
-from rlkit_core.functional import logprobs_from_logits
+from rlkit_core.functional import logprobs_from_logits, response_mask
 from rlkit_core.interfaces import Generation, Generator
 
 
@@ -16,13 +16,6 @@ class HFGeneratorConfig:
     max_new_tokens: int = setting(64, help="longest response in tokens", validator=greater_than(0))
     min_new_tokens: int = setting(0, help="EOS is forbidden before this many tokens (the sampler then differs from π; keep 0 for exact PPO)", validator=at_least(0))
     temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed", validator=greater_than(0))
-
-
-def response_mask(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 on tokens up to and including the first EOS, 0 after it."""
-    is_eos = (response_ids == eos_token_id).long()
-    eos_before = is_eos.cumsum(dim=1) - is_eos  # EOS tokens strictly before each position
-    return (eos_before == 0).long()
 
 
 class HFGenerator(Generator):
@@ -43,13 +36,13 @@ class HFGenerator(Generator):
         out = model.generate(
             input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=self.temperature,
             top_k=0, top_p=1.0, max_new_tokens=self.config.max_new_tokens, min_new_tokens=self.config.min_new_tokens,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=list(self.policy.eos_token_ids), pad_token_id=tokenizer.pad_token_id,
             return_dict_in_generate=True, output_logits=True,
         )
         model.train(was_training)
         response_ids = out.sequences[:, prompt_ids.shape[1]:]
         logits = torch.stack(out.logits, dim=1)  # [B, R, V], raw: temperature applied below
-        mask = response_mask(response_ids, tokenizer.eos_token_id)
+        mask = response_mask(response_ids, self.policy.eos_token_ids)
         logprobs = logprobs_from_logits(logits, response_ids, self.temperature) * mask
         return Generation(response_ids=response_ids * mask + tokenizer.pad_token_id * (1 - mask), response_mask=mask, logprobs=logprobs)
 

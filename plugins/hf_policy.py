@@ -47,6 +47,17 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     return tokenizer
 
 
+def end_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
+    """The tokenizer's EOS first, then every other end id the model's generation config names
+    (chat models stop on an end-of-turn token as well as on end-of-text)."""
+    ids = [tokenizer.eos_token_id]
+    named = generation_config.eos_token_id
+    for token in named if isinstance(named, (list, tuple)) else [named]:
+        if token is not None and token not in ids:
+            ids.append(token)
+    return tuple(ids)
+
+
 def switch_off_dropout(model: torch.nn.Module) -> None:
     """RL wants π_θ and π_old to differ only by the update, not by random masks."""
     for module in model.modules():
@@ -67,9 +78,10 @@ class HFPolicy(Policy):
             raise RecipeError([f"$.policy.model: cannot load {config.model!r} as {where}: {exc}"]) from None
         if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
             base.resize_token_embeddings(len(self.tokenizer))
+        self.eos_token_ids = end_token_ids(self.tokenizer, base.generation_config)
         base.config.pad_token_id = self.tokenizer.pad_token_id
         base.generation_config.pad_token_id = self.tokenizer.pad_token_id
-        base.generation_config.eos_token_id = self.tokenizer.eos_token_id
+        base.generation_config.eos_token_id = list(self.eos_token_ids)
         switch_off_dropout(base)
         if config.gradient_checkpointing:
             base.gradient_checkpointing_enable()

@@ -14,6 +14,18 @@ import torch
 KL_ESTIMATORS = ("k1", "k2", "k3", "full")
 
 
+def response_mask(response_ids: torch.Tensor, eos_token_ids) -> torch.Tensor:
+    """[B, R] sampled ids -> [B, R] long mask: 1 on tokens up to and including the first end token.
+
+    `eos_token_ids` is every id that ends a response (chat models have several, e.g. an end-of-turn
+    and an end-of-text token); stopping on any of them counts as ending.
+    """
+    ends = torch.as_tensor(list(eos_token_ids), device=response_ids.device)
+    is_end = torch.isin(response_ids, ends).long()
+    ends_before = is_end.cumsum(dim=1) - is_end  # end tokens strictly before each position
+    return (ends_before == 0).long()
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of x over mask != 0 entries; x and mask broadcast. dim=None sums everything to a scalar.
 

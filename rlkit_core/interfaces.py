@@ -32,6 +32,7 @@ class Policy(ABC):
     """The trainable causal LM and its frozen reference."""
 
     tokenizer: Any  # a transformers tokenizer with distinct pad and EOS tokens
+    eos_token_ids: tuple[int, ...]  # every id that ends a response; the tokenizer's EOS first
 
     @property
     @abstractmethod

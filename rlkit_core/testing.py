@@ -452,9 +452,9 @@ class GeneratorContract(_OnTinyModel):
         assert isinstance(out, Generation)
         ids, mask = out.response_ids, out.response_mask
         assert ids.shape == mask.shape == out.logprobs.shape and ids.shape[0] == prompt_ids.shape[0]
-        eos, pad = policy.tokenizer.eos_token_id, policy.tokenizer.pad_token_id
+        ends, pad = set(policy.eos_token_ids), policy.tokenizer.pad_token_id
         for row_ids, row_mask in zip(ids.tolist(), mask.tolist()):
-            length = row_ids.index(eos) + 1 if eos in row_ids else len(row_ids)
+            length = next((i + 1 for i, token in enumerate(row_ids) if token in ends), len(row_ids))
             assert row_mask == [1] * length + [0] * (len(row_ids) - length), "mask must count up to and including the first EOS"
             assert all(token == pad for token in row_ids[length:]), "tokens after the first EOS must be PAD"
 

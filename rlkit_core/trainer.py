@@ -121,7 +121,7 @@ class Trainer:
         generation = self.parts.generator.generate(prompt_ids, prompt_mask)
         generated = time.perf_counter()
         mask = generation.response_mask
-        ended = (generation.response_ids == self.tokenizer.eos_token_id).any(dim=1)
+        ended = torch.isin(generation.response_ids, torch.tensor(self.policy.eos_token_ids, device=self.device)).any(dim=1)
         responses = self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
         scores = self.parts.reward.score(prompts, responses, **columns)
         scored = time.perf_counter()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.functional import response_mask
 from rlkit_core.trainer import encode_prompts
-from rlkit_plugins.hf_generator import response_mask
 from rlkit_plugins.hf_policy import load_tokenizer
 from rlkit_plugins.prompt_sources import JsonlConfig, JsonlPrompts
 from rlkit_plugins.rewards import PythonReward, PythonRewardConfig, checked_scores
@@ -16,7 +16,12 @@ from rlkit_plugins.rewards import PythonReward, PythonRewardConfig, checked_scor
 def test_response_mask_counts_up_to_and_including_the_first_eos():
     eos = 1
     ids = torch.tensor([[5, 6, 1, 0, 0], [5, 1, 7, 1, 0], [5, 6, 7, 8, 9], [1, 0, 0, 0, 0]])
-    assert response_mask(ids, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert response_mask(ids, [eos]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_response_mask_ends_on_any_of_several_end_ids():
+    ids = torch.tensor([[5, 7, 1, 0], [5, 1, 7, 0], [5, 6, 8, 9]])
+    assert response_mask(ids, [1, 7]).tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
 
 
 def test_tokenizer_gets_a_pad_distinct_from_eos(tiny_model):
