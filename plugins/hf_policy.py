@@ -17,6 +17,7 @@ from rlkit_core import hookimpl
 from rlkit_core.config import at_least, one_of, setting
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import Policy, PolicyOutput
+from rlkit_core.randomness import switch_off_dropout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PAD_TOKEN = "<|rlkit_pad|>"
@@ -56,13 +57,6 @@ def end_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
         if token is not None and token not in ids:
             ids.append(token)
     return tuple(ids)
-
-
-def switch_off_dropout(model: torch.nn.Module) -> None:
-    """RL wants π_θ and π_old to differ only by the update, not by random masks."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
 
 
 class HFPolicy(Policy):

@@ -15,6 +15,7 @@ from rlkit_core import hookimpl
 from rlkit_core.config import at_least, greater_than, setting
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.interfaces import RewardSource
+from rlkit_core.randomness import switch_off_dropout
 
 
 @attrs.frozen
@@ -95,8 +96,6 @@ class RewardModel(RewardSource):
 
     def __init__(self, config: RewardModelConfig, context):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from rlkit_plugins.hf_policy import switch_off_dropout
 
         self.config = config
         try:

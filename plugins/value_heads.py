@@ -9,6 +9,7 @@ from rlkit_core import hookimpl
 from rlkit_core.config import one_of, setting
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import ValueHead
+from rlkit_core.randomness import switch_off_dropout
 
 
 @attrs.frozen
@@ -50,8 +51,6 @@ class SeparateValueHead(ValueHead):
 
     def __init__(self, config: SeparateValueConfig, context):
         from transformers import AutoModelForSequenceClassification
-
-        from rlkit_plugins.hf_policy import switch_off_dropout
 
         try:
             self.model = AutoModelForSequenceClassification.from_pretrained(config.model, num_labels=1)
