@@ -8,6 +8,7 @@ from typing import Any
 from rlkit_core.config import fields_help
 from rlkit_core.recipe import Recipe
 from rlkit_core.registry import Registry
+from rlkit_core.schema import CORE_TABLES
 
 
 def inventory_rows(recipe: Recipe) -> list[dict[str, str]]:
@@ -18,14 +19,19 @@ def inventory_rows(recipe: Recipe) -> list[dict[str, str]]:
     ]
 
 
+def field_rows(config_class) -> list[dict[str, Any]]:
+    return [{"name": n, "type": t, "default": d, "required": r, "help": h} for n, t, d, r, h in fields_help(config_class)]
+
+
+def core_table_rows() -> list[dict[str, Any]]:
+    """The core tables `[run]`, `[ppo]`, `[optim]` with their fields, for `rlkit plugins`."""
+    return [{"table": table, "fields": field_rows(cls)} for table, cls in CORE_TABLES.items()]
+
+
 def registry_rows(registry: Registry) -> list[dict[str, Any]]:
     """Every registered component with its config fields, for `rlkit plugins`."""
-    rows = []
-    for c in registry.all():
-        fields = [{"name": n, "type": t, "default": d, "required": r, "help": h} for n, t, d, r, h in fields_help(c.config_class)]
-        rows.append({"kind": c.kind, "name": c.name, "plugin": c.plugin, "distribution": c.distribution,
-                     "version": c.version, "fields": fields})
-    return rows
+    return [{"kind": c.kind, "name": c.name, "plugin": c.plugin, "distribution": c.distribution, "version": c.version,
+             "fields": field_rows(c.config_class)} for c in registry.all()]
 
 
 def flatten(document: dict, prefix: str = "") -> dict[str, Any]:

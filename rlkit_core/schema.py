@@ -7,6 +7,7 @@ Component tables (`[policy]`, `[kl]`, ...) are described by their plugins' own c
 import attrs
 
 from rlkit_core.config import at_least, greater_than, one_of, setting
+from rlkit_core.errors import Problem
 from rlkit_core.functional import KL_ESTIMATORS
 
 
@@ -35,14 +36,19 @@ class PPOConfig:
     missing_eos_penalty: float = setting(0.0, help="subtracted from the score of a response that never emitted EOS", validator=at_least(0))
 
 
+# transformers' schedules that need nothing besides the warm-up and the run's length (not the ones
+# that step on a metric or need extra settings).
+SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt")
+
+
 @attrs.frozen
 class OptimConfig:
     learning_rate: float = setting(1e-5, help="AdamW learning rate of the policy", validator=greater_than(0))
     value_learning_rate: float = setting(0.0, help="learning rate of the critic (0: same as the policy)", validator=at_least(0))
     weight_decay: float = setting(0.0, help="AdamW weight decay", validator=at_least(0))
     adam_eps: float = setting(1e-8, help="AdamW epsilon", validator=greater_than(0))
-    schedule: str = setting("constant", help="learning-rate schedule: constant, linear or cosine (decay to 0 over the run)", validator=one_of("constant", "linear", "cosine"))
-    warmup_steps: int = setting(0, help="optimiser steps of linear warm-up", validator=at_least(0))
+    schedule: str = setting("constant", help="learning-rate schedule over the run's optimiser steps (transformers' get_scheduler): " + ", ".join(SCHEDULES), validator=one_of(*SCHEDULES))
+    warmup_steps: int = setting(0, help="optimiser steps of linear warm-up from 0 (every schedule but constant)", validator=at_least(0))
     max_grad_norm: float = setting(1.0, help="clip gradients to this global norm (0: no clipping)", validator=at_least(0))
 
 
@@ -62,22 +68,28 @@ COMPONENT_TABLES = {
 }
 
 
-def batch_arithmetic_problems(ppo: PPOConfig) -> list[str]:
+def batch_arithmetic_problems(ppo: PPOConfig) -> list[Problem]:
     """Problems with how the rollout batch splits, each located."""
     problems = []
     if ppo.batch_size % ppo.samples_per_prompt:
-        problems.append(
-            f"$.ppo.batch_size: {ppo.batch_size} rollouts do not split into groups of samples_per_prompt="
-            f"{ppo.samples_per_prompt}; use a multiple of {ppo.samples_per_prompt}"
-        )
+        problems.append(Problem(
+            "$.ppo.batch_size", f"{ppo.batch_size} rollouts do not split into groups of samples_per_prompt="
+                                f"{ppo.samples_per_prompt}; use a multiple of {ppo.samples_per_prompt}"
+        ))
     if ppo.minibatch_size > ppo.batch_size:
-        problems.append(f"$.ppo.minibatch_size: {ppo.minibatch_size} is larger than batch_size={ppo.batch_size}")
+        problems.append(Problem("$.ppo.minibatch_size", f"{ppo.minibatch_size} is larger than batch_size={ppo.batch_size}"))
     elif ppo.batch_size % ppo.minibatch_size:
-        problems.append(
-            f"$.ppo.minibatch_size: {ppo.minibatch_size} does not divide batch_size={ppo.batch_size}; "
-            f"pick a divisor such as {_largest_divisor_at_most(ppo.batch_size, ppo.minibatch_size)}"
-        )
+        problems.append(Problem(
+            "$.ppo.minibatch_size", f"{ppo.minibatch_size} does not divide batch_size={ppo.batch_size}; "
+                                    f"pick a divisor such as {_largest_divisor_at_most(ppo.batch_size, ppo.minibatch_size)}"
+        ))
     return problems
+
+
+def schedule_problems(optim: OptimConfig) -> list[Problem]:
+    if optim.schedule == "constant" and optim.warmup_steps:
+        return [Problem("$.optim.warmup_steps", "the 'constant' schedule has no warm-up; use schedule = 'constant_with_warmup'")]
+    return []
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:

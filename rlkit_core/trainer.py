@@ -9,13 +9,13 @@ every stage's own logic lives in a component or in `rlkit_core.functional`.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from transformers import get_scheduler
 
 from rlkit_core.assemble import build_components
 from rlkit_core.batch import RolloutBatch
@@ -32,6 +32,7 @@ from rlkit_core.functional import (
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.prompt_stream import PromptStream
+from rlkit_core.randomness import seeded_generator
 from rlkit_core.recipe import Recipe
 
 
@@ -62,20 +63,6 @@ def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor,
     return ids.to(device), mask.to(device)
 
 
-def _schedule(kind: str, warmup: int, total: int):
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "linear":
-            return 1.0 - progress
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return factor
-
-
 class Trainer:
     def __init__(self, recipe: Recipe, device: torch.device | None = None):
         self.recipe = recipe
@@ -101,7 +88,7 @@ class Trainer:
         self.parameters = [p for g in groups for p in g["params"]]
         self.optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps)
         updates = run.steps * ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(optim.schedule, optim.warmup_steps, updates))
+        self.scheduler = get_scheduler(optim.schedule, self.optimizer, num_warmup_steps=optim.warmup_steps, num_training_steps=updates)
         self.iteration = 0  # iterations completed
         self.last_batch: RolloutBatch | None = None  # the latest scored batch, for sample tables
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
@@ -188,7 +175,7 @@ class Trainer:
     # --- stage 3: the update -------------------------------------------------------------------
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
         ppo, optim = self.recipe.ppo, self.recipe.optim
-        shuffler = torch.Generator().manual_seed(self.recipe.run.seed * 1_000_003 + self.iteration)
+        shuffler = seeded_generator(self.recipe.run.seed, self.iteration)
         sums, count = defaultdict(float), 0
         for _ in range(ppo.epochs):
             for index in torch.randperm(len(batch), generator=shuffler).to(self.device).split(ppo.minibatch_size):

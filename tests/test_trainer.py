@@ -1,5 +1,7 @@
 """The PPO loop on a tiny real model: consistency at the first step, learning, determinism."""
 
+import math
+
 import pytest
 import torch
 
@@ -87,3 +89,23 @@ def test_every_required_metric_is_reported(recipe_document, registry):
                 "response/length", "response/eos_rate", "train/grad_norm", "time/generate", "time/score",
                 "time/forward", "time/train"]
     assert [name for name in required if name not in metrics] == []
+
+
+# The conftest recipe makes 8 optimiser steps: 2 iterations × 2 epochs × (16 / 8) minibatches.
+# Learning-rate factor after k steps (k = 0 … 8), by hand:
+#   linear: (8 − k) / 8;  cosine: (1 + cos(π k / 8)) / 2;
+#   linear with 2 warm-up steps: k / 2 for k < 2, then (8 − k) / 6 (transformers' warm-up starts at 0).
+@pytest.mark.parametrize("schedule, warmup, factors", [
+    ("constant", 0, [1.0] * 9),
+    ("linear", 0, [(8 - k) / 8 for k in range(9)]),
+    ("cosine", 0, [(1 + math.cos(math.pi * k / 8)) / 2 for k in range(9)]),
+    ("linear", 2, [0.0, 0.5] + [(8 - k) / 6 for k in range(2, 9)]),
+])
+def test_learning_rate_schedule_over_the_run(recipe_document, registry, schedule, warmup, factors):
+    trainer = make_trainer(recipe_document, registry, optim__schedule=schedule, optim__warmup_steps=warmup)
+    rates = [trainer.scheduler.get_last_lr()[0]]
+    for _ in range(8):
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+        rates.append(trainer.scheduler.get_last_lr()[0])
+    assert rates == pytest.approx([1e-3 * f for f in factors], abs=1e-12)
