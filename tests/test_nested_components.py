@@ -166,3 +166,11 @@ def test_an_extra_key_that_is_also_the_nested_components_setting_is_refused(regi
         "$.reward.parts[0]: reward 'python' has settings named function, which this table also reads for the component it "
         "sits in; the two cannot be told apart here",
     ]
+
+
+def test_the_plan_and_the_run_inventory_name_every_nested_component(mix_document, registry):
+    from rlkit_core.inventory import inventory_rows
+
+    rows = [(row["table"], row["type"], row["plugin"]) for row in inventory_rows(parse_recipe(mix_document, registry))]
+    assert rows[3:7] == [("reward", "mix", "mix"), ("reward.parts.0", "python", "rewards"),
+                         ("reward.parts.1", "python", "rewards"), ("reward.judge", "python", "rewards")]
