@@ -1,9 +1,10 @@
 """Finding plugins: one pluggy manager over the `rlkit` entry-point group.
 
-Built-ins and third-party plugins are found the same way. A plugin that fails to import, uses a
-hook name rlkit does not define, or raises while registering is recorded as broken with its error;
-the others still load, so `rlkit plugins` keeps working and a recipe that needs the broken one
-fails with that error.
+Built-ins and third-party plugins are found the same way. pluggy checks each plugin against the
+hookspecs; a plugin that fails to import, fails those checks (a hook name rlkit does not define, a
+hook argument other than `register`) or raises while registering is recorded as broken with its
+error; the others still load, so `rlkit plugins` keeps working and a recipe that needs the broken
+one fails with that error.
 
 `RLKIT_PLUGINS` limits which third-party plugins load: unset loads all; an empty value or `none`
 loads only the built-ins; otherwise a comma-separated list of plugin (entry-point) names.
