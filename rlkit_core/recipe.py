@@ -28,6 +28,7 @@ from rlkit_core.schema import (
     PPOConfig,
     RunConfig,
     batch_arithmetic_problems,
+    kl_problems,
     schedule_problems,
 )
 
@@ -208,7 +209,7 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         core[table], found = structure_table(document.get(table, {}), cls, f"$.{table}")
         problems += found
     if core["ppo"] is not None:
-        problems += batch_arithmetic_problems(core["ppo"])
+        problems += batch_arithmetic_problems(core["ppo"]) + kl_problems(core["ppo"])
     if core["optim"] is not None:
         problems += schedule_problems(core["optim"])
 

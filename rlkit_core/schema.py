@@ -86,6 +86,23 @@ def batch_arithmetic_problems(ppo: PPOConfig) -> list[Problem]:
     return problems
 
 
+def kl_problems(ppo: PPOConfig) -> list[Problem]:
+    """KL settings that cannot run: the loss sees only the sampled tokens' log-probs, not the full
+    distributions that the "full" estimator sums over."""
+    if ppo.kl_penalty == "loss" and ppo.kl_estimator == "full":
+        return [Problem("$.ppo.kl_estimator", '"full" needs both models\' whole distributions, which the loss does not '
+                        'keep; with kl_penalty = "loss" use "k3" (or put the penalty in the reward: kl_penalty = "reward")')]
+    return []
+
+
+def kl_warnings(ppo: PPOConfig) -> list[str]:
+    """KL settings that run but probably do not do what the user meant."""
+    if ppo.kl_penalty == "loss" and ppo.kl_estimator == "k1":
+        return ['$.ppo.kl_estimator: "k1" in the loss has zero expected gradient (its gradient at tokens sampled '
+                'from π is ∇log π, whose mean is 0, so it never pulls π towards the reference); use "k3" with kl_penalty = "loss"']
+    return []
+
+
 def schedule_problems(optim: OptimConfig) -> list[Problem]:
     if optim.schedule == "constant" and optim.warmup_steps:
         return [Problem("$.optim.warmup_steps", "the 'constant' schedule has no warm-up; use schedule = 'constant_with_warmup'")]

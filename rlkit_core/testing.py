@@ -65,6 +65,6 @@ def write_tiny_causal_lm(path: Path) -> Path:
 
 def policy_inputs(tokenizer, prompts=("ab", "abcdef")):
     """(input_ids, attention_mask, position_ids) of left-padded prompts, as the loop feeds them."""
-    from rlkit_core.trainer import encode_prompts
+    from rlkit_core.prompts import encode_prompts
 
-    return sequence_inputs(*encode_prompts(tokenizer, list(prompts), "cpu"))
+    return sequence_inputs(*encode_prompts(tokenizer, [{"prompt": p} for p in prompts], "cpu"))
