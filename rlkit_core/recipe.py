@@ -2,7 +2,10 @@
 
 The document is parsed at the edge by one cattrs converter. Core tables become `rlkit_core.schema`
 classes; each component table's `type` picks a registered component and the rest of the table is
-structured into that component's own config class.
+structured into that component's own config class. A component table may hold component tables of
+its own (settings declared with `rlkit_core.config.nested_components`); each is read the same way,
+and its problems are located where it sits (`$.reward.parts[1].weight`). Problems travel as
+`rlkit_core.errors.Problem` records until they are reported.
 """
 
 from __future__ import annotations
