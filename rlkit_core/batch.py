@@ -21,12 +21,12 @@ def sequence_inputs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, respons
     Position ids count real tokens only, so a left-padded prompt starts at position 0. Padding
     after a response's EOS is masked out.
     """
+    input_ids, attention_mask = prompt_ids, prompt_mask.long()
     if response_ids is not None:
-        prompt_ids = torch.cat([prompt_ids, response_ids], dim=1)
-        prompt_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    attention_mask = prompt_mask.long()
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return prompt_ids, attention_mask, position_ids
+    return input_ids, attention_mask, position_ids
 
 
 @attrs.frozen

@@ -45,8 +45,6 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-
-
 class Trainer:
     def __init__(self, recipe: Recipe, device: torch.device | None = None):
         self.recipe = recipe
