@@ -466,7 +466,7 @@ class GeneratorContract(_OnTinyModel):
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         with torch.no_grad():
             logits = policy.forward(input_ids, attention_mask, position_ids).logits[:, prompt_ids.shape[1] - 1:-1]
-        recomputed = logprobs_from_logits(logits, out.response_ids, instance.temperature)
+        recomputed = logprobs_from_logits(logits, out.response_ids, instance.temperature, policy.suppressed_token_ids)
         counted = out.response_mask.bool()
         gap = (recomputed - out.logprobs)[counted].abs().max()
         assert gap <= self.logprob_tolerance, f"sampled log-probs differ from π/T by up to {gap:.2e}"

@@ -319,3 +319,16 @@ def test_real_model_recipes_pass_check_offline(name, tmp_path):
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "is valid" in result.stdout and "not checked offline" in result.stdout
+
+
+def test_check_names_a_reward_model_tokenizer_that_cannot_be_loaded(recipe_document, registry, gpt2_classifier, tmp_path):
+    from rlkit_core.plan import describe_plan
+
+    empty = tmp_path / "no-tokenizer-here"
+    empty.mkdir()
+    for tokenizer, message in [(str(tmp_path / "missing"), r"\$\.reward\.tokenizer: no directory"),
+                               (str(empty), r"\$\.reward\.tokenizer: cannot load a tokenizer from")]:
+        recipe = parse_recipe(document(recipe_document, reward={"type": "reward-model", "model": str(gpt2_classifier),
+                                                                "tokenizer": tokenizer}), registry)
+        with pytest.raises(RecipeError, match=message):
+            describe_plan(recipe)
