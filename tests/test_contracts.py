@@ -1,4 +1,4 @@
-"""The built-in components pass the same contract tests that `rlkit_core.testing` offers plugin
+"""The built-in components pass the same contract tests that `rlkit_core.contracts` offers plugin
 authors: every component that can be built offline."""
 
 import json
