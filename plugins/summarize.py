@@ -74,6 +74,26 @@ class Rouge(RewardSource):
         return checked_scores(scores, len(responses), "rouge")
 
 
+@attrs.frozen
+class FactCopiedConfig:
+    reference_field: str = setting("reference", help="data column holding the reference summary")
+
+
+class FactCopied(RewardSource):
+    """1 when the summary names every part of the reference's fact (who, did what, where), else 0:
+    the strict task metric that the default recipe's evaluation reports beside ROUGE."""
+
+    def __init__(self, config: FactCopiedConfig, context=None):
+        self.config = config
+
+    def score(self, prompts, responses, **columns):
+        references = columns.get(self.config.reference_field)
+        if references is None:
+            raise RecipeError([f"$.eval.metrics: fact-copied needs the data column {self.config.reference_field!r} "
+                               f"(columns: {', '.join(columns) or 'none'})"])
+        return [summarize_task.fact_copied(r, ref) for r, ref in zip(responses, references)]
+
+
 def warm_start_policy(config: WarmStartConfig, context) -> HFPolicy:
     """Build the warm start on first use (about a minute on two CPU cores), then load it like any `hf` model."""
     from rlkit_plugins.warm_start import build_warm_start
@@ -98,6 +118,7 @@ def register_prompt_sources(register):
 @hookimpl
 def register_rewards(register):
     register("rouge", Rouge, RougeConfig)
+    register("fact-copied", FactCopied, FactCopiedConfig)
 
 
 @hookimpl

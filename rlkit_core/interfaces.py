@@ -147,7 +147,8 @@ class Generator(ABC):
     temperature: float  # the loop divides logits by it when it recomputes log-probs
 
     @abstractmethod
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Generation: ...
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, greedy: bool = False) -> Generation:
+        """`greedy`: the likeliest token at every step (for evaluation; its log-probs are not used)."""
 
     def sync_weights(self, policy: Policy) -> None:
         """Bring the sampler's weights up to date with the policy; in-process samplers share them."""
