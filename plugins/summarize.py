@@ -15,6 +15,7 @@ from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import PromptSource, RewardSource
+from rlkit_core.progress import Progress
 from rlkit_core.prompts import PromptLengthLimit
 from rlkit_plugins import summarize_task
 from rlkit_plugins.hf_policy import DTYPES, HFPolicy, HFPolicyConfig
@@ -106,7 +107,7 @@ def warm_start_policy(config: WarmStartConfig, context) -> HFPolicy:
         print(f"rlkit: building the warm-start summarizer in {folder} (once; later runs reuse it)", file=sys.stderr, flush=True)
     path = build_warm_start(folder, n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
                             sft_steps=config.sft_steps, batch_size=config.sft_batch_size, lr=config.sft_learning_rate,
-                            seed=config.seed)
+                            seed=config.seed, progress=Progress(config.sft_steps, label="warm-start step"))
     return HFPolicy(HFPolicyConfig(model=str(path), dtype=config.dtype), context)
 
 
