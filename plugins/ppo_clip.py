@@ -1,6 +1,7 @@
 """Loss `ppo-clip`: clipped policy term, clipped value term, optional entropy bonus."""
 
 import attrs
+import torch
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, greater_than, setting
@@ -14,9 +15,14 @@ class PPOClipConfig:
     value_clip: float = setting(0.2, help="value clip ε_v around the rollout's values", validator=greater_than(0))
     vf_coef: float = setting(0.1, help="weight c_v of the value loss", validator=at_least(0))
     entropy_coef: float = setting(0.0, help="weight c_e of the entropy bonus (usually 0 for language models)", validator=at_least(0))
+    ratio_threshold: float = setting(10.0, help="skip a minibatch whose mean ratio π_θ/π_old exceeds this (0: never); a guard against one destructive step", validator=at_least(0))
 
 
 class PPOClip(Loss):
+    """A minibatch whose mean ratio exploded (the policy moved far from the one that sampled it,
+    usually after one bad step) is reported as `skipped` and the loop leaves the weights alone:
+    the clipped objective bounds each token's push but not the damage of following it."""
+
     def __init__(self, config: PPOClipConfig, context=None):
         self.config = config
         self.entropy_in_loss = config.entropy_coef > 0
@@ -39,6 +45,8 @@ class PPOClip(Loss):
             terms["value_clipfrac"] = vf["clipfrac"]
         if self.config.entropy_coef:
             terms["loss_entropy"] = -self.config.entropy_coef * masked_sum(current.entropy, mask) / token_count
+        exploded = bool(self.config.ratio_threshold) and float(pg["ratio_mean"]) > self.config.ratio_threshold
+        terms["skipped"] = torch.tensor(float(exploded))
         return terms
 
 

@@ -131,7 +131,8 @@ class LossInputs:
 
 class Loss(ABC):
     """The objective over a minibatch. Returns named terms: `loss_*` are summed and optimised,
-    the rest are diagnostics that the loop logs under `train/`."""
+    the rest are diagnostics that the loop logs under `train/`; a nonzero `skipped` term tells the
+    loop to take no optimiser step on this minibatch."""
 
     entropy_in_loss: bool = False  # True when a `loss_*` term uses `entropy`: the loop then keeps its graph
 

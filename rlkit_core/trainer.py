@@ -203,9 +203,11 @@ class Trainer:
                     terms["loss_kl"] = self.parts.kl.beta * masked_sum(kl, mask) / token_count
                 total = sum(value for name, value in terms.items() if name.startswith("loss_"))
                 self.optimizer.zero_grad(set_to_none=True)
-                self.accelerator.backward(total)
-                grad_norm = self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
-                self.optimizer.step()
+                grad_norm = 0.0
+                if not float(terms.get("skipped", 0.0)):
+                    self.accelerator.backward(total)
+                    grad_norm = self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
+                    self.optimizer.step()
                 self.scheduler.step()
                 for name, value in terms.items():
                     sums[f"train/{name}"] += float(value.detach())
