@@ -64,13 +64,16 @@ def _cmd_plugins(args) -> int:
 
 
 def _cmd_check(args) -> int:
-    from rlkit_core.plan import describe_plan
+    from rlkit_core.plan import describe_plan, missing_here
     from rlkit_core.plugins import load_registry
     from rlkit_core.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)
     print(describe_plan(recipe))
-    return 0
+    missing = missing_here(recipe)
+    for line in missing:
+        print(f"rlkit check: cannot run on this machine: {line}", file=sys.stderr)
+    return 1 if missing else 0
 
 
 def _cmd_run(args) -> int:

@@ -31,3 +31,14 @@ def model_size(recipe: Recipe) -> list[str]:
     """Parameter count and a memory estimate from the policy's config file, when it names a local model."""
     describe = getattr(recipe["policy"].component.factory, "describe", None)
     return describe(recipe["policy"].config) if describe else []
+
+
+def missing_here(recipe: Recipe) -> list[str]:
+    """What this machine lacks for the recipe, from each component's optional `missing_here(config)`
+    (e.g. the vllm generator without vLLM or a GPU), each prefixed with its table."""
+    problems = []
+    for table, choice in recipe.components.items():
+        check = getattr(choice.component.factory, "missing_here", None)
+        if check:
+            problems += [f"[{table}] {problem}" for problem in check(choice.config)]
+    return problems

@@ -172,7 +172,22 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
 
     if problems:
         raise RecipeError(problems, source)
-    return Recipe(core["run"], core["ppo"], core["optim"], components, document, source)
+    recipe = Recipe(core["run"], core["ppo"], core["optim"], components, document, source)
+    problems = _cross_table_problems(recipe)
+    if problems:
+        raise RecipeError(problems, source)
+    return recipe
+
+
+def _cross_table_problems(recipe: Recipe) -> list[str]:
+    """What a component finds wrong with the rest of the recipe (its factory's optional
+    `recipe_problems(config, recipe)`), e.g. a GPU-only generator with run.device = "cpu"."""
+    problems = []
+    for choice in recipe.components.values():
+        check = getattr(choice.component.factory, "recipe_problems", None)
+        if check:
+            problems += check(choice.config, recipe)
+    return problems
 
 
 def _component(document, table, kind, default_type, registry) -> tuple[ComponentChoice | None, list[str]]:
