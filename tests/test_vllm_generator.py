@@ -170,6 +170,33 @@ def test_lora_is_folded_into_the_base_names(kind, tied, tmp_path):
     assert not torch.equal(pushed[moved], model.get_base_model().state_dict()[moved.replace(".weight", ".base_layer.weight")])
 
 
+def test_fsdp2_shards_are_gathered_before_the_push(tmp_path, monkeypatch):
+    """FSDP2 keeps each weight as a DTensor shard; the push sends whole tensors (one CPU process
+    on gloo here; under `accelerate launch` every rank joins the same gather)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = _tiny("llama", tied=False)
+        checkpoint = _checkpoint(model, tmp_path)
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert type(model.state_dict()["lm_head.weight"]).__name__ == "DTensor"
+        pushed = dict(vllm_weights(model))
+        assert all(type(t) is torch.Tensor for t in pushed.values())
+        _assert_same(pushed, checkpoint)
+    finally:
+        dist.destroy_process_group()
+
+
 # --- engine samples to a Generation -------------------------------------------------------------------
 
 
