@@ -129,15 +129,18 @@ def missing_here(tensor_parallel_size: int = 1) -> list[str]:
 PEFT_PREFIX = "base_model.model."
 
 
-def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def vllm_weights(model: torch.nn.Module, lora_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with the names `save_pretrained` writes, which is what vLLM's
     `load_weights` reads: a peft model's LoRA deltas folded into their base weights
     (`base_model.model.` prefix, `.base_layer.` and the `lora_A`/`lora_B` tensors gone, the
-    trained copy of `modules_to_save`), a tied tensor named once, FSDP2 shards gathered."""
+    trained copy of `modules_to_save`), a tied tensor named once, FSDP2 shards gathered.
+    `lora_only`: just the tensors LoRA training changes, for an engine that holds the base already."""
     deltas = _lora_deltas(model)
     seen: set[int] = set()
     for key, tensor in model.state_dict().items():
         if ".lora_" in key or ".original_module." in key:
+            continue
+        if lora_only and key not in deltas and ".modules_to_save." not in key:
             continue
         if key in deltas:
             tensor = tensor + deltas[key].to(tensor.dtype)
@@ -206,12 +209,12 @@ class InProcessEngine:
     are processes and `apply_model` pickles the weights to each (slower; not yet run on a GPU)."""
 
     def __init__(self, settings: dict, sampling: dict):
-        from vllm import LLM, SamplingParams
-
         if settings["tensor_parallel_size"] == 1:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         else:
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model ships a function
+        from vllm import LLM, SamplingParams  # after the environment: vLLM reads it on import
+
         self._params = SamplingParams
         self.sampling = sampling
         self.llm = LLM(**settings)
@@ -307,8 +310,9 @@ class VLLMGenerator(Generator):
     def sync_weights(self, policy) -> None:
         started = time.perf_counter()
         self.engine.wake_up()
+        lora_only = self._pushed and is_peft(policy.model)  # the frozen base is in the engine already
         with torch.no_grad():
-            self.engine.load_weights(vllm_weights(policy.model))
+            self.engine.load_weights(vllm_weights(policy.model, lora_only))
         self.engine.reset_prefix_cache()
         self._pushed = True
         self._metrics["time/weight_sync"] = self._metrics.get("time/weight_sync", 0.0) + time.perf_counter() - started

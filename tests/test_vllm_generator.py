@@ -197,6 +197,22 @@ def test_fsdp2_shards_are_gathered_before_the_push(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
+def test_with_lora_a_later_push_sends_only_what_training_changes(tiny_model, tmp_path):
+    policy = _policy(tiny_model, tmp_path, lora_r=4)
+    generator = _generator(policy, tmp_path)
+    generator.sync_weights(policy)  # the first push carries the base as well
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    partial = dict(vllm_weights(policy.model, lora_only=True))
+    assert sorted(partial) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]
+    generator.sync_weights(policy)
+    input_ids, attention_mask, position_ids = policy_inputs(policy.tokenizer)
+    torch.testing.assert_close(generator.engine.model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits,
+                               policy.model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits)
+
+
 # --- engine samples to a Generation -------------------------------------------------------------------
 
 
@@ -232,6 +248,7 @@ class StandInEngine:
         torch.manual_seed(123)
         self.model = AutoModelForCausalLM.from_config(base.config).eval()
         self.tied = {"lm_head.weight"} if base.config.tie_word_embeddings else set()
+        self.loaded: set[str] = set()
         shadow = types.SimpleNamespace(model=self.model, tokenizer=policy.tokenizer, eos_token_ids=policy.eos_token_ids)
         sampling = HFGeneratorConfig(max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens, temperature=config.temperature)
         self.sampler = HFGenerator(sampling, types.SimpleNamespace(policy=shadow))
@@ -239,8 +256,13 @@ class StandInEngine:
         self.calls: list[str] = []
 
     def load_weights(self, weights):
-        missing, unexpected = self.model.load_state_dict(dict(weights), strict=False)
-        assert not unexpected and set(missing) <= self.tied, (missing, unexpected)
+        """Like vLLM's: any subset of the names, each tensor replacing the engine's copy."""
+        state = dict(weights)
+        _, unexpected = self.model.load_state_dict(state, strict=False)
+        assert not unexpected, unexpected
+        self.loaded |= set(state)
+        never_loaded = set(self.model.state_dict()) - self.loaded - self.tied
+        assert not never_loaded, f"still placeholder weights: {sorted(never_loaded)[:3]}"
         self.calls.append("load_weights")
 
     def reset_prefix_cache(self):
