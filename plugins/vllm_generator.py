@@ -301,11 +301,12 @@ class VLLMGenerator(Generator):
             raise RunError("the vllm generator cannot start here: " + "; ".join(problems))
         model = self.policy.model
         base = model.get_base_model() if is_peft(model) else model
-        with tempfile.TemporaryDirectory(prefix="rlkit-vllm-") as model_dir:
-            base.config.save_pretrained(model_dir)  # vocabulary as resized for the PAD token
-            base.generation_config.save_pretrained(model_dir)
-            settings = engine_settings(self.config, model_dir, base.dtype, context.seed)
-            return InProcessEngine(settings, sampling_settings(self.config, self.policy.eos_token_ids))
+        # config files only (the vocabulary as resized for the PAD token), kept while the engine lives
+        self._model_dir = tempfile.TemporaryDirectory(prefix="rlkit-vllm-")
+        base.config.save_pretrained(self._model_dir.name)
+        base.generation_config.save_pretrained(self._model_dir.name)
+        settings = engine_settings(self.config, self._model_dir.name, base.dtype, context.seed)
+        return InProcessEngine(settings, sampling_settings(self.config, self.policy.eos_token_ids))
 
     def sync_weights(self, policy) -> None:
         started = time.perf_counter()

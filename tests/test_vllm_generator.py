@@ -110,6 +110,36 @@ def test_building_without_vllm_is_a_run_error(tiny_model, tmp_path, monkeypatch)
         VLLMGenerator(VLLMGeneratorConfig(), context)
 
 
+def test_the_engine_starts_from_the_policys_config_with_placeholder_weights(tiny_model, tmp_path, monkeypatch):
+    """vLLM builds the architecture from the config files alone (`load_format = "dummy"`): the
+    vocabulary must be the policy's, resized for an added PAD token, or the first push would not fit."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    model_dir = tmp_path / "gpt2-without-pad"
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(special_tokens=["<|endoftext|>"]))
+    tokenizer = GPT2TokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")  # no PAD: the policy adds one
+    tokenizer.save_pretrained(model_dir)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(model_dir)
+    policy = _policy(model_dir, tmp_path)
+    started = {}
+
+    def engine(settings, sampling):
+        started.update(settings=settings, sampling=sampling, vocab=AutoConfig.from_pretrained(settings["model"]).vocab_size)
+        return "engine"
+
+    monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: [])
+    monkeypatch.setattr(vllm_generator, "InProcessEngine", engine)
+    context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=3, policy=policy)
+    generator = VLLMGenerator(VLLMGeneratorConfig(), context)
+    assert generator.engine == "engine"
+    assert started["vocab"] == len(policy.tokenizer) == policy.model.get_input_embeddings().num_embeddings == len(tokenizer) + 1
+    assert started["settings"]["load_format"] == "dummy" and started["settings"]["seed"] == 3 and started["settings"]["dtype"] == "float32"
+    assert started["sampling"]["stop_token_ids"] == list(policy.eos_token_ids)
+
+
 # --- weight names --------------------------------------------------------------------------------------
 
 
