@@ -16,6 +16,7 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, one_of, setting
 from rlkit_core.errors import RecipeError
+from rlkit_core.hf_loading import check_tokenizer
 from rlkit_core.interfaces import Policy, PolicyOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,16 +36,26 @@ class HFPolicyConfig:
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
-    """A left-padding tokenizer whose PAD differs from EOS (a shared id would mask the EOS out of the loss)."""
+    """A left-padding tokenizer that has an EOS; its PAD is settled by `settle_pad` once the
+    model's end ids are known."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.eos_token_id is None:
         raise RecipeError([f"$.policy.tokenizer: tokenizer {name!r} has no EOS token; responses could never end"])
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
     return tokenizer
+
+
+def settle_pad(tokenizer, eos_token_ids) -> bool:
+    """Give the tokenizer a PAD that ends no response; True when rlkit had to add one.
+
+    GPT-2, Pythia and Llama have no PAD, or use an end token as PAD; a shared id would make
+    padding indistinguishable from a response that ended, so rlkit adds its own token."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_token_ids:
+        return False
+    tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    return True
 
 
 def end_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
@@ -76,9 +87,13 @@ class HFPolicy(Policy):
         except OSError as exc:
             where = "a local directory" if os.path.sep in config.model or config.model.startswith(".") else "a hub name (needs network)"
             raise RecipeError([f"$.policy.model: cannot load {config.model!r} as {where}: {exc}"]) from None
-        if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
-            base.resize_token_embeddings(len(self.tokenizer))
         self.eos_token_ids = end_token_ids(self.tokenizer, base.generation_config)
+        if settle_pad(self.tokenizer, self.eos_token_ids):
+            # The added PAD only fills masked positions; it must never be sampled or take
+            # probability from real tokens, so the loop masks it out of every softmax.
+            self.suppressed_token_ids = (self.tokenizer.pad_token_id,)
+        if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
+            base.resize_token_embeddings(len(self.tokenizer))  # a row for the added PAD (none spare, as in GPT-2)
         base.config.pad_token_id = self.tokenizer.pad_token_id
         base.generation_config.pad_token_id = self.tokenizer.pad_token_id
         base.generation_config.eos_token_id = list(self.eos_token_ids)
@@ -102,6 +117,14 @@ class HFPolicy(Policy):
     @property
     def model(self) -> torch.nn.Module:
         return self._model
+
+    @staticmethod
+    def check(config: HFPolicyConfig, recipe) -> tuple[list[str], list[str]]:
+        """(problems, notes) of `rlkit check`: the tokenizer must load (a missing directory is named)."""
+        problems, notes = [], []
+        where = "$.policy.tokenizer" if config.tokenizer else "$.policy.model"
+        check_tokenizer(config.tokenizer or config.model, where, problems, notes, config.trust_remote_code)
+        return problems, notes
 
     @staticmethod
     def describe(config: HFPolicyConfig) -> list[str]:

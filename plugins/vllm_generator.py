@@ -3,15 +3,17 @@
 The engine starts from the policy's config with placeholder weights; before every rollout the
 policy's current weights (LoRA merged) are pushed into it and its prefix cache is reset, so that it
 samples from exactly the π that the trainer scores. Sampling mirrors the `hf` generator: pure
-temperature sampling (no top-k/top-p/penalties), the recipe's max/min new tokens, every EOS id of
-the policy, and the sampled tokens' log-probs at that temperature.
+temperature sampling unless the recipe sets top-k/top-p, no penalties, the recipe's max/min new
+tokens, every EOS id of the policy, the policy's suppressed ids (an added PAD) never drawn, and the
+sampled tokens' log-probs after every processor, as the sampler drew them.
 
 Written against vLLM 0.33.0, read from its source (not run here, no GPU): `vllm.LLM` (generate,
 apply_model, reset_prefix_cache, sleep/wake_up), `SamplingParams`, `ModelConfig.logprobs_mode`
-("processed_logprobs": log-probs after temperature and the min-tokens EOS ban, as the sampler saw
-them), `ModelConfig.generation_config` ("vllm": no sampling defaults from the model's
-generation_config.json), and the models' `load_weights`, which take the names and layouts of a
-transformers checkpoint (GPT-2 transposes its Conv1D weights itself; tied embeddings are loaded once).
+("processed_logprobs": log-probs after temperature, top-k/top-p and the token masks, like the hf
+generator's log-probs of its processed scores), `ModelConfig.generation_config` ("vllm": no
+sampling defaults from the model's generation_config.json), and the models' `load_weights`, which
+take the names and layouts of a transformers checkpoint (GPT-2 transposes its Conv1D weights
+itself; tied embeddings are loaded once).
 
 The engine sits behind `Engine`, so that a server mode (generation on other GPUs, weights pushed
 over a collective) can be a second implementation; only `InProcessEngine` exists today.
@@ -33,10 +35,12 @@ from packaging.version import InvalidVersion, Version
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
-from rlkit_core.errors import RunError
+from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import response_mask
 from rlkit_core.interfaces import Generation, Generator
 
+DEVICE_PROBLEM = ('$.run.device: the vllm generator runs on a CUDA GPU, so "cpu" cannot work; '
+                  'use run.device = "auto" or "cuda", or generator.type = "hf"')
 MIN_VLLM = "0.11.0"  # V1 engine only, `logprobs_mode` and `generation_config = "vllm"` present
 INSTALL = 'pip install "rlkit[vllm]"'
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -47,6 +51,8 @@ class VLLMGeneratorConfig:
     max_new_tokens: int = setting(64, help="longest response in tokens", validator=greater_than(0))
     min_new_tokens: int = setting(0, help="EOS is forbidden before this many tokens (the sampler then differs from π; keep 0 for exact PPO)", validator=at_least(0))
     temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed", validator=greater_than(0))
+    top_k: int = setting(0, help="sample from the k likeliest tokens only (0: off). Biases PPO: the sampler is no longer π, see README", validator=at_least(0))
+    top_p: float = setting(1.0, help="nucleus sampling mass (1.0: off). Biases PPO like top_k", validator=between(0.0, 1.0))
     tensor_parallel_size: int = setting(1, help="GPUs the engine shards the model over", validator=greater_than(0))
     gpu_memory_fraction: float = setting(0.3, help="share of each GPU's memory vLLM takes for weights and KV cache (the rest is for training)", validator=between(0.01, 1.0))
     sleep_level: int = setting(0, help="free vLLM's GPU memory while training: 0 keeps it, 1 moves weights to CPU and drops the KV cache, 2 drops both", validator=one_of(0, 1, 2))
@@ -78,12 +84,14 @@ def engine_settings(config: VLLMGeneratorConfig, model_dir: str, policy_dtype: t
     return settings
 
 
-def sampling_settings(config: VLLMGeneratorConfig, eos_token_ids: tuple[int, ...]) -> dict:
-    """Keyword arguments for `vllm.SamplingParams` (less `n`), every sampling knob spelled out."""
+def sampling_settings(config: VLLMGeneratorConfig, eos_token_ids: tuple[int, ...], suppressed: tuple[int, ...], vocab_size: int) -> dict:
+    """Keyword arguments for `vllm.SamplingParams` (less `n`), every sampling knob spelled out.
+    Suppressed ids are left out of `allowed_token_ids`, which vLLM masks to -inf as transformers'
+    `suppress_tokens` does (a logit_bias would be clamped to -100 and leave them a sliver)."""
     return {
         "temperature": config.temperature,
-        "top_p": 1.0,
-        "top_k": 0,  # 0: the whole vocabulary
+        "top_p": config.top_p,
+        "top_k": config.top_k,  # 0: the whole vocabulary
         "min_p": 0.0,
         "repetition_penalty": 1.0,
         "presence_penalty": 0.0,
@@ -94,6 +102,7 @@ def sampling_settings(config: VLLMGeneratorConfig, eos_token_ids: tuple[int, ...
         "ignore_eos": False,
         "logprobs": 0,  # the sampled token's log-prob only
         "detokenize": False,
+        "allowed_token_ids": [i for i in range(vocab_size) if i not in suppressed] if suppressed else None,
     }
 
 
@@ -221,7 +230,8 @@ class InProcessEngine:
         self.asleep = False
 
     def generate(self, prompts, counts):
-        params = [self._params(**self.sampling, n=count) for count in counts]
+        by_count = {count: self._params(**self.sampling, n=count) for count in set(counts)}  # vLLM copies them per request
+        params = [by_count[count] for count in counts]
         requests = [{"prompt_token_ids": ids} for ids in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [[_sample(completion) for completion in output.outputs] for output in outputs]
@@ -299,6 +309,8 @@ class VLLMGenerator(Generator):
         problems = missing_here(self.config.tensor_parallel_size)
         if problems:
             raise RunError("the vllm generator cannot start here: " + "; ".join(problems))
+        if context.device.type != "cuda":
+            raise RecipeError([DEVICE_PROBLEM])
         model = self.policy.model
         base = model.get_base_model() if is_peft(model) else model
         # config files only (the vocabulary as resized for the PAD token), kept while the engine lives
@@ -306,7 +318,8 @@ class VLLMGenerator(Generator):
         base.config.save_pretrained(self._model_dir.name)
         base.generation_config.save_pretrained(self._model_dir.name)
         settings = engine_settings(self.config, self._model_dir.name, base.dtype, context.seed)
-        return InProcessEngine(settings, sampling_settings(self.config, self.policy.eos_token_ids))
+        sampling = sampling_settings(self.config, self.policy.eos_token_ids, self.policy.suppressed_token_ids, base.config.vocab_size)
+        return InProcessEngine(settings, sampling)
 
     def sync_weights(self, policy) -> None:
         started = time.perf_counter()
@@ -335,15 +348,12 @@ class VLLMGenerator(Generator):
         return reported
 
     @staticmethod
-    def missing_here(config: VLLMGeneratorConfig) -> list[str]:
-        return missing_here(config.tensor_parallel_size)
-
-    @staticmethod
-    def recipe_problems(config: VLLMGeneratorConfig, recipe) -> list[str]:
-        if recipe.run.device == "cpu":
-            return ['$.run.device: "cpu" cannot work with generator.type = "vllm", which runs on a CUDA GPU; '
-                    'use run.device = "auto" or "cuda", or generator.type = "hf"']
-        return []
+    def check(config: VLLMGeneratorConfig, recipe) -> tuple[list[str], list[str]]:
+        """(problems, notes) of `rlkit check`: a CPU run cannot work anywhere; a machine without
+        vLLM or a GPU is this machine's lack, noted under the plan (the recipe may be meant for another)."""
+        problems = [DEVICE_PROBLEM] if recipe.run.device == "cpu" else []
+        notes = [f"generator: cannot run on this machine: {lack}" for lack in missing_here(config.tensor_parallel_size)]
+        return problems, notes
 
 
 @hookimpl

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from rlkit_core.errors import RecipeError
 from rlkit_core.inventory import inventory_rows
 from rlkit_core.recipe import Recipe
+from rlkit_core.schema import kl_warnings
 
 
 def describe_plan(recipe: Recipe) -> str:
@@ -24,21 +26,30 @@ def describe_plan(recipe: Recipe) -> str:
     size = model_size(recipe)
     if size:
         lines += ["", "model:", *[f"  {line}" for line in size]]
+    problems, notes = component_checks(recipe)
+    if problems:
+        raise RecipeError(problems, recipe.source)
+    warnings = kl_warnings(recipe.ppo)
+    if warnings or notes:
+        lines += ["", "warnings:", *[f"  {line}" for line in warnings + notes]]
     return "\n".join(lines)
+
+
+def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:
+    """(problems, notes) from every component whose factory has a `check(config, recipe)`: what
+    would fail at run time across tables (a critic that cannot read the policy's ids, a reward
+    model's tokenizer that does not load), found before any weights are loaded."""
+    problems, notes = [], []
+    for choice in recipe.components.values():
+        check = getattr(choice.component.factory, "check", None)
+        if check:
+            found, said = check(choice.config, recipe)
+            problems += found
+            notes += said
+    return problems, notes
 
 
 def model_size(recipe: Recipe) -> list[str]:
     """Parameter count and a memory estimate from the policy's config file, when it names a local model."""
     describe = getattr(recipe["policy"].component.factory, "describe", None)
     return describe(recipe["policy"].config) if describe else []
-
-
-def missing_here(recipe: Recipe) -> list[str]:
-    """What this machine lacks for the recipe, from each component's optional `missing_here(config)`
-    (e.g. the vllm generator without vLLM or a GPU), each prefixed with its table."""
-    problems = []
-    for table, choice in recipe.components.items():
-        check = getattr(choice.component.factory, "missing_here", None)
-        if check:
-            problems += [f"[{table}] {problem}" for problem in check(choice.config)]
-    return problems

@@ -20,7 +20,7 @@ from cattrs.v import transform_error
 
 from rlkit_core.errors import RecipeError
 from rlkit_core.registry import Component, Registry
-from rlkit_core.schema import COMPONENT_TABLES, CORE_TABLES, OptimConfig, PPOConfig, RunConfig, batch_arithmetic_problems
+from rlkit_core.schema import COMPONENT_TABLES, CORE_TABLES, OptimConfig, PPOConfig, RunConfig, batch_arithmetic_problems, kl_problems
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -162,7 +162,7 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         core[table], found = structure_table(document.get(table, {}), cls, f"$.{table}")
         problems += found
     if core["ppo"] is not None:
-        problems += batch_arithmetic_problems(core["ppo"])
+        problems += batch_arithmetic_problems(core["ppo"]) + kl_problems(core["ppo"])
 
     components = {}
     for table, (kind, default_type) in COMPONENT_TABLES.items():
@@ -172,22 +172,7 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
 
     if problems:
         raise RecipeError(problems, source)
-    recipe = Recipe(core["run"], core["ppo"], core["optim"], components, document, source)
-    problems = _cross_table_problems(recipe)
-    if problems:
-        raise RecipeError(problems, source)
-    return recipe
-
-
-def _cross_table_problems(recipe: Recipe) -> list[str]:
-    """What a component finds wrong with the rest of the recipe (its factory's optional
-    `recipe_problems(config, recipe)`), e.g. a GPU-only generator with run.device = "cpu"."""
-    problems = []
-    for choice in recipe.components.values():
-        check = getattr(choice.component.factory, "recipe_problems", None)
-        if check:
-            problems += check(choice.config, recipe)
-    return problems
+    return Recipe(core["run"], core["ppo"], core["optim"], components, document, source)
 
 
 def _component(document, table, kind, default_type, registry) -> tuple[ComponentChoice | None, list[str]]:

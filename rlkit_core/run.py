@@ -16,6 +16,7 @@ from rlkit_core.plot import plot_curves
 from rlkit_core.progress import Progress
 from rlkit_core.recipe import Recipe
 from rlkit_core.report import print_report
+from rlkit_core.schema import kl_warnings
 from rlkit_core.trainer import Trainer
 
 SAMPLE_COUNT = 3
@@ -42,8 +43,14 @@ def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> No
 def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, overwrite: bool = False, out=sys.stdout) -> list[dict]:
     """Train up to `recipe.run.steps` iterations; returns the metrics of every iteration."""
     claim_output_dir(recipe.run.output_dir, resume, overwrite)
+    for warning in kl_warnings(recipe.ppo):
+        print(f"rlkit run: warning: {warning}", file=sys.stderr)
     trainer = Trainer(recipe)
     tracker = trainer.parts.tracker
+    counts = trainer.prompt_counts
+    if counts["cut"] or counts["skipped"]:
+        print(f"prompts: {counts['loaded']} loaded, {counts['cut']} cut from the left to {trainer.max_prompt_tokens} tokens, "
+              f"{counts['skipped']} skipped as too long", file=out)
     run_id = None
     if resume:
         meta = checkpoint.load_checkpoint(trainer, checkpoint.resolve(resume, recipe.run.output_dir))
@@ -53,7 +60,8 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
 
     tags = {"rlkit.version": __version__}
     tags.update({f"rlkit.component.{r['table']}": f"{r['type']} ({r['distribution']} {r['version']})" for r in inventory_rows(recipe)})
-    run_id = tracker.start(run_name=recipe.run.name, params=flatten(recipe.document), tags=tags, resume_id=run_id)
+    params = {**flatten(recipe.document), **{f"prompts.{name}": value for name, value in counts.items()}}
+    run_id = tracker.start(run_name=recipe.run.name, params=params, tags=tags, resume_id=run_id)
     if recipe.source and not resume:
         tracker.log_artifact(recipe.source, "recipe")
     samples_before = _samples_before(trainer)

@@ -320,9 +320,9 @@ def write_tiny_causal_lm(path: Path) -> Path:
 
 def policy_inputs(tokenizer, prompts=("ab", "abcdef")):
     """(input_ids, attention_mask, position_ids) of left-padded prompts, as the loop feeds them."""
-    from rlkit_core.trainer import encode_prompts
+    from rlkit_core.prompts import encode_prompts
 
-    input_ids, attention_mask = encode_prompts(tokenizer, list(prompts), "cpu")
+    input_ids, attention_mask = encode_prompts(tokenizer, [{"prompt": p} for p in prompts], "cpu")
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids
 

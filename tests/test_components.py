@@ -7,7 +7,7 @@ import torch
 
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import response_mask
-from rlkit_core.trainer import encode_prompts
+from rlkit_core.prompts import encode_prompts
 from rlkit_plugins.hf_policy import load_tokenizer
 from rlkit_plugins.prompt_sources import JsonlConfig, JsonlPrompts
 from rlkit_plugins.rewards import PythonReward, PythonRewardConfig, checked_scores
@@ -32,7 +32,7 @@ def test_tokenizer_gets_a_pad_distinct_from_eos(tiny_model):
 
 def test_encode_prompts_left_pads_and_drops_the_appended_eos(tiny_model):
     tokenizer = load_tokenizer(str(tiny_model))
-    ids, mask = encode_prompts(tokenizer, ["ab", "abcd"], "cpu")
+    ids, mask = encode_prompts(tokenizer, [{"prompt": "ab"}, {"prompt": "abcd"}], "cpu")
     # ByT5: byte b → id b + 3; 'a' = 97 → 100. Its trailing EOS (1) is dropped; pad is 0.
     assert ids.tolist() == [[0, 0, 100, 101], [100, 101, 102, 103]]
     assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
@@ -71,7 +71,7 @@ def test_reward_results_are_checked():
 def test_jsonl_errors_name_the_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"text": "b"}) + "\n")
-    with pytest.raises(RecipeError, match=r"p.jsonl:2: has no field 'prompt' \(fields: text\); set data.prompt_field"):
+    with pytest.raises(RecipeError, match=r"p.jsonl:2: has no field 'prompt' and no `messages` \(fields: text\); set data.prompt_field"):
         JsonlPrompts(JsonlConfig(path=str(path))).load()
     path.write_text("{not json\n")
     with pytest.raises(RecipeError, match=r"p.jsonl:1: not valid JSON"):

@@ -14,10 +14,10 @@ from safetensors import safe_open
 
 from rlkit_core.cli import main
 from rlkit_core.context import BuildContext
-from rlkit_core.errors import RunError
+from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.recipe import structure_table
+from rlkit_core.prompts import encode_prompts
 from rlkit_core.testing import GeneratorContract, policy_inputs
-from rlkit_core.trainer import encode_prompts
 from rlkit_plugins import vllm_generator
 from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
 from rlkit_plugins.vllm_generator import (
@@ -50,11 +50,18 @@ def test_engine_settings_follow_the_recipe():
 
 def test_sampling_settings_spell_out_pure_temperature_sampling():
     config = VLLMGeneratorConfig(max_new_tokens=48, min_new_tokens=3, temperature=0.7)
-    assert sampling_settings(config, (1, 5)) == {
+    assert sampling_settings(config, (1, 5), (), vocab_size=8) == {
         "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
         "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 48, "min_tokens": 3,
         "stop_token_ids": [1, 5], "ignore_eos": False, "logprobs": 0, "detokenize": False,
+        "allowed_token_ids": None,
     }
+
+
+def test_sampling_settings_pass_top_k_top_p_and_leave_out_the_suppressed_ids():
+    settings = sampling_settings(VLLMGeneratorConfig(top_k=20, top_p=0.9), (1,), (3, 6), vocab_size=8)
+    assert settings["top_k"] == 20 and settings["top_p"] == 0.9
+    assert settings["allowed_token_ids"] == [0, 1, 2, 4, 5, 7]
 
 
 @pytest.mark.parametrize("version, too_old", [("0.33.0", False), ("0.11.0", False), ("0.12.0+cu128", False),
@@ -86,27 +93,30 @@ def test_missing_here_names_what_to_install_and_the_gpu(monkeypatch):
 # --- rlkit check -------------------------------------------------------------------------------------
 
 
-def test_check_prints_the_plan_then_what_this_machine_lacks(recipe_document, write_recipe, monkeypatch, capsys):
+def test_check_prints_the_plan_and_notes_what_this_machine_lacks(recipe_document, write_recipe, monkeypatch, capsys):
     monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: ["vLLM is not installed: ..."])
     recipe_document["generator"]["type"] = "vllm"
-    assert main(["check", write_recipe(recipe_document)]) == 1
-    out, err = capsys.readouterr()
+    assert main(["check", write_recipe(recipe_document)]) == 0  # the recipe is fine; this machine is not for it
+    out = capsys.readouterr().out
     assert "[generator] vllm" in out and "iterations" in out
-    assert err == "rlkit check: cannot run on this machine: [generator] vLLM is not installed: ...\n"
+    assert "  generator: cannot run on this machine: vLLM is not installed: ..." in out.split("warnings:")[1]
 
 
 def test_check_rejects_the_cpu_device(recipe_document, write_recipe, capsys):
     recipe_document["generator"]["type"] = "vllm"
     recipe_document["run"]["device"] = "cpu"
     assert main(["check", write_recipe(recipe_document)]) == 2
-    assert ('$.run.device: "cpu" cannot work with generator.type = "vllm", which runs on a CUDA GPU; '
+    assert ('$.run.device: the vllm generator runs on a CUDA GPU, so "cpu" cannot work; '
             'use run.device = "auto" or "cuda", or generator.type = "hf"') in capsys.readouterr().err
 
 
-def test_building_without_vllm_is_a_run_error(tiny_model, tmp_path, monkeypatch):
+def test_building_without_vllm_is_a_run_error_and_on_the_cpu_a_recipe_error(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: ["torch sees no CUDA GPU"])
     context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=0, policy=_policy(tiny_model, tmp_path))
     with pytest.raises(RunError, match="the vllm generator cannot start here: torch sees no CUDA GPU"):
+        VLLMGenerator(VLLMGeneratorConfig(), context)
+    monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: [])  # a GPU machine, run.device = "cpu"
+    with pytest.raises(RecipeError, match='runs on a CUDA GPU, so "cpu" cannot work'):
         VLLMGenerator(VLLMGeneratorConfig(), context)
 
 
@@ -132,12 +142,15 @@ def test_the_engine_starts_from_the_policys_config_with_placeholder_weights(tiny
 
     monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: [])
     monkeypatch.setattr(vllm_generator, "InProcessEngine", engine)
-    context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=3, policy=policy)
+    context = BuildContext(recipe=None, device=torch.device("cuda"), output_dir=str(tmp_path), seed=3, policy=policy)
     generator = VLLMGenerator(VLLMGeneratorConfig(), context)
     assert generator.engine == "engine"
     assert started["vocab"] == len(policy.tokenizer) == policy.model.get_input_embeddings().num_embeddings == len(tokenizer) + 1
     assert started["settings"]["load_format"] == "dummy" and started["settings"]["seed"] == 3 and started["settings"]["dtype"] == "float32"
     assert started["sampling"]["stop_token_ids"] == list(policy.eos_token_ids)
+    pad = policy.tokenizer.pad_token_id
+    assert policy.suppressed_token_ids == (pad,) and pad not in started["sampling"]["allowed_token_ids"]
+    assert len(started["sampling"]["allowed_token_ids"]) == started["vocab"] - 1
 
 
 # --- weight names --------------------------------------------------------------------------------------
@@ -279,8 +292,10 @@ class StandInEngine:
         self.model = AutoModelForCausalLM.from_config(base.config).eval()
         self.tied = {"lm_head.weight"} if base.config.tie_word_embeddings else set()
         self.loaded: set[str] = set()
-        shadow = types.SimpleNamespace(model=self.model, tokenizer=policy.tokenizer, eos_token_ids=policy.eos_token_ids)
-        sampling = HFGeneratorConfig(max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens, temperature=config.temperature)
+        shadow = types.SimpleNamespace(model=self.model, tokenizer=policy.tokenizer, eos_token_ids=policy.eos_token_ids,
+                                       suppressed_token_ids=policy.suppressed_token_ids)
+        sampling = HFGeneratorConfig(max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens,
+                                     temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
         self.sampler = HFGenerator(sampling, types.SimpleNamespace(policy=shadow))
         self.tokenizer = policy.tokenizer
         self.calls: list[str] = []
@@ -360,7 +375,7 @@ def _generator(policy, tmp_path, **options):
 def test_push_then_reset_then_generate_n_per_prompt_and_report_the_sync_time(tiny_model, tmp_path):
     policy = _policy(tiny_model, tmp_path)
     generator = _generator(policy, tmp_path)
-    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, ["ab", "ab", "ab", "xyz", "xyz", "ab"], "cpu")
+    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": p} for p in ["ab", "ab", "ab", "xyz", "xyz", "ab"]], "cpu")
     generator.sync_weights(policy)
     out = generator.generate(prompt_ids, prompt_mask)
     assert out.response_ids.shape[0] == 6
@@ -391,7 +406,7 @@ def test_sleep_between_rollouts(tiny_model, tmp_path, level, pushes):
     generation pushes again even without a sync (e.g. the before/after report's samples)."""
     policy = _policy(tiny_model, tmp_path)
     generator = _generator(policy, tmp_path, sleep_level=level)
-    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, ["ab", "xyz"], "cpu")
+    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": "ab"}, {"prompt": "xyz"}], "cpu")
     generator.generate(prompt_ids, prompt_mask)
     generator.generate(prompt_ids, prompt_mask)
     calls = generator.engine.calls

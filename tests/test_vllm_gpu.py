@@ -13,7 +13,7 @@ import torch
 from rlkit_core.context import BuildContext
 from rlkit_core.functional import logprobs_from_logits, masked_mean
 from rlkit_core.recipe import structure_table
-from rlkit_core.trainer import encode_prompts
+from rlkit_core.prompts import encode_prompts
 from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
 from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, missing_here
@@ -54,7 +54,7 @@ def vllm_generator(policy, tmp_path_factory):
 
 
 def _prompts(policy):
-    return encode_prompts(policy.tokenizer, PROMPTS, "cuda")
+    return encode_prompts(policy.tokenizer, [{"prompt": p} for p in PROMPTS], "cuda")
 
 
 @torch.no_grad()
