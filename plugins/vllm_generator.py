@@ -38,6 +38,7 @@ from rlkit_core.config import at_least, between, greater_than, one_of, setting
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import response_mask
 from rlkit_core.interfaces import Generation, Generator
+from rlkit_plugins.hf_generator import HFGeneratorConfig
 
 DEVICE_PROBLEM = ('$.run.device: the vllm generator runs on a CUDA GPU, so "cpu" cannot work; '
                   'use run.device = "auto" or "cuda", or generator.type = "hf"')
@@ -47,12 +48,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @attrs.frozen
-class VLLMGeneratorConfig:
-    max_new_tokens: int = setting(64, help="longest response in tokens", validator=greater_than(0))
-    min_new_tokens: int = setting(0, help="EOS is forbidden before this many tokens (the sampler then differs from π; keep 0 for exact PPO)", validator=at_least(0))
-    temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed", validator=greater_than(0))
-    top_k: int = setting(0, help="sample from the k likeliest tokens only (0: off). Biases PPO: the sampler is no longer π, see README", validator=at_least(0))
-    top_p: float = setting(1.0, help="nucleus sampling mass (1.0: off). Biases PPO like top_k", validator=between(0.0, 1.0))
+class VLLMGeneratorConfig(HFGeneratorConfig):
+    """The hf generator's sampling settings (the same words in a recipe), then the engine's."""
+
     tensor_parallel_size: int = setting(1, help="GPUs the engine shards the model over", validator=greater_than(0))
     gpu_memory_fraction: float = setting(0.3, help="share of each GPU's memory vLLM takes for weights and KV cache (the rest is for training)", validator=between(0.01, 1.0))
     sleep_level: int = setting(0, help="free vLLM's GPU memory while training: 0 keeps it, 1 moves weights to CPU and drops the KV cache, 2 drops both", validator=one_of(0, 1, 2))
