@@ -216,7 +216,8 @@ class InProcessEngine:
     are processes and `apply_model` pickles the weights to each (slower; not yet run on a GPU)."""
 
     def __init__(self, settings: dict, sampling: dict):
-        if settings["tensor_parallel_size"] == 1:
+        self.in_process = settings["tensor_parallel_size"] == 1
+        if self.in_process:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         else:
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model ships a function
@@ -235,7 +236,9 @@ class InProcessEngine:
         return [[_sample(completion) for completion in output.outputs] for output in outputs]
 
     def load_weights(self, weights):
-        pairs = list(weights)
+        # In this process the iterator is consumed lazily (one gathered tensor at a time);
+        # worker processes need the pairs themselves, pickled.
+        pairs = weights if self.in_process else list(weights)
         self.llm.apply_model(lambda model: model.load_weights(iter(pairs)))
 
     def reset_prefix_cache(self):
