@@ -31,6 +31,7 @@ class HFPolicyConfig:
     lora_r: int = setting(0, help="LoRA rank (0: train all weights)", validator=at_least(0))
     lora_alpha: int = setting(16, help="LoRA scaling α", validator=at_least(1))
     lora_target_modules: list[str] = setting(factory=list, help="module names LoRA adapts (empty: peft's default for the architecture)")
+    end_tokens: list[str] = setting(factory=list, help="more tokens that end a response, besides the tokenizer's EOS and the model's generation_config eos ids (e.g. '<|im_end|>')")
     gradient_checkpointing: bool = setting(False, help="trade compute for memory in the training forward pass")
     trust_remote_code: bool = setting(False, help="allow model code from the checkpoint (only for checkpoints you trust)")
 
@@ -58,15 +59,18 @@ def settle_pad(tokenizer, eos_token_ids) -> bool:
     return True
 
 
-def end_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
+def end_token_ids(tokenizer, generation_config, end_tokens=()) -> tuple[int, ...]:
     """The tokenizer's EOS first, then every other end id the model's generation config names
-    (chat models stop on an end-of-turn token as well as on end-of-text)."""
-    ids = [tokenizer.eos_token_id]
+    (chat models stop on an end-of-turn token as well as on end-of-text), then the recipe's."""
     named = generation_config.eos_token_id
-    for token in named if isinstance(named, (list, tuple)) else [named]:
-        if token is not None and token not in ids:
-            ids.append(token)
-    return tuple(ids)
+    ids = [tokenizer.eos_token_id, *(named if isinstance(named, (list, tuple)) else [named])]
+    for token in end_tokens:
+        index = tokenizer.convert_tokens_to_ids(token)
+        if index is None or (index == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise RecipeError([f"$.policy.end_tokens: {token!r} is not a token of the policy's tokenizer; "
+                               "name it exactly as the tokenizer spells it (see tokenizer.json's added_tokens)"])
+        ids.append(index)
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def switch_off_dropout(model: torch.nn.Module) -> None:
@@ -87,7 +91,7 @@ class HFPolicy(Policy):
         except OSError as exc:
             where = "a local directory" if os.path.sep in config.model or config.model.startswith(".") else "a hub name (needs network)"
             raise RecipeError([f"$.policy.model: cannot load {config.model!r} as {where}: {exc}"]) from None
-        self.eos_token_ids = end_token_ids(self.tokenizer, base.generation_config)
+        self.eos_token_ids = end_token_ids(self.tokenizer, base.generation_config, config.end_tokens)
         if settle_pad(self.tokenizer, self.eos_token_ids):
             # The added PAD only fills masked positions; it must never be sampled or take
             # probability from real tokens, so the loop masks it out of every softmax.

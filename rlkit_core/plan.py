@@ -30,8 +30,10 @@ def describe_plan(recipe: Recipe) -> str:
     if problems:
         raise RecipeError(problems, recipe.source)
     warnings = kl_warnings(recipe.ppo)
-    if warnings or notes:
-        lines += ["", "warnings:", *[f"  {line}" for line in warnings + notes]]
+    if warnings:
+        lines += ["", "warnings:", *[f"  {line}" for line in warnings]]
+    if notes:
+        lines += ["", "not checked:", *[f"  {line}" for line in dict.fromkeys(notes)]]
     return "\n".join(lines)
 
 

@@ -137,6 +137,13 @@ def test_a_response_ending_on_the_second_end_id_counts_as_ended(recipe_document,
     assert torch.allclose(batch.rewards[:, 0], batch.scores - trainer.parts.kl.beta * batch.kl[:, 0])  # no missing-EOS penalty
 
 
+def test_end_tokens_from_the_recipe_join_the_end_ids(recipe_document, registry, gpt2_lm, chat_lm):
+    trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm), "end_tokens": ["<|start_header_id|>"]}), registry))
+    assert trainer.policy.eos_token_ids[-1] == trainer.tokenizer.convert_tokens_to_ids("<|start_header_id|>")
+    with pytest.raises(RecipeError, match=r"\$\.policy\.end_tokens: '<\|im_end\|>' is not a token of the policy's tokenizer"):
+        Trainer(parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm), "end_tokens": ["<|im_end|>"]}), registry))
+
+
 # --- sampling is exactly π/T whatever the checkpoint's generation_config says --------------------
 
 
@@ -300,3 +307,28 @@ def test_run_chat_policy_with_two_end_ids_and_a_reward_model_of_another_tokenize
     assert "prompts: 16 loaded, 9 cut from the left to 70 tokens, 0 skipped" in result.stdout
     count, metrics = last_metrics(tmp_path / "run")
     assert count == 2 and metrics["check/logprob_gap"] < 1e-4
+
+
+@pytest.mark.parametrize("name", ["ppo_tldr_pythia", "ppo_sentiment_gpt2"])
+def test_real_model_recipes_pass_check_offline(name, tmp_path):
+    from pathlib import Path
+
+    recipe = Path(__file__).parent.parent / "recipes" / f"{name}.toml"
+    env = {**os.environ, "RLKIT_PLUGINS": "none", "HF_HOME": str(tmp_path / "empty-hf-cache")}
+    result = subprocess.run([sys.executable, "-m", "rlkit_core.cli", "check", "--offline", str(recipe)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "is valid" in result.stdout and "not checked offline" in result.stdout
+
+
+def test_check_names_a_reward_model_tokenizer_that_cannot_be_loaded(recipe_document, registry, gpt2_classifier, tmp_path):
+    from rlkit_core.plan import describe_plan
+
+    empty = tmp_path / "no-tokenizer-here"
+    empty.mkdir()
+    for tokenizer, message in [(str(tmp_path / "missing"), r"\$\.reward\.tokenizer: no directory"),
+                               (str(empty), r"\$\.reward\.tokenizer: cannot load a tokenizer from")]:
+        recipe = parse_recipe(document(recipe_document, reward={"type": "reward-model", "model": str(gpt2_classifier),
+                                                                "tokenizer": tokenizer}), registry)
+        with pytest.raises(RecipeError, match=message):
+            describe_plan(recipe)
