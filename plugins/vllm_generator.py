@@ -353,7 +353,7 @@ class VLLMGenerator(Generator):
         """(problems, notes) of `rlkit check`: a CPU run cannot work anywhere; a machine without
         vLLM or a GPU is this machine's lack, noted under the plan (the recipe may be meant for another)."""
         problems = [DEVICE_PROBLEM] if recipe.run.device == "cpu" else []
-        notes = [f"generator: cannot run on this machine: {lack}" for lack in missing_here(config.tensor_parallel_size)]
+        notes = [f"generator: the vLLM engine, which this machine cannot run: {lack}" for lack in missing_here(config.tensor_parallel_size)]
         return problems, notes
 
 

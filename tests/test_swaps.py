@@ -46,4 +46,4 @@ def test_generator_hf_trains_and_vllm_says_what_this_machine_lacks(recipe_docume
     out = capsys.readouterr().out
     assert "[generator] vllm" in out
     for lack in missing_here():
-        assert f"generator: cannot run on this machine: {lack}" in out
+        assert f"generator: the vLLM engine, which this machine cannot run: {lack}" in out

@@ -99,7 +99,7 @@ def test_check_prints_the_plan_and_notes_what_this_machine_lacks(recipe_document
     assert main(["check", write_recipe(recipe_document)]) == 0  # the recipe is fine; this machine is not for it
     out = capsys.readouterr().out
     assert "[generator] vllm" in out and "iterations" in out
-    assert "  generator: cannot run on this machine: vLLM is not installed: ..." in out.split("warnings:")[1]
+    assert "  generator: the vLLM engine, which this machine cannot run: vLLM is not installed: ..." in out.split("not checked:")[1]
 
 
 def test_check_rejects_the_cpu_device(recipe_document, write_recipe, capsys):
