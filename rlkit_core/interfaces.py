@@ -154,6 +154,10 @@ class Generator(ABC):
     def sync_weights(self, policy: Policy) -> None:
         """Bring the sampler's weights up to date with the policy; in-process samplers share them."""
 
+    def metrics(self) -> dict[str, float]:
+        """Figures since the last call (e.g. `time/weight_sync`), merged into the iteration's metrics."""
+        return {}
+
 
 class PromptSource(ABC):
     """Prompt records: each a dict with a `prompt` string and any other columns (passed to the reward)."""

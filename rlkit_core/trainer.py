@@ -117,7 +117,7 @@ class Trainer:
             response_ids=generation.response_ids, response_mask=mask, sampled_logprobs=generation.logprobs,
             responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=self.device),
         )
-        return batch, {"time/generate": generated - started, "time/score": scored - generated}
+        return batch, {"time/generate": generated - started, "time/score": scored - generated, **self.parts.generator.metrics()}
 
     # --- stage 2: what the rollout policy, the reference and the critic say -------------------
     @staticmethod
