@@ -52,26 +52,29 @@ class HFGenerator(Generator):
         self.temperature = config.temperature
         self.policy = context.policy
 
-    def generation_config(self):
+    def generation_config(self, greedy: bool = False):
+        """The whole config, every sampling field set here (see the module docstring)."""
         from transformers import GenerationConfig
 
         tokenizer = self.policy.tokenizer
-        suppressed = list(self.policy.suppressed_token_ids)
-        return GenerationConfig(
-            do_sample=True, temperature=self.temperature, top_k=self.config.top_k, top_p=self.config.top_p,  # top_k 0: off (unset would mean 50)
+        common = dict(
             max_new_tokens=self.config.max_new_tokens, min_new_tokens=self.config.min_new_tokens or None,
             eos_token_id=list(self.policy.eos_token_ids), pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id, suppress_tokens=suppressed or None,
+            bos_token_id=tokenizer.bos_token_id, suppress_tokens=list(self.policy.suppressed_token_ids) or None,
             return_dict_in_generate=True, output_scores=True,
         )
+        if greedy:
+            return GenerationConfig(do_sample=False, **common)
+        # top_k 0 is off; left unset, transformers would fill in its default of 50
+        return GenerationConfig(do_sample=True, temperature=self.temperature, top_k=self.config.top_k, top_p=self.config.top_p, **common)
 
     @torch.no_grad()
-    def generate(self, prompt_ids, prompt_mask) -> Generation:
+    def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
         model = self.policy.model
         pad = self.policy.tokenizer.pad_token_id
         was_training = model.training
         model.eval()
-        with generation_config_swapped(model, self.generation_config()):
+        with generation_config_swapped(model, self.generation_config(greedy)):
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask)
         model.train(was_training)
         response_ids = out.sequences[:, prompt_ids.shape[1]:]

@@ -15,6 +15,7 @@ from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import PromptSource, RewardSource
+from rlkit_core.progress import Progress
 from rlkit_core.prompts import PromptLengthLimit
 from rlkit_plugins import summarize_task
 from rlkit_plugins.hf_policy import DTYPES, HFPolicy, HFPolicyConfig
@@ -74,6 +75,26 @@ class Rouge(RewardSource):
         return checked_scores(scores, len(responses), "rouge")
 
 
+@attrs.frozen
+class FactCopiedConfig:
+    reference_field: str = setting("reference", help="data column holding the reference summary")
+
+
+class FactCopied(RewardSource):
+    """1 when the summary names every part of the reference's fact (who, did what, where), else 0:
+    the strict task metric that the default recipe's evaluation reports beside ROUGE."""
+
+    def __init__(self, config: FactCopiedConfig, context=None):
+        self.config = config
+
+    def score(self, prompts, responses, **columns):
+        references = columns.get(self.config.reference_field)
+        if references is None:
+            raise RecipeError([f"$.eval.metrics: fact-copied needs the data column {self.config.reference_field!r} "
+                               f"(columns: {', '.join(columns) or 'none'})"])
+        return [summarize_task.fact_copied(r, ref) for r, ref in zip(responses, references)]
+
+
 def warm_start_policy(config: WarmStartConfig, context) -> HFPolicy:
     """Build the warm start on first use (about a minute on two CPU cores), then load it like any `hf` model."""
     from rlkit_plugins.warm_start import build_warm_start
@@ -86,7 +107,7 @@ def warm_start_policy(config: WarmStartConfig, context) -> HFPolicy:
         print(f"rlkit: building the warm-start summarizer in {folder} (once; later runs reuse it)", file=sys.stderr, flush=True)
     path = build_warm_start(folder, n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
                             sft_steps=config.sft_steps, batch_size=config.sft_batch_size, lr=config.sft_learning_rate,
-                            seed=config.seed)
+                            seed=config.seed, progress=Progress(config.sft_steps, label="warm-start step"))
     return HFPolicy(HFPolicyConfig(model=str(path), dtype=config.dtype), context)
 
 
@@ -98,6 +119,7 @@ def register_prompt_sources(register):
 @hookimpl
 def register_rewards(register):
     register("rouge", Rouge, RougeConfig)
+    register("fact-copied", FactCopied, FactCopiedConfig)
 
 
 @hookimpl

@@ -131,7 +131,8 @@ class LossInputs:
 
 class Loss(ABC):
     """The objective over a minibatch. Returns named terms: `loss_*` are summed and optimised,
-    the rest are diagnostics that the loop logs under `train/`."""
+    the rest are diagnostics that the loop logs under `train/`; a nonzero `skipped` term tells the
+    loop to take no optimiser step on this minibatch."""
 
     entropy_in_loss: bool = False  # True when a `loss_*` term uses `entropy`: the loop then keeps its graph
 
@@ -147,10 +148,15 @@ class Generator(ABC):
     temperature: float  # the loop divides logits by it when it recomputes log-probs
 
     @abstractmethod
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Generation: ...
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, greedy: bool = False) -> Generation:
+        """`greedy`: the likeliest token at every step (for evaluation; its log-probs are not used)."""
 
     def sync_weights(self, policy: Policy) -> None:
         """Bring the sampler's weights up to date with the policy; in-process samplers share them."""
+
+    def metrics(self) -> dict[str, float]:
+        """Figures since the last call (e.g. `time/weight_sync`), merged into the iteration's metrics."""
+        return {}
 
 
 class PromptSource(ABC):

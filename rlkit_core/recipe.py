@@ -27,6 +27,7 @@ from rlkit_core.registry import Component, Registry
 from rlkit_core.schema import (
     COMPONENT_TABLES,
     CORE_TABLES,
+    EvalConfig,
     OptimConfig,
     PPOConfig,
     RunConfig,
@@ -59,6 +60,8 @@ class Recipe:
     components: dict[str, ComponentChoice]
     document: dict[str, Any]  # the TOML document after overrides, as logged with the run
     source: str | None = None
+    eval: EvalConfig = EvalConfig()
+    eval_metrics: tuple[Component, ...] = ()  # the reward components named by eval.metrics
     registry: Registry | None = attrs.field(default=None, eq=False, repr=False)  # where the components were found
 
     def __getitem__(self, table: str) -> ComponentChoice:
@@ -227,9 +230,33 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
                                                         registry, default_type)
         problems += found
 
+    eval_metrics, found = _eval_metrics(core["eval"], registry)
+    problems += found
     if problems:
         raise RecipeError(problems, source)
-    return Recipe(core["run"], core["ppo"], core["optim"], components, document, source, registry)
+    return Recipe(core["run"], core["ppo"], core["optim"], components, document, source, core["eval"], eval_metrics,
+                  registry)
+
+
+def _eval_metrics(config: EvalConfig | None, registry: Registry) -> tuple[tuple[Component, ...], list[str]]:
+    """The reward components `[eval] metrics` names; each is built with its default settings."""
+    if config is None:
+        return (), []
+    found, problems = [], []
+    for index, name in enumerate(config.metrics):
+        where = f"$.eval.metrics[{index}]"
+        try:
+            component = registry.get("reward", name, where)
+        except RecipeError as exc:
+            problems += exc.problems
+            continue
+        required = [f.name for f in attrs.fields(component.config_class) if f.default is attrs.NOTHING]
+        if required:
+            problems.append(f"{where}: reward {name!r} needs settings ({', '.join(required)}); an eval metric is built "
+                            "with its defaults, so name a reward whose settings all have defaults")
+            continue
+        found.append(component)
+    return tuple(found), problems
 
 
 def read_component_table(data: Any, kind: str, table: str, registry: Registry, default_type: str | None = None,

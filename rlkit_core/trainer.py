@@ -32,6 +32,7 @@ from rlkit_core.functional import (
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.prompt_stream import PromptStream
+from rlkit_core.evaluation import hold_out
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts
 from rlkit_core.randomness import seeded_generator
 from rlkit_core.recipe import Recipe
@@ -57,13 +58,14 @@ class Trainer:
         # launch` (several processes) come through the same calls.
         self.accelerator = Accelerator(cpu=self.device.type == "cpu")
         self.output_dir = Path(run.output_dir)
-        context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
-        self.parts = build_components(recipe, context)
+        self.context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
+        self.parts = build_components(recipe, self.context)
         self.policy, self.value_head = self.parts.policy, self.parts.value_head
         self.tokenizer = self.policy.tokenizer
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
         self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0
-        self.records, self.prompt_counts = prepare_prompts(self.parts.data.load(), self.tokenizer, limit)
+        records, self.prompt_counts = prepare_prompts(self.parts.data.load(), self.tokenizer, limit)
+        self.eval_records, self.records = hold_out(records, recipe.eval.size, run.seed)
         self.stream = PromptStream(self.records, ppo.batch_size // ppo.samples_per_prompt, run.seed)
 
         groups = [{"params": list(self.policy.parameters()), "lr": optim.learning_rate}]
@@ -78,9 +80,9 @@ class Trainer:
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
 
     # --- stage 1: rollouts -------------------------------------------------------------------
-    def rollout(self, records: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
-        """Sample `samples_per_prompt` responses for each record and score them."""
-        k = self.recipe.ppo.samples_per_prompt
+    def rollout(self, records: list[dict], samples_per_prompt: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
+        """Sample `samples_per_prompt` (default: the recipe's) responses for each record and score them."""
+        k = samples_per_prompt or self.recipe.ppo.samples_per_prompt
         records = [r for r in records for _ in range(k)]
         prompts = [r["prompt"] for r in records]
         keys = dict.fromkeys(key for r in records for key in r if key != "prompt")
@@ -90,7 +92,7 @@ class Trainer:
 
         started = time.perf_counter()
         self.parts.generator.sync_weights(self.policy)
-        generation = self.parts.generator.generate(prompt_ids, prompt_mask)
+        generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
         generated = time.perf_counter()
         mask = generation.response_mask
         ended = torch.isin(generation.response_ids, torch.tensor(self.policy.eos_token_ids, device=self.device)).any(dim=1)
@@ -102,7 +104,7 @@ class Trainer:
             response_ids=generation.response_ids, response_mask=mask, sampled_logprobs=generation.logprobs,
             responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=self.device),
         )
-        return batch, {"time/generate": generated - started, "time/score": scored - generated}
+        return batch, {"time/generate": generated - started, "time/score": scored - generated, **self.parts.generator.metrics()}
 
     # --- stage 2: what the rollout policy, the reference and the critic say -------------------
     @staticmethod
@@ -131,8 +133,8 @@ class Trainer:
         return logprobs, values, entropy, logits
 
     @torch.no_grad()
-    def evaluate(self, batch: RolloutBatch) -> RolloutBatch:
-        """Old and reference log-probs, values, per-token KL and rewards, advantages and returns."""
+    def compare_to_reference(self, batch: RolloutBatch) -> RolloutBatch:
+        """Old and reference log-probs, values and the per-token KL (zero on padding)."""
         ppo = self.recipe.ppo
         temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
         pieces = defaultdict(list)
@@ -152,8 +154,14 @@ class Trainer:
         fields = {name: torch.cat(parts) for name, parts in pieces.items()}
         mask = batch.response_mask
         fields["kl"] = torch.where(mask.bool(), fields["kl"], torch.zeros_like(fields["kl"]))
-        batch = batch.with_(**fields)
+        return batch.with_(**fields)
 
+    @torch.no_grad()
+    def evaluate(self, batch: RolloutBatch) -> RolloutBatch:
+        """Old and reference log-probs, values, per-token KL and rewards, advantages and returns."""
+        ppo = self.recipe.ppo
+        batch = self.compare_to_reference(batch)
+        mask = batch.response_mask
         scores = batch.scores - ppo.missing_eos_penalty * (~batch.ended).float()
         if ppo.score_clip:
             scores = scores.clamp(-ppo.score_clip, ppo.score_clip)
@@ -182,9 +190,11 @@ class Trainer:
                     terms["loss_kl"] = self.parts.kl.beta * masked_sum(kl, mask) / token_count
                 total = sum(value for name, value in terms.items() if name.startswith("loss_"))
                 self.optimizer.zero_grad(set_to_none=True)
-                self.accelerator.backward(total)
-                grad_norm = self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
-                self.optimizer.step()
+                grad_norm = 0.0
+                if not float(terms.get("skipped", 0.0)):
+                    self.accelerator.backward(total)
+                    grad_norm = self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
+                    self.optimizer.step()
                 self.scheduler.step()
                 for name, value in terms.items():
                     sums[f"train/{name}"] += float(value.detach())
@@ -231,9 +241,9 @@ class Trainer:
         self.last_batch = batch
         return metrics
 
-    def sample_responses(self, records: list[dict]) -> list[str]:
+    def sample_responses(self, records: list[dict], greedy: bool = False) -> list[str]:
         """Responses to `records` without touching the training random stream (for before/after reports)."""
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
-            generation = self.parts.generator.generate(prompt_ids, prompt_mask)
+            generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)

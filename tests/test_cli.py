@@ -36,7 +36,7 @@ def test_plugins_text_shows_fields_with_help():
 def test_plugins_lists_the_core_tables_with_their_help():
     listing = json.loads(rlkit("plugins", "--json").stdout)
     tables = {table["table"]: {f["name"]: f for f in table["fields"]} for table in listing["core"]}
-    assert list(tables) == ["run", "ppo", "optim"]
+    assert list(tables) == ["run", "ppo", "optim", "eval"]
     assert tables["run"]["steps"]["required"] and "PPO iterations" in tables["run"]["steps"]["help"]
     assert tables["ppo"]["batch_size"]["default"] == 64
     assert "get_scheduler" in tables["optim"]["schedule"]["help"]
