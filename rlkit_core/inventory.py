@@ -39,7 +39,7 @@ def field_rows(config_class) -> list[dict[str, Any]]:
 
 
 def core_table_rows() -> list[dict[str, Any]]:
-    """The core tables `[run]`, `[ppo]`, `[optim]` with their fields, for `rlkit plugins`."""
+    """The core tables (`[run]`, `[ppo]`, ...) with their fields, for `rlkit plugins`."""
     return [{"table": table, "fields": field_rows(cls)} for table, cls in CORE_TABLES.items()]
 
 

@@ -108,7 +108,7 @@ def test_problems_in_nested_tables_are_located_and_reported_together(mix_documen
         "$.reward.parts[0].weight: expected a number, got 'heavy' (str)",
         "$.reward.parts[1].function: required key is missing",
         "$.reward.parts[1].fuction: unknown key; did you mean 'function'?",
-        "$.reward.parts[2].type: unknown reward 'pyhton'; registered: mix, not-a-reward, python, reward-model, rouge; did you mean 'python'?",
+        f"$.reward.parts[2].type: unknown reward 'pyhton'; registered: {', '.join(registry.names('reward'))}; did you mean 'python'?",
         "$.reward.judge.function: expected a string, got 3 (int)",
         "$.kl.target: must be > 0, got -1.0",
     ]

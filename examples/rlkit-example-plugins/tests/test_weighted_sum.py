@@ -52,7 +52,7 @@ def test_a_part_can_itself_be_a_weighted_sum():
 
 @pytest.mark.parametrize("parts, problem", [
     ([{"type": "pythn", "function": f"{TOY}:length"}], "$.reward.parts[0].type: unknown reward 'pythn'; registered:"),
-    ([{"function": f"{TOY}:length"}], "$.reward.parts[0].type: required; one of python, reward-model"),
+    ([{"function": f"{TOY}:length"}], "$.reward.parts[0].type: required; one of "),
     ([PARTS[0], {"type": "python"}], "$.reward.parts[1].function: required key is missing"),
     ([{"type": "python", "function": f"{TOY}:length", "wieght": 2}], "$.reward.parts[0].wieght: unknown key; did you mean 'weight'?"),
     ([{"type": "python", "function": f"{TOY}:length", "weight": "high"}], "$.reward.parts[0].weight: expected a number, got 'high' (str)"),
