@@ -37,6 +37,7 @@ class ToySummariesConfig(PromptLengthLimit):
 class RougeConfig:
     reference_field: str = setting("reference", help="data column holding the reference summary")
     rouge_l_weight: float = setting(0.0, help="share of ROUGE-L F1 in the score; the rest is ROUGE-1 F1", validator=between(0.0, 1.0))
+    fact_bonus: float = setting(0.0, help="added to the score of a summary that copies every part of the fact (see fact-copied)", validator=at_least(0))
 
 
 @attrs.frozen
@@ -76,7 +77,8 @@ class Rouge(RewardSource):
 
     def score(self, prompts, responses, **columns):
         references = references_in(columns, self.config.reference_field, "$.reward.reference_field")
-        scores = [summarize_task.summary_reward(r, ref, rouge_l_weight=self.config.rouge_l_weight) for r, ref in zip(responses, references)]
+        scores = [summarize_task.summary_reward(r, ref, rouge_l_weight=self.config.rouge_l_weight)
+                  + self.config.fact_bonus * summarize_task.fact_copied(r, ref) for r, ref in zip(responses, references)]
         return checked_scores(scores, len(responses), "rouge")
 
 
