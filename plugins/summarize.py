@@ -37,6 +37,7 @@ class ToySummariesConfig(PromptLengthLimit):
 class RougeConfig:
     reference_field: str = setting("reference", help="data column holding the reference summary")
     rouge_l_weight: float = setting(0.0, help="share of ROUGE-L F1 in the score; the rest is ROUGE-1 F1", validator=between(0.0, 1.0))
+    fact_bonus: float = setting(0.0, help="added to the score of a summary that copies every part of the fact (see fact-copied)", validator=at_least(0))
 
 
 @attrs.frozen
@@ -60,6 +61,14 @@ class ToySummaries(PromptSource):
         return summarize_task.make_corpus(self.config.size, self.config.seed, split=self.config.split)
 
 
+def references_in(columns: dict, field: str, where: str) -> list[str]:
+    """The data column of reference summaries, or a located error naming the columns there are."""
+    references = columns.get(field)
+    if references is None:
+        raise RecipeError([f"{where}: the data has no column {field!r} (columns: {', '.join(columns) or 'none'})"])
+    return references
+
+
 class Rouge(RewardSource):
     """ROUGE-1 F1 (optionally mixed with ROUGE-L F1) of each response against its reference."""
 
@@ -67,11 +76,9 @@ class Rouge(RewardSource):
         self.config = config
 
     def score(self, prompts, responses, **columns):
-        references = columns.get(self.config.reference_field)
-        if references is None:
-            raise RecipeError([f"$.reward.reference_field: the data has no column {self.config.reference_field!r} "
-                               f"(columns: {', '.join(columns) or 'none'})"])
-        scores = [summarize_task.summary_reward(r, ref, rouge_l_weight=self.config.rouge_l_weight) for r, ref in zip(responses, references)]
+        references = references_in(columns, self.config.reference_field, "$.reward.reference_field")
+        scores = [summarize_task.summary_reward(r, ref, rouge_l_weight=self.config.rouge_l_weight)
+                  + self.config.fact_bonus * summarize_task.fact_copied(r, ref) for r, ref in zip(responses, references)]
         return checked_scores(scores, len(responses), "rouge")
 
 
@@ -88,10 +95,7 @@ class FactCopied(RewardSource):
         self.config = config
 
     def score(self, prompts, responses, **columns):
-        references = columns.get(self.config.reference_field)
-        if references is None:
-            raise RecipeError([f"$.eval.metrics: fact-copied needs the data column {self.config.reference_field!r} "
-                               f"(columns: {', '.join(columns) or 'none'})"])
+        references = references_in(columns, self.config.reference_field, "$.eval.metrics: fact-copied")
         return [summarize_task.fact_copied(r, ref) for r, ref in zip(responses, references)]
 
 
