@@ -16,12 +16,11 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, one_of, setting
 from rlkit_core.errors import RecipeError
-from rlkit_core.hf_loading import check_tokenizer
+from rlkit_core.hf_loading import check_tokenizer, settle_pad
 from rlkit_core.interfaces import Policy, PolicyOutput
 from rlkit_core.randomness import switch_off_dropout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PAD_TOKEN = "<|rlkit_pad|>"
 
 
 @attrs.frozen
@@ -47,17 +46,6 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     if tokenizer.eos_token_id is None:
         raise RecipeError([f"$.policy.tokenizer: tokenizer {name!r} has no EOS token; responses could never end"])
     return tokenizer
-
-
-def settle_pad(tokenizer, eos_token_ids) -> bool:
-    """Give the tokenizer a PAD that ends no response; True when rlkit had to add one.
-
-    GPT-2, Pythia and Llama have no PAD, or use an end token as PAD; a shared id would make
-    padding indistinguishable from a response that ended, so rlkit adds its own token."""
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_token_ids:
-        return False
-    tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-    return True
 
 
 def end_token_ids(tokenizer, generation_config, end_tokens=()) -> tuple[int, ...]:
