@@ -20,7 +20,7 @@ from rlkit_core.report import print_report
 from rlkit_core.schema import kl_warnings
 from rlkit_core.trainer import Trainer
 
-SAMPLE_COUNT = 3
+SAMPLE_COUNT = 5
 SAMPLES_SHOWN = 4
 
 
@@ -102,19 +102,17 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
             final_checkpoint = _finish_outputs(trainer, tracker, run_id, history)
         tracker.finish(status)
 
-    after = trainer.sample_responses(_sample_records(trainer), greedy=_samples_greedy(trainer))
+    after = trainer.sample_responses(_sample_records(trainer), greedy=True)
     samples = [{**before, "after": a} for before, a in zip(samples_before, after)]
     print_report(history, samples, trainer.metrics_log.path, final_checkpoint, tracker, out=out)
     return history
 
 
 def _sample_records(trainer) -> list[dict]:
-    """The report's sample prompts, fixed before training: the first held-out ones when there are."""
+    """The report's sample prompts, fixed before training: the first held-out ones when there are.
+    Their responses are greedy, the policy's best guess, so before and after compare the policy
+    rather than two draws."""
     return (trainer.eval_records or trainer.records)[:SAMPLE_COUNT]
-
-
-def _samples_greedy(trainer) -> bool:
-    return bool(trainer.eval_records) and trainer.recipe.eval.greedy
 
 
 def _samples_before(trainer) -> list[dict]:
@@ -124,7 +122,7 @@ def _samples_before(trainer) -> list[dict]:
     if path.exists():
         return json.loads(path.read_text())
     records = _sample_records(trainer)
-    responses = trainer.sample_responses(records, greedy=_samples_greedy(trainer))
+    responses = trainer.sample_responses(records, greedy=True)
     samples = [{"prompt": r["prompt"], "before": b} for r, b in zip(records, responses)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(samples, indent=2))
