@@ -135,7 +135,12 @@ class Loss(ABC):
     @abstractmethod
     def __call__(self, minibatch: RolloutBatch, current: LossInputs, token_count: float) -> dict[str, torch.Tensor]:
         """`token_count` is the number of counted tokens the loss is averaged over (the global
-        count of the optimiser step), so that results do not depend on how the batch was split."""
+        count of the optimiser step), so that results do not depend on how the batch was split.
+
+        `loss_*` terms are sums over the minibatch's tokens divided by `token_count`: the loop adds
+        them up over micro-batches and processes. Other terms are means over the minibatch's own
+        counted tokens, which the loop combines weighted by token count; a name ending in `_max`
+        is combined by its maximum."""
 
 
 class Generator(ABC):

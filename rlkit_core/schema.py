@@ -4,6 +4,8 @@ Component tables (`[policy]`, `[kl]`, ...) are described by their plugins' own c
 `COMPONENT_TABLES` maps each table to its component kind and the type used when the table is absent.
 """
 
+import os
+
 import attrs
 
 from rlkit_core.config import at_least, greater_than, one_of, setting
@@ -21,13 +23,16 @@ class RunConfig:
     keep_checkpoints: int = setting(2, help="how many of the latest checkpoints to keep", validator=at_least(1))
     sample_every: int = setting(10, help="log a table of sample prompts and responses every N iterations", validator=at_least(1))
     threads: int = setting(0, help="CPU threads for torch (0: torch's default)", validator=at_least(0))
+    mixed_precision: str = setting("no", help="accelerate's autocast: 'no', 'bf16' or 'fp16' (fp32 master weights; fp16 scales the loss)", validator=one_of("no", "bf16", "fp16"))
 
 
 @attrs.frozen
 class PPOConfig:
-    batch_size: int = setting(64, help="rollouts per iteration (prompts × samples_per_prompt)", validator=greater_than(0))
+    batch_size: int = setting(64, help="rollouts per iteration, over all processes (prompts × samples_per_prompt)", validator=greater_than(0))
     samples_per_prompt: int = setting(1, help="responses sampled for each prompt (critic-free estimators need ≥ 2)", validator=greater_than(0))
-    minibatch_size: int = setting(16, help="rollouts per optimiser step; must divide batch_size", validator=greater_than(0))
+    minibatch_size: int = setting(16, help="rollouts per optimiser step, over all processes; must divide batch_size", validator=greater_than(0))
+    gradient_accumulation_steps: int = setting(1, help="micro-batches per optimiser step in each process (same update, less memory)", validator=greater_than(0))
+    forward_batch_size: int = setting(0, help="rollouts per no-grad forward pass of the rollout stage (0: minibatch_size)", validator=at_least(0))
     epochs: int = setting(4, help="passes over the rollout batch per iteration", validator=greater_than(0))
     kl_estimator: str = setting("k1", help="per-token KL estimator: k1, k2, k3 or full (the logged KL uses the same)", validator=one_of(*KL_ESTIMATORS))
     kl_penalty: str = setting("reward", help="'reward': −β·KL in the per-token rewards; 'loss': β·KL added to the loss", validator=one_of("reward", "loss"))
@@ -62,8 +67,9 @@ COMPONENT_TABLES = {
 }
 
 
-def batch_arithmetic_problems(ppo: PPOConfig) -> list[str]:
-    """Problems with how the rollout batch splits, each located."""
+def batch_arithmetic_problems(ppo: PPOConfig, processes: int = 1) -> list[str]:
+    """Problems with how the rollout batch splits into groups, minibatches, processes and
+    micro-batches, each located."""
     problems = []
     if ppo.batch_size % ppo.samples_per_prompt:
         problems.append(
@@ -77,7 +83,25 @@ def batch_arithmetic_problems(ppo: PPOConfig) -> list[str]:
             f"$.ppo.minibatch_size: {ppo.minibatch_size} does not divide batch_size={ppo.batch_size}; "
             f"pick a divisor such as {_largest_divisor_at_most(ppo.batch_size, ppo.minibatch_size)}"
         )
+    prompts = ppo.batch_size // ppo.samples_per_prompt
+    if problems:
+        return problems
+    if prompts % processes:
+        problems.append(f"$.ppo.batch_size: its {prompts} prompts do not split evenly over {processes} processes; "
+                        f"use a multiple of {processes * ppo.samples_per_prompt} rollouts")
+    if ppo.minibatch_size % processes:
+        problems.append(f"$.ppo.minibatch_size: {ppo.minibatch_size} rollouts do not split evenly over {processes} processes; "
+                        f"use a multiple of {processes}")
+    elif (ppo.minibatch_size // processes) % ppo.gradient_accumulation_steps:
+        problems.append(f"$.ppo.gradient_accumulation_steps: the {ppo.minibatch_size // processes} rollouts of a minibatch in each "
+                        f"of {processes} processes do not split into {ppo.gradient_accumulation_steps} micro-batches; pick a divisor "
+                        f"such as {_largest_divisor_at_most(ppo.minibatch_size // processes, ppo.gradient_accumulation_steps)}")
     return problems
+
+
+def launched_processes() -> int:
+    """The number of processes of this launch: `accelerate launch` and `torchrun` set WORLD_SIZE."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:

@@ -1,0 +1,108 @@
+"""Several processes on a CPU: two gloo ranks under torchrun, which accelerate's `Accelerator`
+picks up as it does under `accelerate launch` on GPUs. Each test starts real subprocesses, so the
+model is tiny and the runs are one or two iterations."""
+
+import json
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlkit_core.recipe import parse_recipe
+from rlkit_core.trainer import Trainer
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def rlkit_script() -> str:
+    return str(Path(sys.executable).with_name("rlkit"))
+
+
+@pytest.fixture
+def two_process_document(recipe_document):
+    # one minibatch per epoch: one process's minibatch of 16 is two processes' minibatches of 8
+    recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16})
+    return recipe_document
+
+
+def test_two_processes_make_one_update_identical_everywhere(two_process_document, tmp_path):
+    document_path = tmp_path / "document.json"
+    document_path.write_text(json.dumps(two_process_document))
+    torchrun(str(WORKER), str(document_path), str(tmp_path), processes=2)
+    subprocess.run([sys.executable, str(WORKER), str(document_path), str(tmp_path)], check=True, capture_output=True, timeout=300)
+    two = json.loads((tmp_path / "result-2.json").read_text())
+    one = json.loads((tmp_path / "result-1.json").read_text())
+
+    assert two["agreed"] == [True, True, True]  # after the shared update and after each iteration
+    weights_two, weights_one = torch.tensor(two["weights"]), torch.tensor(one["weights"])
+    assert (weights_one - torch.tensor(one["start"])).abs().max() > 1e-3  # the update did move the weights
+    apart = (weights_one - weights_two).abs().max()
+    assert apart < 1e-5, f"two processes updated differently from one on the same global batch (max diff {apart})"
+    for name, value in one["metrics"].items():  # every logged training metric is the global one
+        assert two["metrics"][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+
+
+def test_two_process_run_writes_once_and_resumes_exactly(recipe_document, write_recipe, tmp_path):
+    output_dir = tmp_path / "run"
+    recipe_document["run"].update({"output_dir": str(output_dir), "checkpoint_every": 1})
+    recipe_document["tracker"] = {"type": "mlflow", "uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    recipe = write_recipe(recipe_document)
+    torchrun(rlkit_script(), "run", recipe, "--quiet")
+
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [1, 2]
+    assert sorted(p.name for p in (output_dir / "checkpoints").iterdir()) == ["iter_000001", "iter_000002"]
+    meta = json.loads((output_dir / "checkpoints" / "iter_000002" / "meta.json").read_text())
+    assert meta["processes"] == 2
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        assert db.execute("select count(*) from runs").fetchone()[0] == 1
+        assert db.execute("select value from params where key = 'processes'").fetchall() == [("2",)]
+
+    # Interrupted after iteration 1, then resumed with --resume auto: the same metrics.
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(output_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "iter_000002")
+    recipe_document["run"]["output_dir"] = str(resumed_dir)
+    recipe_document["tracker"] = {"type": "none"}
+    torchrun(rlkit_script(), "run", write_recipe(recipe_document, "resumed.toml"), "--quiet", "--resume", "auto")
+    resumed = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def without_timing(table):
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in table]
+
+    assert without_timing(resumed) == without_timing(rows)
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_gradient_accumulation_gives_the_same_update(recipe_document, registry, steps):
+    def update(accumulation):
+        document = {table: dict(body) for table, body in recipe_document.items()}
+        document["ppo"].update({"minibatch_size": 16, "batch_size": 16, "gradient_accumulation_steps": accumulation})
+        trainer = Trainer(parse_recipe(document, registry))
+        gradients = []  # the summed gradient each optimiser step sees
+        trainer.optimizer.optimizer.register_step_pre_hook(
+            lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.parameters])))
+        torch.manual_seed(5)
+        batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+        metrics = trainer.train_on(batch)
+        return gradients, metrics
+
+    whole_gradients, whole_metrics = update(1)
+    split_gradients, split_metrics = update(steps)
+    assert len(whole_gradients) == len(split_gradients) == 2  # two epochs of one minibatch
+    for whole, split in zip(whole_gradients, split_gradients):
+        assert whole.abs().max() > 1e-3
+        assert (whole - split).abs().max() < 1e-6 * whole.abs().max()
+    for name, value in whole_metrics.items():
+        assert split_metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
