@@ -16,6 +16,7 @@ class HFGeneratorConfig:
     max_new_tokens: int = setting(64, help="longest response in tokens", validator=greater_than(0))
     min_new_tokens: int = setting(0, help="EOS is forbidden before this many tokens (the sampler then differs from π; keep 0 for exact PPO)", validator=at_least(0))
     temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed", validator=greater_than(0))
+    batch_size: int = setting(0, help="prompts per generate call, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
 
 
 class HFGenerator(Generator):
@@ -29,6 +30,19 @@ class HFGenerator(Generator):
 
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask) -> Generation:
+        size = self.config.batch_size or len(prompt_ids)
+        if size >= len(prompt_ids):
+            return self._generate(prompt_ids, prompt_mask)
+        chunks = [self._generate(ids, mask) for ids, mask in zip(prompt_ids.split(size), prompt_mask.split(size))]
+        width = max(chunk.response_ids.shape[1] for chunk in chunks)
+
+        def joined(field, pad):
+            return torch.cat([torch.nn.functional.pad(getattr(c, field), (0, width - getattr(c, field).shape[1]), value=pad) for c in chunks])
+
+        return Generation(response_ids=joined("response_ids", self.policy.tokenizer.pad_token_id),
+                          response_mask=joined("response_mask", 0), logprobs=joined("logprobs", 0.0))
+
+    def _generate(self, prompt_ids, prompt_mask) -> Generation:
         model = self.policy.model
         tokenizer = self.policy.tokenizer
         was_training = model.training

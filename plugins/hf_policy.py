@@ -83,8 +83,10 @@ class HFPolicy(Policy):
         base.generation_config.pad_token_id = self.tokenizer.pad_token_id
         base.generation_config.eos_token_id = list(self.eos_token_ids)
         switch_off_dropout(base)
-        if config.gradient_checkpointing:
-            base.gradient_checkpointing_enable()
+        if config.gradient_checkpointing:  # acts while the loop trains (training mode, dropout off)
+            # non-reentrant: with LoRA the frozen base's activations need no grad, and reentrant
+            # checkpointing would then drop the adapters' gradients
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if context is not None:
             base.to(context.device)
 
