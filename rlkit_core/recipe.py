@@ -15,12 +15,13 @@ from typing import Any
 
 import attrs
 import cattrs
+import torch
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 from cattrs.v import transform_error
 
 from rlkit_core.errors import RecipeError
 from rlkit_core.registry import Component, Registry
-from rlkit_core.schema import COMPONENT_TABLES, CORE_TABLES, OptimConfig, PPOConfig, RunConfig, batch_arithmetic_problems, launched_processes
+from rlkit_core.schema import COMPONENT_TABLES, CORE_TABLES, OptimConfig, PPOConfig, RunConfig, batch_arithmetic_problems, launch_problems, launched_processes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -170,6 +171,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         problems += found
         components[table] = choice
 
+    if core["run"] is not None and components.get("policy") is not None:
+        problems += launch_problems(core["run"], components["policy"].config, torch.cuda.is_available())
     if problems:
         raise RecipeError(problems, source)
     return Recipe(core["run"], core["ppo"], core["optim"], components, document, source)

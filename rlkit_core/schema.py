@@ -99,6 +99,25 @@ def batch_arithmetic_problems(ppo: PPOConfig, processes: int = 1) -> list[str]:
     return problems
 
 
+def launch_problems(run, policy_config, cuda: bool) -> list[str]:
+    """Combinations of recipe and launch that cannot work, each located, found before anything
+    is built. `cuda`: whether this machine has a GPU."""
+    problems = []
+    for engine in ("FSDP", "DEEPSPEED"):
+        if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() in ("1", "true"):
+            problems.append(f"launch: the accelerate config selects {engine}, which rlkit does not support yet (it shards the "
+                            "weights that generation reads); launch with configs/accelerate/ddp.yaml")
+    if run.mixed_precision == "fp16":
+        if run.device == "cpu" or not cuda:
+            problems.append("$.run.mixed_precision: 'fp16' needs a GPU (on a CPU accelerate would quietly run float32); "
+                            "use 'bf16' or 'no'")
+        if getattr(policy_config, "dtype", "float32") != "float32":
+            problems.append(f"$.run.mixed_precision: 'fp16' keeps float32 master weights and scales the loss, but "
+                            f"policy.dtype = {policy_config.dtype!r}; set policy.dtype = 'float32', or run.mixed_precision = 'no' "
+                            "for pure low-precision weights")
+    return problems
+
+
 def launched_processes() -> int:
     """The number of processes of this launch: `accelerate launch` and `torchrun` set WORLD_SIZE."""
     return int(os.environ.get("WORLD_SIZE", "1"))
