@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="validate a recipe, resolve its plugins and print the plan; trains nothing")
     check.add_argument("recipe")
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    check.add_argument("--num-processes", type=int, metavar="N",
+                       help="check for a launch of N processes (default: this launch's WORLD_SIZE, else 1)")
 
     export = commands.add_parser("export", help="write a checkpoint's policy as a plain transformers model directory")
     export.add_argument("checkpoint", help="a checkpoint folder (<output_dir>/checkpoints/iter_NNNNNN)")
@@ -68,6 +70,8 @@ def _cmd_check(args) -> int:
     from rlkit_core.plugins import load_registry
     from rlkit_core.recipe import load_recipe
 
+    if args.num_processes:
+        os.environ["WORLD_SIZE"] = str(args.num_processes)  # what accelerate launch would set
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)
     print(describe_plan(recipe))
     return 0

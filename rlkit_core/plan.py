@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rlkit_core.inventory import inventory_rows
 from rlkit_core.recipe import Recipe
+from rlkit_core.schema import launched_processes
 
 
 def describe_plan(recipe: Recipe) -> str:
@@ -19,12 +20,26 @@ def describe_plan(recipe: Recipe) -> str:
         f"  rollouts/iteration  {ppo.batch_size} ({ppo.batch_size // ppo.samples_per_prompt} prompts × {ppo.samples_per_prompt} samples)",
         f"  optimiser steps     {updates_per_iteration} per iteration ({ppo.epochs} epochs × {ppo.batch_size // ppo.minibatch_size} minibatches of {ppo.minibatch_size}), {updates_per_iteration * run.steps} in all",
         f"  KL                  estimator {ppo.kl_estimator}, penalty in the {ppo.kl_penalty}",
+        *_per_process(recipe),
         f"  output              {run.output_dir}",
     ]
     size = model_size(recipe)
     if size:
         lines += ["", "model:", *[f"  {line}" for line in size]]
     return "\n".join(lines)
+
+
+def _per_process(recipe: Recipe) -> list[str]:
+    """How the global batch splits over processes and micro-batches (the recipe's sizes are global)."""
+    ppo, processes = recipe.ppo, launched_processes()
+    per_process = ppo.minibatch_size // processes
+    return [
+        f"  processes           {processes}, each with {ppo.batch_size // processes} rollouts per iteration "
+        f"({ppo.batch_size // ppo.samples_per_prompt // processes} prompts)",
+        f"  micro-batches       {ppo.gradient_accumulation_steps} of {per_process // ppo.gradient_accumulation_steps} rollouts "
+        f"per process and optimiser step; forward passes in chunks of {ppo.forward_batch_size or ppo.minibatch_size}",
+        f"  precision           mixed_precision = {recipe.run.mixed_precision!r}",
+    ]
 
 
 def model_size(recipe: Recipe) -> list[str]:

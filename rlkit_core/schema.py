@@ -107,6 +107,11 @@ def launch_problems(run, policy_config, cuda: bool) -> list[str]:
         if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() in ("1", "true"):
             problems.append(f"launch: the accelerate config selects {engine}, which rlkit does not support yet (it shards the "
                             "weights that generation reads); launch with configs/accelerate/ddp.yaml")
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", run.mixed_precision)
+    if launched != run.mixed_precision:
+        problems.append(f"launch: accelerate launch asks for mixed precision {launched!r} but $.run.mixed_precision = "
+                        f"{run.mixed_precision!r}; the recipe decides (it is what the run records): set "
+                        f"--set run.mixed_precision={launched}, or launch without --mixed_precision")
     if run.mixed_precision == "fp16":
         if run.device == "cpu" or not cuda:
             problems.append("$.run.mixed_precision: 'fp16' needs a GPU (on a CPU accelerate would quietly run float32); "

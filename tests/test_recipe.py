@@ -135,8 +135,10 @@ def test_batch_arithmetic_over_processes_and_micro_batches(recipe_document, regi
 
 def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_document, registry, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate launch --mixed_precision bf16
     recipe_document["run"].update(mixed_precision="fp16", device="cpu")
     recipe_document["policy"]["dtype"] = "bfloat16"
     problems = problems_of(recipe_document, registry)
-    assert [p.split(":")[0] for p in problems] == ["launch", "$.run.mixed_precision", "$.run.mixed_precision"]
-    assert "DEEPSPEED" in problems[0] and "needs a GPU" in problems[1] and "policy.dtype = 'bfloat16'" in problems[2]
+    assert [p.split(":")[0] for p in problems] == ["launch", "launch", "$.run.mixed_precision", "$.run.mixed_precision"]
+    assert "DEEPSPEED" in problems[0] and "--set run.mixed_precision=bf16" in problems[1]
+    assert "needs a GPU" in problems[2] and "policy.dtype = 'bfloat16'" in problems[3]

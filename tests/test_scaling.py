@@ -142,3 +142,12 @@ def test_mixed_precision_autocasts_with_float32_weights(recipe_document, precisi
     assert result["weights"] == ["torch.float32"]  # master weights stay float32
     assert result["finite"]
     assert result["logprob_gap"] < 0.1  # the sampler and π_old see the same precision
+
+
+def test_the_shipped_ddp_config_is_one_accelerate_reads():
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    config = load_config_from_file(str(Path(__file__).parents[1] / "configs" / "accelerate" / "ddp.yaml"))
+    assert config.distributed_type == DistributedType.MULTI_GPU
+    assert config.mixed_precision == "no"  # the recipe's run.mixed_precision decides (see launch_problems)
