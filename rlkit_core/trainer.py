@@ -299,7 +299,7 @@ class Trainer:
 
     def sample_responses(self, records: list[dict]) -> list[str]:
         """Responses to `records` without touching the training random stream (for before/after reports)."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.accelerator.autocast():
             prompt_ids, prompt_mask = encode_prompts(self.tokenizer, [r["prompt"] for r in records], self.device)
             generation = self.parts.generator.generate(prompt_ids, prompt_mask)
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
