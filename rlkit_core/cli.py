@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     check.add_argument("--num-processes", type=int, metavar="N",
                        help="check for a launch of N processes (default: this launch's WORLD_SIZE, else 1)")
+    check.add_argument("--prompt-tokens", type=int, default=128, metavar="N", help="prompt length the memory estimate assumes")
 
     export = commands.add_parser("export", help="write a checkpoint's policy as a plain transformers model directory")
     export.add_argument("checkpoint", help="a checkpoint folder (<output_dir>/checkpoints/iter_NNNNNN)")
@@ -73,7 +74,7 @@ def _cmd_check(args) -> int:
     if args.num_processes:
         os.environ["WORLD_SIZE"] = str(args.num_processes)  # what accelerate launch would set
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)
-    print(describe_plan(recipe))
+    print(describe_plan(recipe, args.prompt_tokens))
     return 0
 
 

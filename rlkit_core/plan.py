@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from rlkit_core.inventory import inventory_rows
+from rlkit_core.memory import Workload, estimate
+from rlkit_core.memory import describe as describe_memory
 from rlkit_core.recipe import Recipe
 from rlkit_core.schema import launched_processes
 
 
-def describe_plan(recipe: Recipe) -> str:
+def describe_plan(recipe: Recipe, prompt_tokens: int = 128) -> str:
     run, ppo = recipe.run, recipe.ppo
     updates_per_iteration = ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
     lines = [f"recipe {recipe.source or '(in memory)'} is valid", "", "components:"]
@@ -26,6 +28,9 @@ def describe_plan(recipe: Recipe) -> str:
     size = model_size(recipe)
     if size:
         lines += ["", "model:", *[f"  {line}" for line in size]]
+    memory = memory_estimate(recipe, prompt_tokens)
+    if memory:
+        lines += ["", f"memory (prompts of {prompt_tokens} tokens; rlkit check --prompt-tokens N):", *[f"  {line}" for line in memory]]
     return "\n".join(lines)
 
 
@@ -43,6 +48,26 @@ def _per_process(recipe: Recipe) -> list[str]:
 
 
 def model_size(recipe: Recipe) -> list[str]:
-    """Parameter count and a memory estimate from the policy's config file, when it names a local model."""
+    """Parameter count from the policy's config file, when it names a local model."""
     describe = getattr(recipe["policy"].component.factory, "describe", None)
     return describe(recipe["policy"].config) if describe else []
+
+
+def memory_estimate(recipe: Recipe, prompt_tokens: int) -> list[str]:
+    """Per-process memory, when the policy plugin can say its model's shape (see rlkit_core.memory)."""
+    shape_of = getattr(recipe["policy"].component.factory, "shape", None)
+    shape = shape_of(recipe["policy"].config) if shape_of else None
+    if shape is None:
+        return []
+    ppo, processes = recipe.ppo, launched_processes()
+    generator = recipe["generator"].config
+    work = Workload(
+        micro_batch=ppo.minibatch_size // processes // ppo.gradient_accumulation_steps,
+        forward_batch=ppo.forward_batch_size or ppo.minibatch_size,
+        generate_batch=getattr(generator, "batch_size", 0) or ppo.batch_size // processes,
+        prompt_tokens=prompt_tokens,
+        response_tokens=getattr(generator, "max_new_tokens", 0),
+        checkpointing=getattr(recipe["policy"].config, "gradient_checkpointing", False),
+        mixed_precision=recipe.run.mixed_precision,
+    )
+    return describe_memory(estimate(shape, work))

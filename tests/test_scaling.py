@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -123,8 +124,6 @@ from rlkit_core.plugins import load_registry
 from rlkit_core.recipe import parse_recipe
 from rlkit_core.trainer import Trainer
 
-import distributed_worker
-
 trainer = Trainer(parse_recipe(json.loads(sys.argv[1]), load_registry(environ={"RLKIT_PLUGINS": "none"})))
 seen = set()
 trainer.policy.model.lm_head.register_forward_hook(lambda module, args, out: seen.add(str(out.dtype)))
@@ -158,3 +157,21 @@ def test_the_shipped_ddp_config_is_one_accelerate_reads():
     config = load_config_from_file(str(Path(__file__).parents[1] / "configs" / "accelerate" / "ddp.yaml"))
     assert config.distributed_type == DistributedType.MULTI_GPU
     assert config.mixed_precision == "no"  # the recipe's run.mixed_precision decides (see launch_problems)
+
+
+def test_memory_estimate_against_hand_computed_bytes():
+    from rlkit_core.memory import ModelShape, Workload, estimate
+
+    shape = ModelShape(parameters=1000, trainable=100, layers=2, hidden=8, heads=2, vocab=10, weight_bytes=4, reference_copy=True)
+    work = Workload(micro_batch=2, forward_batch=4, generate_batch=4, prompt_tokens=3, response_tokens=5,
+                    checkpointing=False, mixed_precision="no")
+    # 8 tokens; a layer keeps 2·8·8·(34 + 5·2·8/8)·4/2 = 11264 bytes for a micro-batch of 2
+    assert estimate(shape, work) == {
+        "weights": 1000 * 4 * 2, "gradients": 400, "optimiser": 800,
+        "update": 2 * 11264 + (2 * 8 * 10 * 4 + 2 * 2 * 5 * 10 * 4),
+        "forward": 2 * 4 * 8 * 10 * 4 + 2 * 4 * 5 * 10 * 4,
+        "generate": 2 * 2 * 4 * 8 * 8 * 4 + 4 * 5 * 10 * 4,
+        "peak": 9200 + 22528 + 1440,
+    }
+    checkpointed = estimate(shape, attrs.evolve(work, checkpointing=True))
+    assert checkpointed["update"] == 2 * 2 * 8 * 8 * 4 + 11264 + 1440  # layer inputs, one layer in full, the head
