@@ -1,5 +1,5 @@
 """`rlkit check`'s memory estimate against the measured peak, on a GPT-2-small-sized random model
-(12 layers, width 768, vocabulary 50257; built offline) with and without LoRA and gradient
+(12 layers, width 768, vocabulary 50257, 124M parameters; built offline) with and without LoRA and gradient
 checkpointing. Each case runs one PPO iteration in a fresh process and reports the growth of its
 peak resident memory from just before the trainer is built; on a GPU, read torch.cuda's peak
 instead. Prints one JSON line per case.
@@ -59,22 +59,28 @@ def one_case(folder: Path, lora_r: int, checkpointing: bool) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     mib = 2**20
     return {"lora_r": lora_r, "gradient_checkpointing": checkpointing,
-            "estimate_resident_mib": round((parts["weights"] + parts["gradients"] + parts["optimiser"]) / mib),
-            "measured_after_build_mib": round(built / mib),
+            # before the first step only the weights are resident (AdamW allocates its state at the first step)
+            "estimate_weights_mib": round(parts["weights"] / mib), "measured_after_build_mib": round(built / mib),
             "estimate_peak_mib": round(parts["peak"] / mib), "measured_peak_mib": round(peak / mib),
             "estimate_update_mib": round(parts["update"] / mib)}
 
 
 def prepare(folder: Path) -> None:
+    """GPT-2 small's shape (124M parameters) with a word-level tokenizer over GPT-2's 50257 ids
+    (`w2` ... `w50256`), built offline; every id the model samples decodes."""
     import torch
-    from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(bos_token_id=1, eos_token_id=1, pad_token_id=0)).save_pretrained(folder / "model")
-    ByT5Tokenizer().save_pretrained(folder / "model")
-    prompt = "a" * PROMPT_TOKENS  # ByT5: one token per byte
+    config = GPT2Config(bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(folder / "model")
+    words = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, config.vocab_size)}}, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>").save_pretrained(folder / "model")
+    prompt = " ".join(f"w{i}" for i in range(2, 2 + PROMPT_TOKENS))  # one token per word
     (folder / "prompts.jsonl").write_text("".join(json.dumps({"prompt": prompt}) + "\n" for _ in range(BATCH)))
-    (folder / "reward.py").write_text("def count_e(prompts, responses):\n    return [r.count('e') for r in responses]\n")
+    (folder / "reward.py").write_text("def count_e(prompts, responses):\n    return [r.count('w5') for r in responses]\n")
 
 
 def main() -> None:

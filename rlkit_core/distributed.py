@@ -7,7 +7,6 @@ single-process results do not depend on this module at all.
 
 from __future__ import annotations
 
-import attrs
 import torch
 from accelerate.utils import gather_object
 
@@ -84,18 +83,8 @@ class Processes:
         """
         if self.count == 1:
             return batch
-        changes = {}
-        for field in attrs.fields(RolloutBatch):
-            value = getattr(batch, field.name)
-            if value is None:
-                continue
-            if isinstance(value, torch.Tensor):
-                changes[field.name] = self._gather_tensor(field.name, value, pad_token_id)
-            elif isinstance(value, dict):
-                changes[field.name] = {key: gather_object(list(column)) for key, column in value.items()}
-            else:
-                changes[field.name] = gather_object(list(value))
-        return batch.with_(**changes)
+        return batch.map_fields(lambda name, value: self._gather_tensor(name, value, pad_token_id),
+                                lambda column: gather_object(list(column)))
 
     def _gather_tensor(self, name: str, value: torch.Tensor, pad_token_id: int) -> torch.Tensor:
         dtype = value.dtype

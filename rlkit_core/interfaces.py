@@ -192,6 +192,19 @@ class Tracker(ABC):
         """Close the run; `status` is "FINISHED", "FAILED" or "KILLED"."""
 
 
+class SilentTracker(Tracker):
+    """Records nothing: the `none` tracker, and what the processes other than the main one log to."""
+
+    def start(self, *, run_name, params, tags, resume_id):
+        return None
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def finish(self, status):
+        pass
+
+
 KINDS = {
     "policy": Policy,
     "value_head": ValueHead,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rlkit_core import __version__, checkpoint
 from rlkit_core.errors import RlkitError
-from rlkit_core.interfaces import Tracker
+from rlkit_core.interfaces import SilentTracker
 from rlkit_core.inventory import flatten, inventory_rows
 from rlkit_core.plot import plot_curves
 from rlkit_core.progress import Progress
@@ -39,19 +39,6 @@ def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> li
     return [folder / name for name in found]
 
 
-class _Silent(Tracker):
-    """What the processes other than the main one log to: nothing (one tracked run per training run)."""
-
-    def start(self, *, run_name, params, tags, resume_id):
-        return None
-
-    def log_metrics(self, metrics, step):
-        pass
-
-    def finish(self, status):
-        pass
-
-
 def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, overwrite: bool = False, out=sys.stdout) -> list[dict]:
     """Train up to `recipe.run.steps` iterations; returns the metrics of every iteration (on the
     main process; the others train alongside it and write nothing)."""
@@ -62,7 +49,7 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
         for path in earlier:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     trainer.processes.wait()
-    tracker = trainer.parts.tracker if main else _Silent()
+    tracker = trainer.parts.tracker if main else SilentTracker()  # one tracked run per training run
     run_id = None
     if resume:
         meta = checkpoint.load_checkpoint(trainer, checkpoint.resolve(resume, recipe.run.output_dir))
