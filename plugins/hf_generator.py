@@ -1,13 +1,22 @@
-"""Generator `hf`: batched sampling with transformers' `generate` on the policy's own weights."""
+"""Generator `hf`: batched sampling with transformers' `generate` on the policy's own weights.
+
+Sampling is exactly π/T unless the recipe asks otherwise: rlkit builds the whole generation config
+itself (temperature, lengths, its end ids, PAD, the suppressed ids) and swaps it in for the call, so
+a hub model's `generation_config.json` (repetition_penalty, no_repeat_ngram_size, top_k, ...) never
+changes what is sampled. The sampled log-probs come from the scores after every logits processor,
+so `check/logprob_gap` (learner vs sampler) shows any processing that makes the sampler differ from π.
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 import attrs
 import torch
 
 from rlkit_core import hookimpl
-from rlkit_core.config import at_least, greater_than, setting
-from rlkit_core.functional import logprobs_from_logits, response_mask
+from rlkit_core.config import at_least, between, greater_than, setting
+from rlkit_core.functional import response_mask
 from rlkit_core.interfaces import Generation, Generator
 
 
@@ -17,16 +26,45 @@ class HFGeneratorConfig:
     min_new_tokens: int = setting(0, help="EOS is forbidden before this many tokens (the sampler then differs from π; keep 0 for exact PPO)", validator=at_least(0))
     temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed", validator=greater_than(0))
     batch_size: int = setting(0, help="prompts per generate call, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
+    top_k: int = setting(0, help="sample from the k likeliest tokens only (0: off). Biases PPO: the sampler is no longer π, see README", validator=at_least(0))
+    top_p: float = setting(1.0, help="nucleus sampling mass (1.0: off). Biases PPO like top_k", validator=between(0.0, 1.0))
+
+
+@contextlib.contextmanager
+def generation_config_swapped(model, config):
+    """`model.generate` with `config` as the model's own generation config: transformers fills every
+    unset field of a passed config from the model's, so passing ours is not enough to shut out the
+    checkpoint's sampling defaults."""
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the transformers model
+    saved = target.generation_config
+    target.generation_config = config
+    try:
+        yield
+    finally:
+        target.generation_config = saved
 
 
 class HFGenerator(Generator):
-    """Pure temperature sampling (no top-k/top-p), so that the sampler is exactly π/T and the
-    KL to the reference cannot go negative through truncation."""
+    """Pure temperature sampling by default (no top-k/top-p), so that the sampler is exactly π/T
+    and the KL to the reference cannot go negative through truncation."""
 
     def __init__(self, config: HFGeneratorConfig, context):
         self.config = config
         self.temperature = config.temperature
         self.policy = context.policy
+
+    def generation_config(self):
+        from transformers import GenerationConfig
+
+        tokenizer = self.policy.tokenizer
+        suppressed = list(self.policy.suppressed_token_ids)
+        return GenerationConfig(
+            do_sample=True, temperature=self.temperature, top_k=self.config.top_k, top_p=self.config.top_p,  # top_k 0: off (unset would mean 50)
+            max_new_tokens=self.config.max_new_tokens, min_new_tokens=self.config.min_new_tokens or None,
+            eos_token_id=list(self.policy.eos_token_ids), pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id, suppress_tokens=suppressed or None,
+            return_dict_in_generate=True, output_scores=True,
+        )
 
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask) -> Generation:
@@ -44,21 +82,18 @@ class HFGenerator(Generator):
 
     def _generate(self, prompt_ids, prompt_mask) -> Generation:
         model = self.policy.model
-        tokenizer = self.policy.tokenizer
+        pad = self.policy.tokenizer.pad_token_id
         was_training = model.training
         model.eval()
-        out = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=self.temperature,
-            top_k=0, top_p=1.0, max_new_tokens=self.config.max_new_tokens, min_new_tokens=self.config.min_new_tokens,
-            eos_token_id=list(self.policy.eos_token_ids), pad_token_id=tokenizer.pad_token_id,
-            return_dict_in_generate=True, output_logits=True,
-        )
+        with generation_config_swapped(model, self.generation_config()):
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask)
         model.train(was_training)
         response_ids = out.sequences[:, prompt_ids.shape[1]:]
-        logits = torch.stack(out.logits, dim=1)  # [B, R, V], raw: temperature applied below
+        scores = torch.stack(out.scores, dim=1)  # [B, R, V] after temperature and every other processor
         mask = response_mask(response_ids, self.policy.eos_token_ids)
-        logprobs = logprobs_from_logits(logits, response_ids, self.temperature) * mask
-        return Generation(response_ids=response_ids * mask + tokenizer.pad_token_id * (1 - mask), response_mask=mask, logprobs=logprobs)
+        logprobs = torch.log_softmax(scores.float(), dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+        logprobs = torch.where(mask.bool(), logprobs, 0.0)  # after the end the sampled PAD scores -inf
+        return Generation(response_ids=response_ids * mask + pad * (1 - mask), response_mask=mask, logprobs=logprobs)
 
 
 @hookimpl

@@ -16,6 +16,7 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, one_of, setting
 from rlkit_core.errors import RecipeError
+from rlkit_core.hf_loading import check_tokenizer
 from rlkit_core.interfaces import Policy, PolicyOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,32 +31,46 @@ class HFPolicyConfig:
     lora_r: int = setting(0, help="LoRA rank (0: train all weights)", validator=at_least(0))
     lora_alpha: int = setting(16, help="LoRA scaling α", validator=at_least(1))
     lora_target_modules: list[str] = setting(factory=list, help="module names LoRA adapts (empty: peft's default for the architecture)")
+    end_tokens: list[str] = setting(factory=list, help="more tokens that end a response, besides the tokenizer's EOS and the model's generation_config eos ids (e.g. '<|im_end|>')")
     gradient_checkpointing: bool = setting(False, help="trade compute for memory in the training forward pass")
     trust_remote_code: bool = setting(False, help="allow model code from the checkpoint (only for checkpoints you trust)")
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
-    """A left-padding tokenizer whose PAD differs from EOS (a shared id would mask the EOS out of the loss)."""
+    """A left-padding tokenizer that has an EOS; its PAD is settled by `settle_pad` once the
+    model's end ids are known."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.eos_token_id is None:
         raise RecipeError([f"$.policy.tokenizer: tokenizer {name!r} has no EOS token; responses could never end"])
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
     return tokenizer
 
 
-def end_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
+def settle_pad(tokenizer, eos_token_ids) -> bool:
+    """Give the tokenizer a PAD that ends no response; True when rlkit had to add one.
+
+    GPT-2, Pythia and Llama have no PAD, or use an end token as PAD; a shared id would make
+    padding indistinguishable from a response that ended, so rlkit adds its own token."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_token_ids:
+        return False
+    tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    return True
+
+
+def end_token_ids(tokenizer, generation_config, end_tokens=()) -> tuple[int, ...]:
     """The tokenizer's EOS first, then every other end id the model's generation config names
-    (chat models stop on an end-of-turn token as well as on end-of-text)."""
-    ids = [tokenizer.eos_token_id]
+    (chat models stop on an end-of-turn token as well as on end-of-text), then the recipe's."""
     named = generation_config.eos_token_id
-    for token in named if isinstance(named, (list, tuple)) else [named]:
-        if token is not None and token not in ids:
-            ids.append(token)
-    return tuple(ids)
+    ids = [tokenizer.eos_token_id, *(named if isinstance(named, (list, tuple)) else [named])]
+    for token in end_tokens:
+        index = tokenizer.convert_tokens_to_ids(token)
+        if index is None or (index == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise RecipeError([f"$.policy.end_tokens: {token!r} is not a token of the policy's tokenizer; "
+                               "name it exactly as the tokenizer spells it (see tokenizer.json's added_tokens)"])
+        ids.append(index)
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def switch_off_dropout(model: torch.nn.Module) -> None:
@@ -76,9 +91,13 @@ class HFPolicy(Policy):
         except OSError as exc:
             where = "a local directory" if os.path.sep in config.model or config.model.startswith(".") else "a hub name (needs network)"
             raise RecipeError([f"$.policy.model: cannot load {config.model!r} as {where}: {exc}"]) from None
+        self.eos_token_ids = end_token_ids(self.tokenizer, base.generation_config, config.end_tokens)
+        if settle_pad(self.tokenizer, self.eos_token_ids):
+            # The added PAD only fills masked positions; it must never be sampled or take
+            # probability from real tokens, so the loop masks it out of every softmax.
+            self.suppressed_token_ids = (self.tokenizer.pad_token_id,)
         if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
-            base.resize_token_embeddings(len(self.tokenizer))
-        self.eos_token_ids = end_token_ids(self.tokenizer, base.generation_config)
+            base.resize_token_embeddings(len(self.tokenizer))  # a row for the added PAD (none spare, as in GPT-2)
         base.config.pad_token_id = self.tokenizer.pad_token_id
         base.generation_config.pad_token_id = self.tokenizer.pad_token_id
         base.generation_config.eos_token_id = list(self.eos_token_ids)
@@ -104,6 +123,14 @@ class HFPolicy(Policy):
     @property
     def model(self) -> torch.nn.Module:
         return self._model
+
+    @staticmethod
+    def check(config: HFPolicyConfig, recipe) -> tuple[list[str], list[str]]:
+        """(problems, notes) of `rlkit check`: the tokenizer must load (a missing directory is named)."""
+        problems, notes = [], []
+        where = "$.policy.tokenizer" if config.tokenizer else "$.policy.model"
+        check_tokenizer(config.tokenizer or config.model, where, problems, notes, config.trust_remote_code)
+        return problems, notes
 
     @staticmethod
     def shape(config: HFPolicyConfig):

@@ -19,6 +19,7 @@ class PPOClipConfig:
 class PPOClip(Loss):
     def __init__(self, config: PPOClipConfig, context=None):
         self.config = config
+        self.entropy_in_loss = config.entropy_coef > 0
 
     def __call__(self, minibatch, current, token_count):
         mask = minibatch.response_mask

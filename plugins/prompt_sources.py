@@ -11,27 +11,37 @@ from rlkit_core import hookimpl
 from rlkit_core.config import at_least, setting
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import PromptSource
+from rlkit_core.prompts import PromptLengthLimit
 
 
 @attrs.frozen
-class JsonlConfig:
+class JsonlConfig(PromptLengthLimit):
     path: str = setting(help="a .jsonl file: one JSON object per line")
-    prompt_field: str = setting("prompt", help="the key holding the prompt text; other keys go to the reward as columns")
+    prompt_field: str = setting("prompt", help="the key holding the prompt text (or use a `messages` list); other keys go to the reward as columns")
     limit: int = setting(0, help="use only the first N records (0: all)", validator=at_least(0))
 
 
 @attrs.frozen
-class HFDatasetConfig:
+class HFDatasetConfig(PromptLengthLimit):
     path: str = setting(help="a dataset name for datasets.load_dataset ('json', 'csv', 'parquet' or a hub name)")
+    name: str = setting("", help="the data set's configuration name, for hub data sets that have several")
     data_files: list[str] = setting(factory=list, help="local files for the 'json'/'csv'/'parquet' loaders")
     split: str = setting("train", help="which split to read")
-    prompt_field: str = setting("prompt", help="the column holding the prompt text")
+    prompt_field: str = setting("prompt", help="the column holding the prompt text (or use a `messages` column)")
+    fields: dict[str, str] = setting(factory=dict, help="rename columns for the reward: {name the reward expects = column in the data}")
     limit: int = setting(0, help="use only the first N records (0: all)", validator=at_least(0))
 
 
 def _with_prompt(record: dict, field: str, where: str) -> dict:
+    """The record with its prompt under `prompt`, or a conversation under `messages`."""
+    if field not in record and "messages" in record:
+        messages = record["messages"]
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)):
+            raise RecipeError([f"{where}: `messages` must be a non-empty list of {{\"role\": ..., \"content\": ...}} strings"])
+        return {"prompt": None, **record}
     if field not in record:
-        raise RecipeError([f"{where}: has no field {field!r} (fields: {', '.join(record) or 'none'}); set data.prompt_field"])
+        raise RecipeError([f"{where}: has no field {field!r} and no `messages` (fields: {', '.join(record) or 'none'}); set data.prompt_field"])
     if not isinstance(record[field], str):
         raise RecipeError([f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}"])
     rest = {k: v for k, v in record.items() if k != field}
@@ -74,11 +84,20 @@ class HFDatasetPrompts(PromptSource):
             import datasets
         except ImportError:
             raise RecipeError(["$.data.type: 'hf-dataset' needs the datasets package: pip install 'rlkit[datasets]'"]) from None
-        kwargs = {"data_files": list(self.config.data_files)} if self.config.data_files else {}
-        table = datasets.load_dataset(self.config.path, split=self.config.split, **kwargs)
-        if self.config.limit:
-            table = table.select(range(min(self.config.limit, len(table))))
-        return [_with_prompt(dict(row), self.config.prompt_field, f"{self.config.path}[{i}]") for i, row in enumerate(table)]
+        config = self.config
+        kwargs = {"data_files": list(config.data_files)} if config.data_files else {}
+        try:
+            table = datasets.load_dataset(config.path, config.name or None, split=config.split, **kwargs)
+        except (FileNotFoundError, ValueError) as exc:
+            raise RecipeError([f"$.data: cannot load {config.path!r} (split {config.split!r}): {str(exc).splitlines()[0]}"]) from None
+        missing = [column for column in config.fields.values() if column not in table.column_names]
+        if missing:
+            raise RecipeError([f"$.data.fields: no column {missing[0]!r} in {config.path!r} (columns: {', '.join(table.column_names)})"])
+        if config.limit:
+            table = table.select(range(min(config.limit, len(table))))
+        renamed = {column: name for name, column in config.fields.items()}
+        return [_with_prompt({renamed.get(k, k): v for k, v in row.items()}, config.prompt_field, f"{config.path}[{i}]")
+                for i, row in enumerate(table)]
 
 
 @hookimpl

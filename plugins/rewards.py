@@ -14,6 +14,7 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, greater_than, setting
 from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.hf_loading import check_tokenizer
 from rlkit_core.interfaces import RewardSource
 
 
@@ -91,7 +92,11 @@ class PythonReward(RewardSource):
 
 
 class RewardModel(RewardSource):
-    """Scores prompt + response with a classifier read at the last real token."""
+    """Scores prompt + response with a classifier read at the last real token.
+
+    Its tokenizer may differ from the policy's: it scores text, re-tokenized here. A conversation
+    (a `messages` column) is re-rendered with the reward model's own chat template, the response
+    as the assistant's turn; without a template, or for a plain prompt, it reads prompt + response."""
 
     def __init__(self, config: RewardModelConfig, context):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -104,25 +109,45 @@ class RewardModel(RewardSource):
             self.model = AutoModelForSequenceClassification.from_pretrained(config.model)
         except OSError as exc:
             raise RecipeError([f"$.reward.model: cannot load {config.model!r}: {exc}"]) from None
+        rows = self.model.get_input_embeddings().num_embeddings
+        if len(self.tokenizer) > rows:
+            raise RecipeError([f"$.reward.tokenizer: {config.tokenizer or config.model!r} has {len(self.tokenizer)} tokens but "
+                               f"the reward model's embedding has {rows} rows; give the tokenizer the model was trained with"])
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "right"
-        self.tokenizer.truncation_side = "left"
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         switch_off_dropout(self.model)
         self.model.eval().to(context.device)
         self.device = context.device
 
+    @staticmethod
+    def check(config: RewardModelConfig, recipe) -> tuple[list[str], list[str]]:
+        """(problems, notes) of `rlkit check`: the reward model's tokenizer must load."""
+        problems, notes = [], []
+        check_tokenizer(config.tokenizer or config.model, "$.reward.tokenizer" if config.tokenizer else "$.reward.model", problems, notes)
+        return problems, notes
+
+    def token_ids(self, prompt: str, response: str, messages) -> list[int]:
+        """The reward model's view of one rollout, truncated from the left to `max_length`."""
+        if messages and self.tokenizer.chat_template:
+            conversation = [*messages, {"role": "assistant", "content": response}]
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
+        else:
+            ids = self.tokenizer(prompt + response)["input_ids"]
+        return ids[-self.config.max_length:]
+
     @torch.no_grad()
     def score(self, prompts, responses, **columns):
+        conversations = columns.get("messages") or [None] * len(prompts)
+        rows = [self.token_ids(p, r, m) for p, r, m in zip(prompts, responses, conversations)]
         scores = []
-        texts = [p + r for p, r in zip(prompts, responses)]
-        for start in range(0, len(texts), self.config.batch_size):
-            enc = self.tokenizer(texts[start:start + self.config.batch_size], return_tensors="pt", padding=True,
-                                 truncation=True, max_length=self.config.max_length).to(self.device)
+        for start in range(0, len(rows), self.config.batch_size):
+            enc = self.tokenizer.pad({"input_ids": rows[start:start + self.config.batch_size]}, return_tensors="pt").to(self.device)
             logits = self.model(**enc).logits
             scores += logits[:, self.config.label_index].float().tolist()
-        return checked_scores(scores, len(texts), self.config.model)
+        return checked_scores(scores, len(rows), self.config.model)
 
 
 @hookimpl

@@ -15,6 +15,7 @@ from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import PromptSource, RewardSource
+from rlkit_core.prompts import PromptLengthLimit
 from rlkit_plugins import summarize_task
 from rlkit_plugins.hf_policy import DTYPES, HFPolicy, HFPolicyConfig
 from rlkit_plugins.rewards import checked_scores
@@ -25,7 +26,7 @@ def default_cache_dir() -> str:
 
 
 @attrs.frozen
-class ToySummariesConfig:
+class ToySummariesConfig(PromptLengthLimit):
     size: int = setting(4096, help="documents to generate", validator=greater_than(0))
     seed: int = setting(0, help="seed of the generator (the same seed gives the same documents)")
     split: str = setting("train", help="'train' or 'eval': the two splits share no fact", validator=one_of("train", "eval"))

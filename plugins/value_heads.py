@@ -8,6 +8,7 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import one_of, setting
 from rlkit_core.errors import RecipeError
+from rlkit_core.hf_loading import check_tokenizer, vocabulary_mismatch
 from rlkit_core.interfaces import ValueHead
 
 
@@ -45,18 +46,49 @@ class SharedValueHead(ValueHead):
         self.head.load_state_dict(state)
 
 
+def policy_tokenizer_name(recipe) -> str:
+    """Where the recipe's policy takes its tokenizer from, when its config says (empty otherwise)."""
+    config = recipe["policy"].config
+    return getattr(config, "tokenizer", "") or getattr(config, "model", "")
+
+
+def critic_vocabulary_problem(policy_tokenizer, critic_tokenizer, critic_rows: int, added: tuple[str, ...]) -> str | None:
+    """Why a separate critic cannot read the policy's token ids, or None. A critic without its own
+    tokenizer files is checked by size alone."""
+    if critic_tokenizer is not None:
+        mismatch = vocabulary_mismatch(policy_tokenizer, critic_tokenizer, ignore=added)
+        if mismatch:
+            return f"its vocabulary is not the policy's ({mismatch})"
+    needed = len(policy_tokenizer) - len(added)
+    if critic_rows < needed:
+        return f"its embedding table has {critic_rows} rows but the policy's tokenizer has {needed} tokens"
+    return None
+
+
 class SeparateValueHead(ValueHead):
-    """A sequence-classification model read at every position instead of only the last."""
+    """A sequence-classification model read at every position instead of only the last. It reads
+    the policy's token ids, so it must share the policy's vocabulary (checked when built and by
+    `rlkit check`); a PAD that rlkit added to the policy never reaches it (padding is masked, and
+    its ids are replaced before the critic's embedding)."""
 
     def __init__(self, config: SeparateValueConfig, context):
-        from transformers import AutoModelForSequenceClassification
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from rlkit_plugins.hf_policy import switch_off_dropout
+        from rlkit_plugins.hf_policy import PAD_TOKEN, switch_off_dropout
 
         try:
             self.model = AutoModelForSequenceClassification.from_pretrained(config.model, num_labels=1)
         except OSError as exc:
             raise RecipeError([f"$.value_head.model: cannot load {config.model!r}: {exc}"]) from None
+        try:
+            critic_tokenizer = AutoTokenizer.from_pretrained(config.model)
+        except (OSError, ValueError):
+            critic_tokenizer = None
+        rows = self.model.get_input_embeddings().num_embeddings
+        problem = critic_vocabulary_problem(context.policy.tokenizer, critic_tokenizer, rows, (PAD_TOKEN,))
+        if problem:
+            raise RecipeError([f"$.value_head.model: {config.model!r}: {problem}; start the critic from a model with the "
+                               "policy's tokenizer, or use value_head.type = 'shared'"])
         self.score = getattr(self.model, "score", None)
         if not isinstance(self.score, torch.nn.Linear):
             raise RecipeError([f"$.value_head.model: {config.model!r} has no linear `score` head to read per token; "
@@ -68,8 +100,27 @@ class SeparateValueHead(ValueHead):
         switch_off_dropout(self.model)
         self.model.to(context.device)
 
+    @staticmethod
+    def check(config: SeparateValueConfig, recipe) -> tuple[list[str], list[str]]:
+        """(problems, notes) of `rlkit check`: the critic's tokenizer against the policy's."""
+        from rlkit_plugins.hf_policy import PAD_TOKEN
+
+        problems, notes = [], []
+        policy_name = policy_tokenizer_name(recipe)
+        if not policy_name:
+            return problems, notes
+        policy_tokenizer = check_tokenizer(policy_name, "$.policy.model", problems, notes)
+        critic_tokenizer = check_tokenizer(config.model, "$.value_head.model", problems, notes)
+        if policy_tokenizer is not None and critic_tokenizer is not None:
+            problem = critic_vocabulary_problem(policy_tokenizer, critic_tokenizer, len(critic_tokenizer), (PAD_TOKEN,))
+            if problem:
+                problems.append(f"$.value_head.model: {config.model!r}: {problem}; start the critic from a model with the "
+                                "policy's tokenizer, or use value_head.type = 'shared'")
+        return problems, notes
+
     def values(self, policy_output, input_ids, attention_mask, position_ids):
         trunk = getattr(self.model, self.model.base_model_prefix)
+        input_ids = input_ids.masked_fill(attention_mask == 0, 0)  # padding is masked; an added PAD id may lie past this table
         hidden = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
         return self.score(hidden).float().squeeze(-1)
 

@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="validate a recipe, resolve its plugins and print the plan; trains nothing")
     check.add_argument("recipe")
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    check.add_argument("--offline", action="store_true",
+                       help="download nothing: hub models and tokenizers not in the local cache are reported as unchecked")
     check.add_argument("--num-processes", type=int, metavar="N",
                        help="check for a launch of N processes (default: this launch's WORLD_SIZE, else 1)")
     check.add_argument("--prompt-tokens", type=int, default=128, metavar="N", help="prompt length the memory estimate assumes")
@@ -67,6 +69,8 @@ def _cmd_plugins(args) -> int:
 
 
 def _cmd_check(args) -> int:
+    if args.offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub when it is first imported, below
     from rlkit_core.plan import describe_plan
     from rlkit_core.plugins import load_registry
     from rlkit_core.recipe import load_recipe

@@ -10,11 +10,12 @@ import attrs
 HELP = "help"
 
 
-def setting(default=attrs.NOTHING, *, help, validator=None, factory=None):
-    """An attrs field with a help text; `factory` for mutable defaults."""
+def setting(default=attrs.NOTHING, *, help, validator=None, factory=None, kw_only=False):
+    """An attrs field with a help text; `factory` for mutable defaults; `kw_only` for settings a
+    base class shares with subclasses that have required fields."""
     if factory is not None:
-        return attrs.field(factory=factory, validator=validator, metadata={HELP: help})
-    return attrs.field(default=default, validator=validator, metadata={HELP: help})
+        return attrs.field(factory=factory, validator=validator, metadata={HELP: help}, kw_only=kw_only)
+    return attrs.field(default=default, validator=validator, metadata={HELP: help}, kw_only=kw_only)
 
 
 def _check(predicate, words):

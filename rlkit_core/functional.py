@@ -68,22 +68,33 @@ def masked_whiten(
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 
-def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[..., V] float32 log-probabilities at `temperature`: bf16 log_softmax loses the small ratios PPO needs."""
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
+def _log_softmax(logits: torch.Tensor, temperature: float, suppressed: tuple[int, ...] = ()) -> torch.Tensor:
+    """[..., V] float32 log-probabilities at `temperature`: bf16 log_softmax loses the small ratios PPO needs.
+
+    `suppressed` ids (tokens the policy never emits, such as an added PAD) get the lowest finite
+    logit, so their probability is exactly 0 while entropy and KL sums stay finite (-inf would
+    make 0 · -inf = nan). The fill writes into the fresh scaled copy, never into the model's output.
+    """
+    scaled = logits.float() / temperature
+    if suppressed:
+        scaled[..., list(suppressed)] = torch.finfo(scaled.dtype).min
+    return torch.log_softmax(scaled, dim=-1)
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, suppressed: tuple[int, ...] = ()
+) -> torch.Tensor:
     """[B, T, V] logits, [B, T] tokens -> [B, T] float32 log π(token) at `temperature`.
 
-    The temperature must be the sampler's, or π_old differs from the sampling policy.
+    The temperature must be the sampler's, or π_old differs from the sampling policy; likewise
+    `suppressed` must be the ids the sampler never draws.
     """
-    return _log_softmax(logits, temperature).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return _log_softmax(logits, temperature, suppressed).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, suppressed: tuple[int, ...] = ()) -> torch.Tensor:
     """[B, T, V] logits -> [B, T] float32 entropy -Σ_v p log p of the distribution at `temperature`."""
-    logp = _log_softmax(logits, temperature)
+    logp = _log_softmax(logits, temperature, suppressed)
     return -(logp.exp() * logp).sum(-1)
 
 
@@ -94,21 +105,22 @@ def kl_per_token(
     logits: torch.Tensor | None = None,
     ref_logits: torch.Tensor | None = None,
     temperature: float = 1.0,
+    suppressed: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """[B, R] per-token estimate of KL(π || π_ref) at the sampled tokens; not masked (caller masks).
 
     With Δ = logprobs - ref_logprobs: k1 = Δ (unbiased, can be negative), k2 = Δ²/2,
     k3 = exp(-Δ) - 1 + Δ (non-negative, low variance). "full" is the exact KL over the vocabulary,
-    from [B, R, V] `logits` and `ref_logits` at `temperature` (the sampled-token log-probs are then
-    unused). The same estimator must feed the penalty and the logged KL.
+    from [B, R, V] `logits` and `ref_logits` at `temperature`, over the tokens not `suppressed` (the
+    sampled-token log-probs are then unused). The same estimator must feed the penalty and the logged KL.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
     if estimator == "full":
         if logits is None or ref_logits is None:
             raise ValueError('KL estimator "full" needs both logits and ref_logits ([B, R, V])')
-        logp = _log_softmax(logits, temperature)
-        ref_logp = _log_softmax(ref_logits, temperature)
+        logp = _log_softmax(logits, temperature, suppressed)
+        ref_logp = _log_softmax(ref_logits, temperature, suppressed)
         return (logp.exp() * (logp - ref_logp)).sum(-1)
     delta = logprobs - ref_logprobs
     if estimator == "k1":

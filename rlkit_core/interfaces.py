@@ -33,6 +33,7 @@ class Policy(ABC):
 
     tokenizer: Any  # a transformers tokenizer with distinct pad and EOS tokens
     eos_token_ids: tuple[int, ...]  # every id that ends a response; the tokenizer's EOS first
+    suppressed_token_ids: tuple[int, ...] = ()  # ids never emitted (a PAD rlkit added): masked out of every softmax
 
     @property
     @abstractmethod
@@ -125,12 +126,14 @@ class LossInputs:
 
     logprobs: torch.Tensor  # [b, R] log π_θ of the sampled tokens
     values: torch.Tensor | None  # [b, R] V_θ, None without a critic
-    entropy: torch.Tensor  # [b, R] entropy of π_θ at each position
+    entropy: torch.Tensor  # [b, R] entropy of π_θ at each position; detached unless `Loss.entropy_in_loss`
 
 
 class Loss(ABC):
     """The objective over a minibatch. Returns named terms: `loss_*` are summed and optimised,
     the rest are diagnostics that the loop logs under `train/`."""
+
+    entropy_in_loss: bool = False  # True when a `loss_*` term uses `entropy`: the loop then keeps its graph
 
     @abstractmethod
     def __call__(self, minibatch: RolloutBatch, current: LossInputs, token_count: float) -> dict[str, torch.Tensor]:

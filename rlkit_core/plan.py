@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from rlkit_core.errors import RecipeError
 from rlkit_core.inventory import inventory_rows
 from rlkit_core.memory import Workload, estimate
 from rlkit_core.memory import describe as describe_memory
 from rlkit_core.recipe import Recipe
-from rlkit_core.schema import launched_processes
+from rlkit_core.schema import kl_warnings, launched_processes
 
 
 def describe_plan(recipe: Recipe, prompt_tokens: int = 128) -> str:
@@ -31,7 +32,29 @@ def describe_plan(recipe: Recipe, prompt_tokens: int = 128) -> str:
     memory = memory_estimate(recipe, prompt_tokens)
     if memory:
         lines += ["", f"memory (prompts of {prompt_tokens} tokens; rlkit check --prompt-tokens N):", *[f"  {line}" for line in memory]]
+    problems, notes = component_checks(recipe)
+    if problems:
+        raise RecipeError(problems, recipe.source)
+    warnings = kl_warnings(recipe.ppo)
+    if warnings:
+        lines += ["", "warnings:", *[f"  {line}" for line in warnings]]
+    if notes:
+        lines += ["", "not checked:", *[f"  {line}" for line in dict.fromkeys(notes)]]
     return "\n".join(lines)
+
+
+def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:
+    """(problems, notes) from every component whose factory has a `check(config, recipe)`: what
+    would fail at run time across tables (a critic that cannot read the policy's ids, a reward
+    model's tokenizer that does not load), found before any weights are loaded."""
+    problems, notes = [], []
+    for choice in recipe.components.values():
+        check = getattr(choice.component.factory, "check", None)
+        if check:
+            found, said = check(choice.config, recipe)
+            problems += found
+            notes += said
+    return problems, notes
 
 
 def _per_process(recipe: Recipe) -> list[str]:

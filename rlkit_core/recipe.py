@@ -21,7 +21,17 @@ from cattrs.v import transform_error
 
 from rlkit_core.errors import RecipeError
 from rlkit_core.registry import Component, Registry
-from rlkit_core.schema import COMPONENT_TABLES, CORE_TABLES, OptimConfig, PPOConfig, RunConfig, batch_arithmetic_problems, launch_problems, launched_processes
+from rlkit_core.schema import (
+    COMPONENT_TABLES,
+    CORE_TABLES,
+    OptimConfig,
+    PPOConfig,
+    RunConfig,
+    batch_arithmetic_problems,
+    kl_problems,
+    launch_problems,
+    launched_processes,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -163,7 +173,7 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         core[table], found = structure_table(document.get(table, {}), cls, f"$.{table}")
         problems += found
     if core["ppo"] is not None:
-        problems += batch_arithmetic_problems(core["ppo"], launched_processes())
+        problems += batch_arithmetic_problems(core["ppo"], launched_processes()) + kl_problems(core["ppo"])
 
     components = {}
     for table, (kind, default_type) in COMPONENT_TABLES.items():

@@ -17,6 +17,7 @@ from rlkit_core.plot import plot_curves
 from rlkit_core.progress import Progress
 from rlkit_core.recipe import Recipe
 from rlkit_core.report import print_report
+from rlkit_core.schema import kl_warnings
 from rlkit_core.trainer import Trainer
 
 SAMPLE_COUNT = 3
@@ -46,10 +47,16 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
     trainer = Trainer(recipe)
     main = trainer.processes.is_main
     if main:
+        for warning in kl_warnings(recipe.ppo):
+            print(f"rlkit run: warning: {warning}", file=sys.stderr)
         for path in earlier:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     trainer.processes.wait()
     tracker = trainer.parts.tracker if main else SilentTracker()  # one tracked run per training run
+    counts = trainer.prompt_counts
+    if main and (counts["cut"] or counts["skipped"]):
+        print(f"prompts: {counts['loaded']} loaded, {counts['cut']} cut from the left to {trainer.max_prompt_tokens} tokens, "
+              f"{counts['skipped']} skipped as too long", file=out)
     run_id = None
     if resume:
         meta = checkpoint.load_checkpoint(trainer, checkpoint.resolve(resume, recipe.run.output_dir))
@@ -61,7 +68,8 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
 
     tags = {"rlkit.version": __version__}
     tags.update({f"rlkit.component.{r['table']}": f"{r['type']} ({r['distribution']} {r['version']})" for r in inventory_rows(recipe)})
-    params = {**flatten(recipe.document), "processes": trainer.processes.count}
+    params = {**flatten(recipe.document), **{f"prompts.{name}": value for name, value in counts.items()},
+              "processes": trainer.processes.count}
     run_id = tracker.start(run_name=recipe.run.name, params=params, tags=tags, resume_id=run_id)
     if recipe.source and not resume:
         tracker.log_artifact(recipe.source, "recipe")

@@ -128,5 +128,22 @@ def launched_processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def kl_problems(ppo: PPOConfig) -> list[str]:
+    """KL settings that cannot run: the loss sees only the sampled tokens' log-probs, not the full
+    distributions that the "full" estimator sums over."""
+    if ppo.kl_penalty == "loss" and ppo.kl_estimator == "full":
+        return ['$.ppo.kl_estimator: "full" needs both models\' whole distributions, which the loss does not '
+                'keep; with kl_penalty = "loss" use "k3" (or put the penalty in the reward: kl_penalty = "reward")']
+    return []
+
+
+def kl_warnings(ppo: PPOConfig) -> list[str]:
+    """KL settings that run but probably do not do what the user meant."""
+    if ppo.kl_penalty == "loss" and ppo.kl_estimator == "k1":
+        return ['$.ppo.kl_estimator: "k1" in the loss has zero expected gradient (its gradient at tokens sampled '
+                'from π is ∇log π, whose mean is 0, so it never pulls π towards the reference); use "k3" with kl_penalty = "loss"']
+    return []
+
+
 def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, limit + 1) if n % d == 0)

@@ -320,9 +320,9 @@ def write_tiny_causal_lm(path: Path) -> Path:
 
 def policy_inputs(tokenizer, prompts=("ab", "abcdef")):
     """(input_ids, attention_mask, position_ids) of left-padded prompts, as the loop feeds them."""
-    from rlkit_core.trainer import encode_prompts
+    from rlkit_core.prompts import encode_prompts
 
-    input_ids, attention_mask = encode_prompts(tokenizer, list(prompts), "cpu")
+    input_ids, attention_mask = encode_prompts(tokenizer, [{"prompt": p} for p in prompts], "cpu")
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids
 
@@ -359,10 +359,11 @@ class PolicyContract(_OnTinyModel):
     def context(self, tmp_path) -> BuildContext:
         return BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=0)
 
-    def test_tokenizer_pads_with_a_token_other_than_eos(self, instance):
+    def test_tokenizer_pads_with_a_token_that_ends_nothing(self, instance):
         tokenizer = instance.tokenizer
         assert tokenizer.eos_token_id is not None and tokenizer.pad_token_id is not None
-        assert tokenizer.pad_token_id != tokenizer.eos_token_id, "a shared PAD/EOS id would mask EOS out of the loss"
+        assert instance.eos_token_ids and instance.eos_token_ids[0] == tokenizer.eos_token_id, "eos_token_ids must start with the tokenizer's EOS"
+        assert tokenizer.pad_token_id not in instance.eos_token_ids, "a PAD that is also an end id would hide where responses end"
 
     def test_forward_and_reference_agree_at_the_start(self, instance):
         inputs = policy_inputs(instance.tokenizer)
@@ -465,7 +466,7 @@ class GeneratorContract(_OnTinyModel):
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         with torch.no_grad():
             logits = policy.forward(input_ids, attention_mask, position_ids).logits[:, prompt_ids.shape[1] - 1:-1]
-        recomputed = logprobs_from_logits(logits, out.response_ids, instance.temperature)
+        recomputed = logprobs_from_logits(logits, out.response_ids, instance.temperature, policy.suppressed_token_ids)
         counted = out.response_mask.bool()
         gap = (recomputed - out.logprobs)[counted].abs().max()
         assert gap <= self.logprob_tolerance, f"sampled log-probs differ from π/T by up to {gap:.2e}"

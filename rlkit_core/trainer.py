@@ -34,6 +34,7 @@ from rlkit_core.functional import (
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.prompt_stream import PromptStream
+from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts
 from rlkit_core.recipe import Recipe
 
 
@@ -43,25 +44,6 @@ def pick_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"run.device = {name!r} but torch sees no GPU; use 'auto' or 'cpu'")
     return torch.device(name)
-
-
-def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask. A trailing EOS that the tokenizer appends (ByT5, T5) is
-    dropped: a prompt that already ended would teach the policy to stop at once."""
-    rows = []
-    for text in prompts:
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-        if ids and ids[-1] == tokenizer.eos_token_id:
-            ids = ids[:-1]
-        rows.append(ids)
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row):] = torch.tensor(row)
-            mask[i, width - len(row):] = 1
-    return ids.to(device), mask.to(device)
 
 
 def _schedule(kind: str, warmup: int, total: int):
@@ -95,7 +77,9 @@ class Trainer:
         self.parts = build_components(recipe, context)
         self.policy, self.value_head = self.parts.policy, self.parts.value_head
         self.tokenizer = self.policy.tokenizer
-        self.records = self.parts.data.load()
+        limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
+        self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0
+        self.records, self.prompt_counts = prepare_prompts(self.parts.data.load(), self.tokenizer, limit)
         if self.processes.index:  # every process built the same components; now each samples its own
             torch.manual_seed(sampling_seed(run.seed, self.processes.index))
         self.stream = PromptStream(self.records, ppo.batch_size // ppo.samples_per_prompt, run.seed)
@@ -119,9 +103,10 @@ class Trainer:
         k = self.recipe.ppo.samples_per_prompt
         records = [r for r in records for _ in range(k)]
         prompts = [r["prompt"] for r in records]
-        columns = {key: [r.get(key) for r in records] for key in records[0] if key != "prompt"}
+        keys = dict.fromkeys(key for r in records for key in r if key != "prompt")
+        columns = {key: [r.get(key) for r in records] for key in keys}
         group_ids = torch.arange(len(records), device=self.device) // k + self.processes.index * (len(records) // k)
-        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, self.device)
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
 
         started = time.perf_counter()
         self.parts.generator.sync_weights(self.policy)
@@ -147,15 +132,23 @@ class Trainer:
         return per_position[:, batch.prompt_length - 1:-1]
 
     def _response_view(self, batch: RolloutBatch, sequence, grad: bool):
-        """(logprobs, values, entropy, response logits) of the current parameters on `batch`."""
+        """(logprobs, values, entropy, response logits) of the current parameters on `batch`.
+
+        Entropy keeps its graph only when the loss optimises it; otherwise it is a detached
+        diagnostic, so no [b, R, V] buffers are held for a backward that never uses them."""
         out = self.policy.forward(*sequence)
         logits = self._at_response(out.logits, batch)
-        temperature = self.parts.generator.temperature
-        logprobs = logprobs_from_logits(logits, batch.response_ids, temperature)
+        temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
+        logprobs = logprobs_from_logits(logits, batch.response_ids, temperature, suppressed)
         values = None
         if self.value_head is not None:
             values = self._at_response(self.value_head.values(out, *sequence), batch)
-        entropy = entropy_from_logits(logits, temperature) if grad else None
+        entropy = None
+        if grad and self.parts.loss.entropy_in_loss:
+            entropy = entropy_from_logits(logits, temperature, suppressed)
+        elif grad:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach(), temperature, suppressed)
         return logprobs, values, entropy, logits
 
     @torch.no_grad()
@@ -165,7 +158,7 @@ class Trainer:
         The forward passes run on this process's rollouts; the advantages are estimated over the
         global batch (whitening statistics, groups), and this process keeps its rows of them."""
         ppo = self.recipe.ppo
-        temperature = self.parts.generator.temperature
+        temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
         pieces = defaultdict(list)
         for index in torch.arange(len(batch), device=self.device).split(ppo.forward_batch_size or ppo.minibatch_size):
             part = batch.select(index)
@@ -173,10 +166,10 @@ class Trainer:
             with self.accelerator.autocast():
                 logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
                 ref_logits = self._at_response(self.policy.reference_logits(*sequence), part)
-            ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature)
+            ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature, suppressed)
             full = ppo.kl_estimator == "full"
             pieces["kl"].append(kl_per_token(logprobs, ref_logprobs, ppo.kl_estimator, logits if full else None,
-                                             ref_logits if full else None, temperature))
+                                             ref_logits if full else None, temperature, suppressed))
             pieces["old_logprobs"].append(logprobs)
             pieces["ref_logprobs"].append(ref_logprobs)
             if values is not None:
@@ -300,6 +293,6 @@ class Trainer:
     def sample_responses(self, records: list[dict]) -> list[str]:
         """Responses to `records` without touching the training random stream (for before/after reports)."""
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.accelerator.autocast():
-            prompt_ids, prompt_mask = encode_prompts(self.tokenizer, [r["prompt"] for r in records], self.device)
+            prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
             generation = self.parts.generator.generate(prompt_ids, prompt_mask)
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)

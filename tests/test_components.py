@@ -7,7 +7,7 @@ import torch
 
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import response_mask
-from rlkit_core.trainer import encode_prompts
+from rlkit_core.prompts import encode_prompts
 from rlkit_plugins.hf_policy import load_tokenizer
 from rlkit_plugins.prompt_sources import JsonlConfig, JsonlPrompts
 from rlkit_plugins.rewards import PythonReward, PythonRewardConfig, checked_scores
@@ -32,7 +32,7 @@ def test_tokenizer_gets_a_pad_distinct_from_eos(tiny_model):
 
 def test_encode_prompts_left_pads_and_drops_the_appended_eos(tiny_model):
     tokenizer = load_tokenizer(str(tiny_model))
-    ids, mask = encode_prompts(tokenizer, ["ab", "abcd"], "cpu")
+    ids, mask = encode_prompts(tokenizer, [{"prompt": "ab"}, {"prompt": "abcd"}], "cpu")
     # ByT5: byte b → id b + 3; 'a' = 97 → 100. Its trailing EOS (1) is dropped; pad is 0.
     assert ids.tolist() == [[0, 0, 100, 101], [100, 101, 102, 103]]
     assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
@@ -71,7 +71,7 @@ def test_reward_results_are_checked():
 def test_jsonl_errors_name_the_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"text": "b"}) + "\n")
-    with pytest.raises(RecipeError, match=r"p.jsonl:2: has no field 'prompt' \(fields: text\); set data.prompt_field"):
+    with pytest.raises(RecipeError, match=r"p.jsonl:2: has no field 'prompt' and no `messages` \(fields: text\); set data.prompt_field"):
         JsonlPrompts(JsonlConfig(path=str(path))).load()
     path.write_text("{not json\n")
     with pytest.raises(RecipeError, match=r"p.jsonl:1: not valid JSON"):
@@ -82,3 +82,48 @@ def test_jsonl_keeps_other_columns(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"text": "a", "reference": "r"}) + "\n")
     assert JsonlPrompts(JsonlConfig(path=str(path), prompt_field="text")).load() == [{"prompt": "a", "reference": "r"}]
+
+
+@pytest.fixture
+def local_dataset(tmp_path):
+    """A data set folder with two configurations, as a hub data set's README declares them."""
+    import pandas
+
+    folder = tmp_path / "dataset"
+    (folder / "short").mkdir(parents=True)
+    for split, count in (("train", 5), ("test", 3)):
+        rows = [{"query": f"{split} document {i}", "summary": f"{split} {i}"} for i in range(count)]
+        (folder / "short" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "long.jsonl").write_text((json.dumps({"query": "a long document", "summary": "long"}) + "\n") * 4)
+    pandas.DataFrame({"query": ["a parquet document"] * 4, "summary": ["p"] * 4}).to_parquet(tmp_path / "rows.parquet")
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n- config_name: short\n  data_files:\n  - split: train\n    path: short/train.jsonl\n"
+        "  - split: test\n    path: short/test.jsonl\n- config_name: long\n  data_files: long.jsonl\n---\n")
+    return folder
+
+
+def hf_dataset(**settings):
+    from rlkit_plugins.prompt_sources import HFDatasetConfig, HFDatasetPrompts
+
+    return HFDatasetPrompts(HFDatasetConfig(**settings)).load()
+
+
+def test_hf_dataset_reads_a_named_configuration_and_split_with_renamed_fields(local_dataset):
+    records = hf_dataset(path=str(local_dataset), name="short", split="test", prompt_field="query", fields={"reference": "summary"})
+    assert records == [{"prompt": f"test document {i}", "reference": f"test {i}"} for i in range(3)]
+    long = hf_dataset(path=str(local_dataset), name="long", prompt_field="query", limit=2)
+    assert [r["prompt"] for r in long] == ["a long document"] * 2
+
+
+def test_hf_dataset_reads_local_json_and_parquet_files(local_dataset):
+    json_records = hf_dataset(path="json", data_files=[str(local_dataset / "short" / "train.jsonl")], prompt_field="query")
+    assert len(json_records) == 5 and json_records[0]["summary"] == "train 0"
+    parquet_records = hf_dataset(path="parquet", data_files=[str(local_dataset.parent / "rows.parquet")], prompt_field="query")
+    assert len(parquet_records) == 4
+
+
+def test_hf_dataset_errors_name_the_field_or_split(local_dataset):
+    with pytest.raises(RecipeError, match=r"\$\.data\.fields: no column 'headline' in .* \(columns: query, summary\)"):
+        hf_dataset(path=str(local_dataset), name="short", prompt_field="query", fields={"reference": "headline"})
+    with pytest.raises(RecipeError, match=r"\$\.data: cannot load .* \(split 'validation'\)"):
+        hf_dataset(path=str(local_dataset), name="short", split="validation", prompt_field="query")

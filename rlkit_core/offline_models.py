@@ -1,0 +1,105 @@
+"""Tiny real tokenizers and models with the awkward properties of hub models, built offline.
+
+The byte-level ByT5 tokenizer is kind: PAD ≠ EOS, one EOS, no chat template. Real policies are
+not, so tests (and plugin authors' tests) build these instead, in about a second each:
+
+- `"gpt2"`: a byte-level BPE with no PAD token, where BOS = EOS = UNK = `<|endoftext|>` (GPT-2,
+  Pythia), and a GPT-2 model whose embedding table has no spare row;
+- `"chat"`: a Llama-3-style BPE whose tokenizer EOS is `<|end_of_text|>` while the model's
+  generation config also stops on `<|eot_id|>`, with a chat template and no PAD, and a Llama model
+  with a few spare embedding rows (as Pythia and Qwen have).
+
+The BPE is trained with the `tokenizers` library (a transformers dependency) on a fixed text, so
+the same style always gives the same vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "summarise the document: the pilot cooked boxes in berlin.",
+    "hello world, how are you today? fine, thanks, and you?",
+    "User: write a happy sentence. Assistant: what a lovely day it is!",
+    "abcdefg hijklmn opqrstu vwxyz 0123456789",
+]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+STYLES = {
+    # style: (special tokens, tokenizer keyword arguments)
+    "gpt2": (["<|endoftext|>"], {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}),
+    "chat": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+             {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": CHAT_TEMPLATE}),
+}
+
+
+def build_bpe_tokenizer(style: str, vocab_size: int = 320):
+    """A transformers fast tokenizer of `style` ("gpt2" or "chat"), trained here on `CORPUS`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials, names = STYLES[style]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(CORPUS * 20, trainer)
+    if style == "chat":  # like Llama 3: BOS in front of plain text, none appended
+        bos = backend.token_to_id("<|begin_of_text|>")
+        backend.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B", special_tokens=[("<|begin_of_text|>", bos)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **names)
+
+
+def write_tiny_lm(path: Path, style: str, spare_rows: int | None = None, seed: int = 0) -> Path:
+    """A causal LM directory of `style` with its tokenizer. `spare_rows`: embedding rows past the
+    tokenizer's vocabulary (default: none for "gpt2", 6 for "chat")."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_bpe_tokenizer(style)
+    spare = (0 if style == "gpt2" else 6) if spare_rows is None else spare_rows
+    vocab = len(tokenizer) + spare
+    torch.manual_seed(seed)
+    if style == "gpt2":
+        config = GPT2Config(vocab_size=vocab, n_positions=256, n_embd=32, n_layer=2, n_head=2,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        model = GPT2LMHeadModel(config)
+    else:
+        config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        model = LlamaForCausalLM(config)
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eot_id|>")]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
+def write_tiny_classifier(path: Path, style: str, seed: int = 1) -> Path:
+    """A one-output sequence classifier of `style` with its tokenizer: a reward model, or a
+    separate critic's starting point. Its vocabulary is exactly the tokenizer's."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = build_bpe_tokenizer(style)
+    torch.manual_seed(seed)
+    if style == "gpt2":
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=256, n_embd=32, n_layer=1, n_head=2, num_labels=1,
+                            pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+        model = GPT2ForSequenceClassification(config)
+    else:
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
+                             pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+        model = LlamaForSequenceClassification(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)
