@@ -5,6 +5,7 @@ picks up as it does under `accelerate launch` on GPUs. Those tests and the mixed
 start real subprocesses (accelerate's settings are fixed once per process), so the model is tiny
 and the runs are one or two iterations."""
 
+import io
 import json
 import shutil
 import sqlite3
@@ -16,7 +17,9 @@ import attrs
 import pytest
 import torch
 
+from rlkit_core.errors import RlkitError
 from rlkit_core.recipe import parse_recipe
+from rlkit_core.run import run_recipe
 from rlkit_core.trainer import Trainer
 
 import distributed_worker
@@ -91,6 +94,18 @@ def test_two_process_run_writes_once_and_resumes_exactly(recipe_document, write_
         return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in table]
 
     assert without_timing(resumed) == without_timing(rows)
+
+
+def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(recipe_document, registry, tmp_path):
+    recipe_document["run"].update(steps=1, output_dir=str(tmp_path / "run"))
+    run_recipe(parse_recipe(recipe_document, registry), quiet=True, out=io.StringIO())
+    meta_path = tmp_path / "run" / "checkpoints" / "iter_000001" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["processes"] == 1
+    meta_path.write_text(json.dumps({**meta, "processes": 2}))
+    recipe_document["run"]["steps"] = 2
+    with pytest.raises(RlkitError, match="written by 2 processes and this run has 1; resume with 2 processes"):
+        run_recipe(parse_recipe(recipe_document, registry), quiet=True, resume="auto", out=io.StringIO())
 
 
 @pytest.mark.parametrize("steps", [2, 4])
