@@ -72,6 +72,8 @@ class Trainer:
         # process and `accelerate launch` (several) go through the same calls.
         self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision)
         self.processes = Processes(self.accelerator)
+        if self.processes.count > 1 and self.device.type == "cuda":
+            self.device = self.accelerator.device  # this process's own GPU
         self.output_dir = Path(run.output_dir)
         context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
         self.parts = build_components(recipe, context)
