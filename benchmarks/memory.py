@@ -1,6 +1,7 @@
 """`rlkit check`'s memory estimate against the measured peak, on a GPT-2-small-sized random model
 (12 layers, width 768, vocabulary 50257, 124M parameters; built offline) with and without LoRA and gradient
-checkpointing. Each case runs one PPO iteration in a fresh process and reports the growth of its
+checkpointing. Each case runs one PPO iteration (two optimiser steps, so that the second backward
+pass meets the AdamW state) in a fresh process and reports the growth of its
 peak resident memory from just before the trainer is built; on a GPU, read torch.cuda's peak
 instead. Prints one JSON line per case.
 
@@ -31,7 +32,7 @@ def resident_bytes() -> int:
 def document(folder: Path, lora_r: int, checkpointing: bool) -> dict:
     return {
         "run": {"steps": 1, "seed": 0, "output_dir": str(folder / "run"), "threads": 2},
-        "ppo": {"batch_size": BATCH, "minibatch_size": BATCH, "epochs": 1},
+        "ppo": {"batch_size": BATCH, "minibatch_size": BATCH, "epochs": 2},  # the 2nd backward meets AdamW state
         "policy": {"type": "hf", "model": str(folder / "model"), "lora_r": lora_r, "gradient_checkpointing": checkpointing},
         "generator": {"max_new_tokens": RESPONSE_TOKENS, "min_new_tokens": RESPONSE_TOKENS},
         "reward": {"type": "python", "function": f"{folder / 'reward.py'}:count_e"},

@@ -53,8 +53,9 @@ def estimate(shape: ModelShape, work: Workload) -> dict[str, int]:
 
     m = work.micro_batch
     stored = m * tokens * s.hidden * act * s.layers + per_layer(m) if work.checkpointing else per_layer(m) * s.layers
-    # logits of every position, float32 log-softmax of the response positions, and their gradients
-    head = m * tokens * s.vocab * act + 2 * m * work.response_tokens * s.vocab * 4
+    # the logits of every position and the float32 scaled copy and log-softmax of the response
+    # positions, each with its gradient at the start of the backward pass
+    head = 2 * m * tokens * s.vocab * act + 4 * m * work.response_tokens * s.vocab * 4
     f = work.forward_batch
     forward = 2 * f * tokens * s.vocab * act + 2 * f * work.response_tokens * s.vocab * 4  # policy and reference
     g = work.generate_batch

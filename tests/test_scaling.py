@@ -183,10 +183,10 @@ def test_memory_estimate_against_hand_computed_bytes():
     # 8 tokens; a layer keeps 2·8·8·(34 + 5·2·8/8)·4/2 = 11264 bytes for a micro-batch of 2
     assert estimate(shape, work) == {
         "weights": 1000 * 4 * 2, "gradients": 400, "optimiser": 800,
-        "update": 2 * 11264 + (2 * 8 * 10 * 4 + 2 * 2 * 5 * 10 * 4),
+        "update": 2 * 11264 + (2 * 2 * 8 * 10 * 4 + 4 * 2 * 5 * 10 * 4),
         "forward": 2 * 4 * 8 * 10 * 4 + 2 * 4 * 5 * 10 * 4,
         "generate": 2 * 2 * 4 * 8 * 8 * 4 + 4 * 5 * 10 * 4,
-        "peak": 9200 + 22528 + 1440,
+        "peak": 9200 + 22528 + 2880,
     }
     checkpointed = estimate(shape, attrs.evolve(work, checkpointing=True))
-    assert checkpointed["update"] == 2 * 2 * 8 * 8 * 4 + 11264 + 1440  # layer inputs, one layer in full, the head
+    assert checkpointed["update"] == 2 * 2 * 8 * 8 * 4 + 11264 + 2880  # layer inputs, one layer in full, the head
