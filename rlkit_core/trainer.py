@@ -70,7 +70,8 @@ class Trainer:
         self.device = device or pick_device(run.device)
         # accelerate owns the processes, backward, gradient clipping and mixed precision, so one
         # process and `accelerate launch` (several) go through the same calls.
-        self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision)
+        # Components are built on self.device; `prepare` must not move them (run.device = "cuda:1").
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision, device_placement=False)
         self.processes = Processes(self.accelerator)
         if self.processes.count > 1 and self.device.type == "cuda":
             self.device = self.accelerator.device  # this process's own GPU
