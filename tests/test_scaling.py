@@ -190,3 +190,24 @@ def test_memory_estimate_against_hand_computed_bytes():
     }
     checkpointed = estimate(shape, attrs.evolve(work, checkpointing=True))
     assert checkpointed["update"] == 2 * 2 * 8 * 8 * 4 + 11264 + 2880  # layer inputs, one layer in full, the head
+
+
+def test_generation_in_chunks_pads_every_chunk_to_the_longest(recipe_document, registry, monkeypatch):
+    from rlkit_core.interfaces import Generation
+
+    recipe_document["generator"]["batch_size"] = 2
+    trainer = Trainer(parse_recipe(recipe_document, registry))
+    generator, pad = trainer.parts.generator, trainer.tokenizer.pad_token_id
+
+    def fake(prompt_ids, prompt_mask):  # the first chunk stops after 1 token, the second after 3
+        width = 1 if prompt_ids[0, -1] == 10 else 3
+        rows = len(prompt_ids)
+        return Generation(response_ids=torch.full((rows, width), 7), response_mask=torch.ones(rows, width, dtype=torch.long),
+                          logprobs=torch.full((rows, width), -0.5))
+
+    monkeypatch.setattr(generator, "_generate", fake)
+    prompts = torch.tensor([[10], [10], [11], [11]])
+    out = generator.generate(prompts, torch.ones_like(prompts))
+    assert out.response_ids.tolist() == [[7, pad, pad], [7, pad, pad], [7, 7, 7], [7, 7, 7]]
+    assert out.response_mask.tolist() == [[1, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]]
+    assert out.logprobs.tolist() == [[-0.5, 0, 0], [-0.5, 0, 0], [-0.5] * 3, [-0.5] * 3]
