@@ -1,6 +1,7 @@
 """rlkit on the standard benchmark shape (../shared/bench/README.md), printed as one JSON line.
 
     python benchmarks/bench_ppo.py --steps 6
+    python benchmarks/bench_ppo.py --device cuda --dtype bfloat16 --generator vllm   # on a GPU, with vLLM
 
 Shape: random-init GPT-2 (vocab 384, n_embd 256, 4 layers, 4 heads, 256 positions) with the
 byte-level ByT5 tokenizer; 64 prompts of 48 random bytes; 32 sampled tokens at temperature 1 with
@@ -52,8 +53,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--generator", default="hf", choices=["hf", "vllm"], help="vllm needs vLLM and a CUDA GPU")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="policy weights dtype")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     args = parser.parse_args()
 
+    from rlkit_core.plan import model_size
     from rlkit_core.plugins import load_registry
     from rlkit_core.recipe import parse_recipe
     from rlkit_core.trainer import Trainer
@@ -64,8 +69,8 @@ def main() -> None:
             "run": {"steps": args.steps, "seed": args.seed, "output_dir": str(Path(tmp) / "run"), "device": args.device},
             "ppo": {"batch_size": args.batch, "minibatch_size": 16, "epochs": 4},
             "optim": {"learning_rate": 1e-4, "max_grad_norm": 0.0},
-            "policy": {"type": "hf", "model": str(model_dir)},
-            "generator": {"type": "hf", "max_new_tokens": RESPONSE_TOKENS, "min_new_tokens": RESPONSE_TOKENS, "temperature": 1.0},
+            "policy": {"type": "hf", "model": str(model_dir), "dtype": args.dtype, "gradient_checkpointing": args.gradient_checkpointing},
+            "generator": {"type": args.generator, "max_new_tokens": RESPONSE_TOKENS, "min_new_tokens": RESPONSE_TOKENS, "temperature": 1.0},
             "reward": {"type": "python", "function": f"{__file__}:count_e"},
             "kl": {"type": "adaptive", "beta": 0.05, "target": 6.0, "horizon": 10000.0},
             "advantage": {"type": "gae", "gamma": 1.0, "lam": 0.95},
@@ -73,19 +78,29 @@ def main() -> None:
             "data": {"type": "jsonl", "path": str(prompts)},
             "tracker": {"type": "none"},
         }
-        trainer = Trainer(parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"})))
+        recipe = parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"}))
+        trainer = Trainer(recipe)
         history = [trainer.step() for _ in range(args.steps)]
+        estimate = model_size(recipe)
 
     steady = history[1:] or history
     per_iteration = statistics.median(h["time/iteration"] for h in steady)
+    cuda = torch.device(args.device).type == "cuda"
     print(json.dumps({
         "system": "rlkit",
         "device": args.device,
+        "generator": args.generator,
+        "dtype": args.dtype,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "threads": torch.get_num_threads(),
         "seconds_per_iteration": round(per_iteration, 3),
         "response_tokens_per_second": round(args.batch * RESPONSE_TOKENS / per_iteration, 1),
         "seconds_in": {stage: round(statistics.median(h[f"time/{stage}"] for h in steady), 3) for stage in ("generate", "score", "forward", "train")},
         "mean_score_first_last": [round(history[0]["score/mean"], 3), round(history[-1]["score/mean"], 3)],
+        "check_logprob_gap": round(statistics.median(h["check/logprob_gap"] for h in steady), 5),
+        "weight_sync_seconds": round(statistics.median(h.get("time/weight_sync", 0.0) for h in steady), 4),
+        "memory_estimate": estimate,
+        "peak_gpu_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20) if cuda else None,
     }))
 
 

@@ -25,9 +25,16 @@ class HFGeneratorConfig:
     max_new_tokens: int = setting(64, help="longest response in tokens", validator=greater_than(0))
     min_new_tokens: int = setting(0, help="EOS is forbidden before this many tokens (the sampler then differs from π; keep 0 for exact PPO)", validator=at_least(0))
     temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed", validator=greater_than(0))
-    batch_size: int = setting(0, help="prompts per generate call, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
     top_k: int = setting(0, help="sample from the k likeliest tokens only (0: off). Biases PPO: the sampler is no longer π, see README", validator=at_least(0))
     top_p: float = setting(1.0, help="nucleus sampling mass (1.0: off). Biases PPO like top_k", validator=between(0.0, 1.0))
+
+
+@attrs.frozen
+class HFGenerateConfig(HFGeneratorConfig):
+    """The `hf` generator's settings: the sampling settings (which the vllm generator shares) and
+    how many prompts go into one `generate` call."""
+
+    batch_size: int = setting(0, help="prompts per generate call, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
 
 
 @contextlib.contextmanager
@@ -48,30 +55,33 @@ class HFGenerator(Generator):
     """Pure temperature sampling by default (no top-k/top-p), so that the sampler is exactly π/T
     and the KL to the reference cannot go negative through truncation."""
 
-    def __init__(self, config: HFGeneratorConfig, context):
+    def __init__(self, config: HFGenerateConfig, context):
         self.config = config
         self.temperature = config.temperature
         self.policy = context.policy
 
-    def generation_config(self):
+    def generation_config(self, greedy: bool = False):
+        """The whole config, every sampling field set here (see the module docstring)."""
         from transformers import GenerationConfig
 
         tokenizer = self.policy.tokenizer
-        suppressed = list(self.policy.suppressed_token_ids)
-        return GenerationConfig(
-            do_sample=True, temperature=self.temperature, top_k=self.config.top_k, top_p=self.config.top_p,  # top_k 0: off (unset would mean 50)
+        common = dict(
             max_new_tokens=self.config.max_new_tokens, min_new_tokens=self.config.min_new_tokens or None,
             eos_token_id=list(self.policy.eos_token_ids), pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id, suppress_tokens=suppressed or None,
+            bos_token_id=tokenizer.bos_token_id, suppress_tokens=list(self.policy.suppressed_token_ids) or None,
             return_dict_in_generate=True, output_scores=True,
         )
+        if greedy:
+            return GenerationConfig(do_sample=False, **common)
+        # top_k 0 is off; left unset, transformers would fill in its default of 50
+        return GenerationConfig(do_sample=True, temperature=self.temperature, top_k=self.config.top_k, top_p=self.config.top_p, **common)
 
     @torch.no_grad()
-    def generate(self, prompt_ids, prompt_mask) -> Generation:
-        size = self.config.batch_size or len(prompt_ids)
+    def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
+        size = getattr(self.config, "batch_size", 0) or len(prompt_ids)  # sampling settings alone: all at once
         if size >= len(prompt_ids):
-            return self._generate(prompt_ids, prompt_mask)
-        chunks = [self._generate(ids, mask) for ids, mask in zip(prompt_ids.split(size), prompt_mask.split(size))]
+            return self._generate(prompt_ids, prompt_mask, greedy)
+        chunks = [self._generate(ids, mask, greedy) for ids, mask in zip(prompt_ids.split(size), prompt_mask.split(size))]
         width = max(chunk.response_ids.shape[1] for chunk in chunks)
 
         def joined(field, pad):
@@ -80,12 +90,12 @@ class HFGenerator(Generator):
         return Generation(response_ids=joined("response_ids", self.policy.tokenizer.pad_token_id),
                           response_mask=joined("response_mask", 0), logprobs=joined("logprobs", 0.0))
 
-    def _generate(self, prompt_ids, prompt_mask) -> Generation:
+    def _generate(self, prompt_ids, prompt_mask, greedy: bool) -> Generation:
         model = self.policy.model
         pad = self.policy.tokenizer.pad_token_id
         was_training = model.training
         model.eval()
-        with generation_config_swapped(model, self.generation_config()):
+        with generation_config_swapped(model, self.generation_config(greedy)):
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask)
         model.train(was_training)
         response_ids = out.sequences[:, prompt_ids.shape[1]:]
@@ -98,4 +108,4 @@ class HFGenerator(Generator):
 
 @hookimpl
 def register_generators(register):
-    register("hf", HFGenerator, HFGeneratorConfig)
+    register("hf", HFGenerator, HFGenerateConfig)

@@ -231,3 +231,10 @@ def summary_reward(response: str, reference: str, *, rouge_l_weight: float = 0.0
     if rouge_l_weight:
         score += rouge_l_weight * rouge_l_f1(response, reference)
     return score
+
+
+def fact_copied(response: str, reference: str) -> float:
+    """1.0 when every word of the reference's fact (who, did, what, where) appears in the response,
+    else 0.0: stricter than ROUGE, which gives partial credit for a summary with a wrong place."""
+    fact = set(words(reference)) - {"the", "in"}
+    return float(fact <= set(words(response)))

@@ -107,14 +107,14 @@ def build_warm_start(
     lr: float = 3e-3,
     seed: int = 0,
     corpus_size: int = 20000,
-    log_every: int = 0,
+    progress=None,
 ) -> Path:
     """Build (or reuse) the warm-start policy at ``out_dir``; return its path.
 
     SFT: AdamW (``lr``, weight decay 0.01, betas (0.9, 0.95)), linear warm-up over the first 10% of
     ``sft_steps`` then constant, gradient norm clipped at 1.0, ``batch_size`` examples per step drawn
     without replacement from ``make_corpus(corpus_size, seed)`` (reshuffled each epoch).
-    ``log_every > 0`` prints the loss every that many steps.
+    ``progress`` (an ``rlkit_core.progress.Progress``) shows the step, loss and time left.
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -164,9 +164,10 @@ def build_warm_start(
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
-        if log_every and (step + 1) % log_every == 0:
-            print(f"sft step {step + 1}/{sft_steps} loss {loss.item():.4f} "
-                  f"({time.perf_counter() - started:.1f} s)", flush=True)
+        if progress is not None:
+            progress.show(step + 1, f"loss {losses[-1]:.4f}")
+    if progress is not None:
+        progress.close()
     model.eval()
     model.generation_config.pad_token_id = PAD_ID
     model.generation_config.eos_token_id = EOS_ID

@@ -15,6 +15,12 @@ from rlkit_core.batch import RolloutBatch
 SEED_STRIDE = 1_000_003
 
 
+def combined_by_max(name: str) -> bool:
+    """Terms combined over micro-batches and processes by their maximum (see `Loss`): maxima, and
+    the `skipped` flag (one exploded part skips the whole optimiser step)."""
+    return name.endswith("_max") or name == "skipped"
+
+
 def sampling_seed(seed: int, process_index: int) -> int:
     """Process 0 keeps the run seed (a single process samples as it always did); the others get
     their own streams, derived from it, so that they do not draw the same responses."""
@@ -60,18 +66,18 @@ class Processes:
         return self.accelerator.reduce(tensor.clone(), reduction="sum")
 
     def combine_terms(self, terms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each process's share of an optimiser step's terms -> the step's global terms: names
-        ending in `_max` take the maximum over processes, the rest the sum (see `Loss`)."""
+        """Each process's share of an optimiser step's terms -> the step's global terms: the
+        maximum over processes for `combined_by_max` names, the sum for the rest (see `Loss`)."""
         if self.count == 1:
             return terms
-        names = list(terms)
-        maxima = [name for name in names if name.endswith("_max")]
+        names, device = list(terms), self.accelerator.device  # a loss may report a flag on the CPU
+        maxima = [name for name in names if combined_by_max(name)]
         sums = [name for name in names if name not in maxima]
         combined = {}
         if sums:
-            combined.update(zip(sums, self.sum(torch.stack([terms[n].float() for n in sums]))))
+            combined.update(zip(sums, self.sum(torch.stack([terms[n].float().to(device) for n in sums]))))
         if maxima:
-            gathered = self.accelerator.gather(torch.stack([terms[n].float() for n in maxima]).unsqueeze(0))
+            gathered = self.accelerator.gather(torch.stack([terms[n].float().to(device) for n in maxima]).unsqueeze(0))
             combined.update(zip(maxima, gathered.max(dim=0).values))
         return {name: combined[name] for name in names}
 

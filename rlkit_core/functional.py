@@ -163,15 +163,16 @@ def policy_loss(
     mask: torch.Tensor,
     clip: float,
     token_count: int | torch.Tensor,
+    weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Clipped PPO surrogate over [B, R] inputs -> dict of scalars.
 
-    loss = Σ_counted max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) / token_count, ratio = exp(logprobs -
-    old_logprobs) in log space. token_count is passed in rather than taken from `mask` so that it can
-    be the global count over all accumulation steps and processes: then the summed gradients do not
-    depend on how the batch was split. Diagnostics (detached, over counted tokens): clipfrac (clipped
-    branch strictly active), approx_kl (k3 of π_θ vs π_old: mean of (ratio - 1) - log ratio),
-    ratio_mean, ratio_max.
+    loss = Σ_counted w·max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) / token_count, ratio = exp(logprobs -
+    old_logprobs) in log space, w = `weights` (e.g. `truncated_is_weights`) or 1. token_count is
+    passed in rather than taken from `mask` so that it can be the global count over all accumulation
+    steps and processes: then the summed gradients do not depend on how the batch was split.
+    Diagnostics (detached, over counted tokens): clipfrac (clipped branch strictly active),
+    approx_kl (k3 of π_θ vs π_old: mean of (ratio - 1) - log ratio), ratio_mean, ratio_max.
     """
     counted = mask.bool()
     # Padded log-ratios become 0 before exp: exp(garbage) = inf would turn a zero gradient into nan.
@@ -179,7 +180,8 @@ def policy_loss(
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
-    loss = masked_sum(torch.maximum(unclipped, clipped), counted) / token_count
+    per_token = torch.maximum(unclipped, clipped)
+    loss = masked_sum(per_token if weights is None else weights * per_token, counted) / token_count
     ratio, log_ratio = ratio.detach(), log_ratio.detach()
     return {
         "loss": loss,
@@ -188,6 +190,22 @@ def policy_loss(
         "ratio_mean": masked_mean(ratio, counted),
         "ratio_max": torch.where(counted, ratio, float("-inf")).max(),
     }
+
+
+@torch.no_grad()
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance sampling: [B, R] -> [B, R] w = min(π_old / π_sampler, cap), 1 on padding.
+
+    When the sampler (vLLM's kernels, lower precision) is not exactly the π_old the trainer
+    recomputes, the rollouts come from π_sampler; weighting each token's PPO term by this ratio
+    corrects for it, and the cap bounds the variance that rare tokens with a tiny sampler
+    probability would bring (Yao et al., 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"). A target, so no gradient.
+    """
+    log_ratio = torch.where(mask.bool(), old_logprobs - sampled_logprobs, torch.zeros_like(old_logprobs))
+    return log_ratio.exp().clamp(max=cap)
 
 
 def value_loss(

@@ -131,7 +131,8 @@ class LossInputs:
 
 class Loss(ABC):
     """The objective over a minibatch. Returns named terms: `loss_*` are summed and optimised,
-    the rest are diagnostics that the loop logs under `train/`."""
+    the rest are diagnostics that the loop logs under `train/`; a nonzero `skipped` term tells the
+    loop to take no optimiser step on this minibatch."""
 
     entropy_in_loss: bool = False  # True when a `loss_*` term uses `entropy`: the loop then keeps its graph
 
@@ -143,7 +144,8 @@ class Loss(ABC):
         `loss_*` terms are sums over the minibatch's tokens divided by `token_count`: the loop adds
         them up over micro-batches and processes. Other terms are means over the minibatch's own
         counted tokens, which the loop combines weighted by token count; a name ending in `_max`
-        is combined by its maximum."""
+        is combined by its maximum, and so is `skipped`: one micro-batch or process that asks for
+        it skips the whole optimiser step (the backward passes still run, in every process)."""
 
 
 class Generator(ABC):
@@ -152,10 +154,15 @@ class Generator(ABC):
     temperature: float  # the loop divides logits by it when it recomputes log-probs
 
     @abstractmethod
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Generation: ...
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, greedy: bool = False) -> Generation:
+        """`greedy`: the likeliest token at every step (for evaluation; its log-probs are not used)."""
 
     def sync_weights(self, policy: Policy) -> None:
         """Bring the sampler's weights up to date with the policy; in-process samplers share them."""
+
+    def metrics(self) -> dict[str, float]:
+        """Figures since the last call (e.g. `time/weight_sync`), merged into the iteration's metrics."""
+        return {}
 
 
 class PromptSource(ABC):

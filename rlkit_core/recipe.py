@@ -22,15 +22,8 @@ from cattrs.v import transform_error
 from rlkit_core.errors import RecipeError
 from rlkit_core.registry import Component, Registry
 from rlkit_core.schema import (
-    COMPONENT_TABLES,
-    CORE_TABLES,
-    OptimConfig,
-    PPOConfig,
-    RunConfig,
-    batch_arithmetic_problems,
-    kl_problems,
-    launch_problems,
-    launched_processes,
+    COMPONENT_TABLES, CORE_TABLES, EvalConfig, OptimConfig, PPOConfig, RunConfig, batch_arithmetic_problems, kl_problems,
+    launch_problems, launched_processes,
 )
 
 if sys.version_info >= (3, 11):
@@ -54,6 +47,8 @@ class Recipe:
     components: dict[str, ComponentChoice]
     document: dict[str, Any]  # the TOML document after overrides, as logged with the run
     source: str | None = None
+    eval: EvalConfig = EvalConfig()
+    eval_metrics: tuple[Component, ...] = ()  # the reward components named by eval.metrics
 
     def __getitem__(self, table: str) -> ComponentChoice:
         return self.components[table]
@@ -183,9 +178,32 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
 
     if core["run"] is not None and components.get("policy") is not None:
         problems += launch_problems(core["run"], components["policy"].config, torch.cuda.is_available())
+    eval_metrics, found = _eval_metrics(core["eval"], registry)
+    problems += found
     if problems:
         raise RecipeError(problems, source)
-    return Recipe(core["run"], core["ppo"], core["optim"], components, document, source)
+    return Recipe(core["run"], core["ppo"], core["optim"], components, document, source, core["eval"], eval_metrics)
+
+
+def _eval_metrics(config: EvalConfig | None, registry: Registry) -> tuple[tuple[Component, ...], list[str]]:
+    """The reward components `[eval] metrics` names; each is built with its default settings."""
+    if config is None:
+        return (), []
+    found, problems = [], []
+    for index, name in enumerate(config.metrics):
+        where = f"$.eval.metrics[{index}]"
+        try:
+            component = registry.get("reward", name, where)
+        except RecipeError as exc:
+            problems += exc.problems
+            continue
+        required = [f.name for f in attrs.fields(component.config_class) if f.default is attrs.NOTHING]
+        if required:
+            problems.append(f"{where}: reward {name!r} needs settings ({', '.join(required)}); an eval metric is built "
+                            "with its defaults, so name a reward whose settings all have defaults")
+            continue
+        found.append(component)
+    return tuple(found), problems
 
 
 def _component(document, table, kind, default_type, registry) -> tuple[ComponentChoice | None, list[str]]:

@@ -27,13 +27,6 @@ class Component:
     version: str
 
 
-# Components that rlkit knows of but that ship separately: (kind, name) -> how to get them.
-NOT_INSTALLED = {
-    ("generator", "vllm"): "it needs vLLM, whose wheels run only on a GPU machine; this rlkit release does not ship "
-                           "the vllm generator yet, so use generator.type = 'hf' for now",
-}
-
-
 class Registry:
     def __init__(self):
         self._components: dict[str, dict[str, Component]] = {kind: {} for kind in KINDS}
@@ -69,14 +62,10 @@ class Registry:
 
     def unknown_message(self, kind: str, name: str, where: str) -> str:
         known = self.names(kind)
-        how_to_get = NOT_INSTALLED.get((kind, name))
-        if how_to_get:
-            message = f"{where}: the {name} {kind} is not installed: {how_to_get} (installed: {', '.join(known) or 'none'})"
-        else:
-            message = f"{where}: unknown {kind} {name!r}; registered: {', '.join(known) or '(none)'}"
-            close = difflib.get_close_matches(name, known, n=1)
-            if close:
-                message += f"; did you mean {close[0]!r}?"
+        message = f"{where}: unknown {kind} {name!r}; registered: {', '.join(known) or '(none)'}"
+        close = difflib.get_close_matches(name, known, n=1)
+        if close:
+            message += f"; did you mean {close[0]!r}?"
         if self.broken:
             message += "; plugins that failed to load: " + "; ".join(f"{p} ({why})" for p, why in self.broken.items())
         return message

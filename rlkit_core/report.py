@@ -13,6 +13,8 @@ def tenth_means(history: list[dict], key: str) -> tuple[float, float]:
 
 
 def print_report(history, samples, metrics_path, checkpoint_path, tracker, out) -> None:
+    evaluations = [h for h in history if "eval/score" in h]
+    history = [h for h in history if "score/mean" in h]  # rows of training iterations (not the evaluation before them)
     if not history:
         return
     first_score, last_score = tenth_means(history, "score/mean")
@@ -22,6 +24,11 @@ def print_report(history, samples, metrics_path, checkpoint_path, tracker, out) 
     print(f"iterations: {len(history)}, median {statistics.median(seconds):.2f} s each, {sum(seconds):.0f} s in all", file=out)
     print(f"mean score, first 10% → last 10% of iterations: {first_score:.4f} → {last_score:.4f} ({last_score - first_score:+.4f})", file=out)
     print(f"KL to the reference, first 10% → last 10%: {first_kl:.4f} → {last_kl:.4f}", file=out)
+    if len(evaluations) > 1:
+        first, last = evaluations[0], evaluations[-1]
+        print(f"held-out evaluation, iteration {first['iteration']} → {last['iteration']}:", file=out)
+        for name in (k for k in first if k.startswith("eval/")):
+            print(f"  {name[5:]:<12} {first[name]:.4f} → {last[name]:.4f} ({last[name] - first[name]:+.4f})", file=out)
     tracking = [h["time/tracking"] / h["time/iteration"] for h in history if "time/tracking" in h]
     if tracking:
         print(f"tracking cost: median {100 * statistics.median(tracking):.2f}% of an iteration", file=out)

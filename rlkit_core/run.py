@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rlkit_core import __version__, checkpoint
 from rlkit_core.errors import RlkitError
+from rlkit_core.evaluation import Evaluator
 from rlkit_core.interfaces import SilentTracker
 from rlkit_core.inventory import flatten, inventory_rows
 from rlkit_core.plot import plot_curves
@@ -73,6 +74,13 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
     run_id = tracker.start(run_name=recipe.run.name, params=params, tags=tags, resume_id=run_id)
     if recipe.source and not resume:
         tracker.log_artifact(recipe.source, "recipe")
+    evaluator = Evaluator(trainer)  # every process evaluates the same held-out set; the main one writes
+    if evaluator.enabled and trainer.iteration == 0:
+        before = evaluator()
+        if main:
+            trainer.metrics_log.append(0, before)
+        tracker.log_metrics(before, step=0)
+        history.append({"iteration": 0, **before})
     samples_before = _samples_before(trainer) if main else []
 
     progress = Progress(recipe.run.steps, start=trainer.iteration, quiet=quiet or not main)
@@ -80,6 +88,8 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
     try:
         while trainer.iteration < recipe.run.steps:
             metrics = trainer.step()
+            if evaluator.due(trainer.iteration):
+                metrics.update(evaluator())
             started = time.perf_counter()
             if main:
                 trainer.metrics_log.append(trainer.iteration, metrics)
@@ -105,20 +115,30 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
 
     if not main:
         return history
-    after = trainer.sample_responses(trainer.records[:SAMPLE_COUNT])
+    after = trainer.sample_responses(_sample_records(trainer), greedy=_samples_greedy(trainer))
     samples = [{**before, "after": a} for before, a in zip(samples_before, after)]
     print_report(history, samples, trainer.metrics_log.path, final_checkpoint, tracker, out=out)
     return history
 
 
+def _sample_records(trainer) -> list[dict]:
+    """The report's sample prompts, fixed before training: the first held-out ones when there are."""
+    return (trainer.eval_records or trainer.records)[:SAMPLE_COUNT]
+
+
+def _samples_greedy(trainer) -> bool:
+    return bool(trainer.eval_records) and trainer.recipe.eval.greedy
+
+
 def _samples_before(trainer) -> list[dict]:
-    """Responses of the starting policy to the first prompts, kept on disk so a resumed run can
+    """Responses of the starting policy to the sample prompts, kept on disk so a resumed run can
     still show what the policy said before any training."""
     path = Path(trainer.output_dir) / "samples_before.json"
     if path.exists():
         return json.loads(path.read_text())
-    records = trainer.records[:SAMPLE_COUNT]
-    samples = [{"prompt": r["prompt"], "before": b} for r, b in zip(records, trainer.sample_responses(records))]
+    records = _sample_records(trainer)
+    responses = trainer.sample_responses(records, greedy=_samples_greedy(trainer))
+    samples = [{"prompt": r["prompt"], "before": b} for r, b in zip(records, responses)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(samples, indent=2))
     return samples

@@ -51,7 +51,15 @@ class OptimConfig:
     max_grad_norm: float = setting(1.0, help="clip gradients to this global norm (0: no clipping)", validator=at_least(0))
 
 
-CORE_TABLES = {"run": RunConfig, "ppo": PPOConfig, "optim": OptimConfig}
+@attrs.frozen
+class EvalConfig:
+    size: int = setting(0, help="held-out prompts, set aside from the data and never trained on (0: no evaluation)", validator=at_least(0))
+    every: int = setting(0, help="evaluate every N iterations, besides before the first and after the last (0: only those two)", validator=at_least(0))
+    greedy: bool = setting(True, help="greedy responses (the policy's best guess); false: sampled at the generator's temperature")
+    metrics: list[str] = setting(factory=list, help="more reward components to report on the held-out responses, by registered name (e.g. 'fact-copied')")
+
+
+CORE_TABLES = {"run": RunConfig, "ppo": PPOConfig, "optim": OptimConfig, "eval": EvalConfig}
 
 # table -> (component kind, type used when the table is absent; None: the table is required)
 COMPONENT_TABLES = {

@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from rlkit_core.assemble import build_components
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.context import BuildContext
-from rlkit_core.distributed import Processes, TrainableModules, sampling_seed
+from rlkit_core.distributed import Processes, TrainableModules, combined_by_max, sampling_seed
 from rlkit_core.errors import RunError
 from rlkit_core.functional import (
     entropy_from_logits,
@@ -34,6 +34,7 @@ from rlkit_core.functional import (
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.prompt_stream import PromptStream
+from rlkit_core.evaluation import hold_out
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts
 from rlkit_core.recipe import Recipe
 
@@ -76,13 +77,14 @@ class Trainer:
         if self.processes.count > 1 and self.device.type == "cuda":
             self.device = self.accelerator.device  # this process's own GPU
         self.output_dir = Path(run.output_dir)
-        context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
-        self.parts = build_components(recipe, context)
+        self.context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
+        self.parts = build_components(recipe, self.context)
         self.policy, self.value_head = self.parts.policy, self.parts.value_head
         self.tokenizer = self.policy.tokenizer
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
         self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0
-        self.records, self.prompt_counts = prepare_prompts(self.parts.data.load(), self.tokenizer, limit)
+        records, self.prompt_counts = prepare_prompts(self.parts.data.load(), self.tokenizer, limit)
+        self.eval_records, self.records = hold_out(records, recipe.eval.size, run.seed)
         if self.processes.index:  # every process built the same components; now each samples its own
             torch.manual_seed(sampling_seed(run.seed, self.processes.index))
         self.stream = PromptStream(self.records, ppo.batch_size // ppo.samples_per_prompt, run.seed)
@@ -101,9 +103,9 @@ class Trainer:
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
 
     # --- stage 1: rollouts -------------------------------------------------------------------
-    def rollout(self, records: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
-        """Sample `samples_per_prompt` responses for each record and score them."""
-        k = self.recipe.ppo.samples_per_prompt
+    def rollout(self, records: list[dict], samples_per_prompt: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
+        """Sample `samples_per_prompt` (default: the recipe's) responses for each record and score them."""
+        k = samples_per_prompt or self.recipe.ppo.samples_per_prompt
         records = [r for r in records for _ in range(k)]
         prompts = [r["prompt"] for r in records]
         keys = dict.fromkeys(key for r in records for key in r if key != "prompt")
@@ -114,7 +116,7 @@ class Trainer:
         started = time.perf_counter()
         self.parts.generator.sync_weights(self.policy)
         with self.accelerator.autocast():
-            generation = self.parts.generator.generate(prompt_ids, prompt_mask)
+            generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
         generated = time.perf_counter()
         mask = generation.response_mask
         ended = torch.isin(generation.response_ids, torch.tensor(self.policy.eos_token_ids, device=self.device)).any(dim=1)
@@ -126,7 +128,7 @@ class Trainer:
             response_ids=generation.response_ids, response_mask=mask, sampled_logprobs=generation.logprobs,
             responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=self.device),
         )
-        return batch, {"time/generate": generated - started, "time/score": scored - generated}
+        return batch, {"time/generate": generated - started, "time/score": scored - generated, **self.parts.generator.metrics()}
 
     # --- stage 2: what the rollout policy, the reference and the critic say -------------------
     @staticmethod
@@ -155,11 +157,9 @@ class Trainer:
         return logprobs, values, entropy, logits
 
     @torch.no_grad()
-    def evaluate(self, batch: RolloutBatch) -> RolloutBatch:
-        """Old and reference log-probs, values, per-token KL and rewards, advantages and returns.
-
-        The forward passes run on this process's rollouts; the advantages are estimated over the
-        global batch (whitening statistics, groups), and this process keeps its rows of them."""
+    def compare_to_reference(self, batch: RolloutBatch) -> RolloutBatch:
+        """Old and reference log-probs, values and the per-token KL (zero on padding), on this
+        process's rollouts."""
         ppo = self.recipe.ppo
         temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
         pieces = defaultdict(list)
@@ -180,8 +180,17 @@ class Trainer:
         fields = {name: torch.cat(parts) for name, parts in pieces.items()}
         mask = batch.response_mask
         fields["kl"] = torch.where(mask.bool(), fields["kl"], torch.zeros_like(fields["kl"]))
-        batch = batch.with_(**fields)
+        return batch.with_(**fields)
 
+    @torch.no_grad()
+    def evaluate(self, batch: RolloutBatch) -> RolloutBatch:
+        """Old and reference log-probs, values, per-token KL and rewards, advantages and returns.
+
+        The forward passes run on this process's rollouts; the advantages are estimated over the
+        global batch (whitening statistics, groups), and this process keeps its rows of them."""
+        ppo = self.recipe.ppo
+        batch = self.compare_to_reference(batch)
+        mask = batch.response_mask
         scores = batch.scores - ppo.missing_eos_penalty * (~batch.ended).float()
         if ppo.score_clip:
             scores = scores.clamp(-ppo.score_clip, ppo.score_clip)
@@ -221,12 +230,16 @@ class Trainer:
                         terms = self._micro_step(batch.select(piece), token_count)
                     for name, value in terms.items():
                         known = step_terms.get(name)
-                        combine = torch.maximum if name.endswith("_max") else torch.add
+                        combine = torch.maximum if combined_by_max(name) else torch.add
                         step_terms[name] = value if known is None else combine(known, value)
-                grad_norm = self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
-                self.optimizer.step()
+                terms = self.processes.combine_terms(step_terms)
+                grad_norm = 0.0
+                # Every process took part in the backward passes (DDP needs them all); all skip or none does.
+                if not float(terms.get("skipped", 0.0)):
+                    grad_norm = self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
+                    self.optimizer.step()
                 self.scheduler.step()
-                for name, value in self.processes.combine_terms(step_terms).items():
+                for name, value in terms.items():
                     sums[f"train/{name}"] += float(value)
                 sums["train/grad_norm"] += float(grad_norm)
                 count += 1
@@ -250,7 +263,7 @@ class Trainer:
         # DDP averages gradients over processes; the loss is a share of a global sum, so undo the mean.
         self.accelerator.backward(total * self.processes.count)
         share = mask.sum() / token_count
-        shares = {name: value.detach() if name.startswith("loss_") or name.endswith("_max") else value.detach() * share
+        shares = {name: value.detach() if name.startswith("loss_") or combined_by_max(name) else value.detach() * share
                   for name, value in terms.items()}
         shares["loss"] = total.detach()
         return shares
@@ -293,9 +306,9 @@ class Trainer:
         self.last_batch = batch
         return metrics
 
-    def sample_responses(self, records: list[dict]) -> list[str]:
+    def sample_responses(self, records: list[dict], greedy: bool = False) -> list[str]:
         """Responses to `records` without touching the training random stream (for before/after reports)."""
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.accelerator.autocast():
             prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
-            generation = self.parts.generator.generate(prompt_ids, prompt_mask)
+            generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)

@@ -24,6 +24,7 @@ from rlkit_core.functional import (
     masked_var,
     masked_whiten,
     policy_loss,
+    truncated_is_weights,
     value_loss,
 )
 
@@ -467,3 +468,29 @@ def test_group_helpers_match_loop():
         assert grpo[i].item() == approx((scores[i].item() - mean) / (members.std().item() + 1e-6))
         assert centred[i].item() == approx(scores[i].item() - mean)
         assert rloo[i].item() == approx(scores[i].item() - sum(others) / len(others))
+
+
+def test_truncated_is_weights_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -0.5, GARBAGE]])
+    sampled = torch.tensor([[-1.0, -2.0 - math.log(1.5), -0.5 + math.log(4.0), 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    # π_old/π_sampler per token: 1, 1.5, 0.25; cap 1.2 truncates 1.5; padding gets 1
+    weights = truncated_is_weights(old, sampled, mask, cap=1.2)
+    assert weights[0].tolist() == approx([1.0, 1.2, 0.25, 1.0])
+    assert not weights.requires_grad
+
+
+def test_policy_loss_weighs_each_token():
+    # the hand-computed case of test_policy_loss_by_hand: per-token terms -1.2, 0.8, -2.2, -0.5
+    ratio = torch.tensor([[1.5, 0.5, 1.1, 0.5, 1.0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, GARBAGE]])
+    logprobs = (old + ratio.log()).requires_grad_()
+    advantages = torch.tensor([[1.0, -1.0, 2.0, 1.0, GARBAGE]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    weights = torch.tensor([[1.0, 2.0, 0.5, 0.0, GARBAGE]])
+    # 1·(-1.2) + 2·0.8 + 0.5·(-2.2) + 0·(-0.5) = -0.7; / 4 = -0.175
+    out = policy_loss(logprobs, old, advantages, mask, clip=0.2, token_count=4, weights=weights)
+    assert out["loss"].item() == approx(-0.175)
+    out["loss"].backward()
+    # only the unclipped third token has a gradient: d/dlogprob of w·(-A·r) / 4 = 0.5·(-2·1.1) / 4
+    assert logprobs.grad[0].tolist() == approx([0.0, 0.0, -0.275, 0.0, 0.0])

@@ -28,3 +28,13 @@ def test_pipe_and_quiet_print_nothing():
         progress.update(1, METRICS)
         progress.close()
         assert stream.getvalue() == ""
+
+
+def test_warm_start_shows_its_steps_and_loss(tmp_path):
+    from rlkit_plugins.warm_start import build_warm_start
+
+    stream = Terminal()
+    build_warm_start(tmp_path / "ws", n_layer=1, n_embd=16, n_head=2, sft_steps=3, batch_size=4, corpus_size=20,
+                     progress=Progress(3, stream=stream, label="warm-start step"))
+    text = stream.getvalue()
+    assert "warm-start step 3/3" in text and "ETA" in text and "loss " in text and text.endswith("\n")

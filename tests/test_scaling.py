@@ -199,7 +199,7 @@ def test_generation_in_chunks_pads_every_chunk_to_the_longest(recipe_document, r
     trainer = Trainer(parse_recipe(recipe_document, registry))
     generator, pad = trainer.parts.generator, trainer.tokenizer.pad_token_id
 
-    def fake(prompt_ids, prompt_mask):  # the first chunk stops after 1 token, the second after 3
+    def fake(prompt_ids, prompt_mask, greedy):  # the first chunk stops after 1 token, the second after 3
         width = 1 if prompt_ids[0, -1] == 10 else 3
         rows = len(prompt_ids)
         return Generation(response_ids=torch.full((rows, width), 7), response_mask=torch.ones(rows, width, dtype=torch.long),

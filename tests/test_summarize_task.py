@@ -197,3 +197,25 @@ def test_warm_start_n_head_must_divide_width(tmp_path):
 
     with pytest.raises(RecipeError, match=r"\$.policy.n_head: 3 does not divide n_embd=16"):
         warm_start_policy(WarmStartConfig(cache_dir=str(tmp_path), n_embd=16, n_head=3), None)
+
+
+def test_fact_copied_needs_every_part_of_the_fact():
+    from rlkit_plugins.summarize_task import fact_copied
+
+    reference = "The pilot cooked boxes in Berlin."
+    assert fact_copied("The pilot cooked boxes in Berlin.", reference) == 1.0
+    assert fact_copied("In Berlin the pilot cooked boxes, they say.", reference) == 1.0  # order and extra words are free
+    assert fact_copied("The pilot cooked boxes in Sofia.", reference) == 0.0  # wrong place
+    assert fact_copied("The pilot cooked boks in Berlin.", reference) == 0.0  # a misspelt word is not a copy
+    assert fact_copied("", reference) == 0.0
+
+
+def test_rouge_fact_bonus_is_added_only_for_a_whole_fact():
+    from rlkit_plugins.summarize import Rouge, RougeConfig
+
+    reward = Rouge(RougeConfig(fact_bonus=0.5))
+    reference = "The pilot cooked boxes in Berlin."
+    scores = reward.score(["p", "p"], ["The pilot cooked boxes in Berlin.", "The pilot cooked boxes in Sofia."],
+                          reference=[reference, reference])
+    assert scores[0] == 1.5  # ROUGE-1 F1 of 1 plus the bonus
+    assert scores[1] == pytest.approx(5 / 6)  # 5 of 6 words match, no bonus

@@ -119,7 +119,7 @@ def test_rlkit_plugins_none_hides_the_example(example_recipe, monkeypatch, capsy
     assert main(["check", example_recipe]) == 2
     problems = capsys.readouterr().err
     assert "$.kl.type: unknown kl_controller 'pid'; registered: adaptive, fixed" in problems
-    assert "$.reward.type: unknown reward 'weighted-sum'; registered: python, reward-model" in problems
+    assert "$.reward.type: unknown reward 'weighted-sum'; registered: fact-copied, python, reward-model, rouge" in problems
 
 
 def test_rlkit_plugins_selects_plugins_by_name(example):

@@ -126,3 +126,16 @@ def test_forward_batch_size_only_changes_how_the_rollout_is_chunked(recipe_docum
     whole, chunked = evaluated(0), evaluated(3)
     for name in ("old_logprobs", "ref_logprobs", "values", "advantages"):
         assert torch.allclose(getattr(whole, name), getattr(chunked, name), atol=1e-5), name
+
+
+def test_a_minibatch_whose_ratio_exploded_is_skipped(recipe_document, registry):
+    """A threshold of 0.5 is below the ratio of 1 that every minibatch starts at, so every one is
+    skipped and the weights must not move at all; at the default of 10 none is."""
+    trainer = make_trainer(recipe_document, registry, loss__ratio_threshold=0.5)
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+    metrics = trainer.train_on(batch)
+    assert metrics["train/skipped"] == 1.0 and metrics["train/grad_norm"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
+    metrics = make_trainer(recipe_document, registry, loss__ratio_threshold=10.0).train_on(batch)
+    assert metrics["train/skipped"] == 0.0

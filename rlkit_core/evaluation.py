@@ -1,0 +1,74 @@
+"""Held-out evaluation: how the policy does on prompts it never trains on.
+
+The training batch's reward alone can rise through over-optimisation; a score on held-out prompts,
+with greedy responses by default and any extra reward components as metrics, shows whether the
+policy got better at the task. `[eval] size` prompts are set aside from the data before training
+(a seeded choice, the same on every resume) and never reach a training batch. Evaluation runs in a
+forked random stream with a fixed seed, so it changes nothing a resumed run would see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkit_core.errors import RecipeError
+from rlkit_core.functional import masked_sum
+
+EVAL_SEED_OFFSET = 7_919  # held-out choice and eval sampling get their own stream, apart from the run seed's
+
+
+def hold_out(records: list[dict], size: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(held-out records, training records): `size` records chosen by `seed`, each in its original order."""
+    if not size:
+        return [], records
+    if size >= len(records):
+        raise RecipeError([f"$.eval.size: {size} held-out prompts would leave none of the {len(records)} for training; "
+                           "lower eval.size or give more data"])
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET)).tolist()
+    held = set(order[:size])
+    return [r for i, r in enumerate(records) if i in held], [r for i, r in enumerate(records) if i not in held]
+
+
+class Evaluator:
+    """Scores the current policy on the held-out records."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.config = trainer.recipe.eval
+        self.metrics = {c.name: c.factory(c.config_class(), trainer.context) for c in trainer.recipe.eval_metrics}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.trainer.eval_records)
+
+    def due(self, iteration: int) -> bool:
+        """Whether to evaluate after `iteration` (besides before the first, which the run does itself)."""
+        every, last = self.config.every, self.trainer.recipe.run.steps
+        return self.enabled and (iteration == last or bool(every) and iteration % every == 0)
+
+    @torch.no_grad()
+    def __call__(self) -> dict[str, float]:
+        """Means over the held-out records: `eval/score` (the run's reward), `eval/<metric>` for each
+        extra metric, `eval/length`, `eval/eos_rate`, and `eval/kl` when responses are sampled."""
+        trainer = self.trainer
+        device = trainer.device
+        sums, count = {}, 0
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(trainer.recipe.run.seed + EVAL_SEED_OFFSET)
+            for start in range(0, len(trainer.eval_records), trainer.recipe.ppo.batch_size):
+                chunk = trainer.eval_records[start:start + trainer.recipe.ppo.batch_size]
+                batch, _ = trainer.rollout(chunk, samples_per_prompt=1, greedy=self.config.greedy)
+                values = {
+                    "eval/score": batch.scores,
+                    "eval/length": batch.response_mask.sum(dim=1).float(),
+                    "eval/eos_rate": batch.ended.float(),
+                }
+                if not self.config.greedy:  # a KL estimate needs tokens sampled from π
+                    compared = trainer.compare_to_reference(batch)
+                    values["eval/kl"] = masked_sum(compared.kl, compared.response_mask, dim=1)
+                for name, reward in self.metrics.items():
+                    values[f"eval/{name}"] = torch.tensor(reward.score(batch.prompts, batch.responses, **batch.columns))
+                for name, per_response in values.items():
+                    sums[name] = sums.get(name, 0.0) + float(per_response.sum())
+                count += len(batch)
+        return {name: total / count for name, total in sums.items()}

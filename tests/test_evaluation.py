@@ -1,0 +1,99 @@
+"""Held-out evaluation: set-aside prompts never trained on, before/after figures in the report,
+and no effect on the training random stream (so resume stays exact)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlkit_core.errors import RecipeError
+from rlkit_core.evaluation import hold_out
+from rlkit_core.recipe import parse_recipe
+from rlkit_core.run import run_recipe
+from rlkit_core.trainer import Trainer
+
+
+def with_eval(document, steps=3, **settings):
+    return dict(document, run={**document["run"], "steps": steps}, eval={"size": 8, **settings})
+
+
+def rows(output_dir):
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def training_rows(output_dir):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "eval/"))} for r in rows(output_dir) if "score/mean" in r]
+
+
+def test_hold_out_is_seeded_and_disjoint():
+    records = [{"prompt": str(i)} for i in range(20)]
+    held, training = hold_out(records, 5, seed=3)
+    assert len(held) == 5 and len(training) == 15
+    assert {r["prompt"] for r in held}.isdisjoint(r["prompt"] for r in training)
+    assert hold_out(records, 5, seed=3) == (held, training)
+    assert hold_out(records, 0, seed=3) == ([], records)
+    with pytest.raises(RecipeError, match=r"\$\.eval\.size: 20 held-out prompts would leave none of the 20"):
+        hold_out(records, 20, seed=3)
+
+
+def test_held_out_prompts_never_reach_a_training_batch(recipe_document, registry):
+    trainer = Trainer(parse_recipe(with_eval(recipe_document), registry))
+    held = {r["prompt"] for r in trainer.eval_records}
+    assert len(held) == 8
+    seen = {r["prompt"] for i in range(20) for r in trainer.stream.batch(i)}  # several passes over the data
+    assert seen and held.isdisjoint(seen)
+
+
+def test_run_evaluates_before_and_after_and_reports_both(recipe_document, registry, tmp_path):
+    data = tmp_path / "with_references.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {w}", "reference": w, "letter": "e"}) + "\n"
+                            for w in ["cat", "dog", "egg", "fig", "hat", "ink", "jam", "kit"] * 4))
+    document = with_eval(recipe_document, every=2, metrics=["rouge"])
+    document["data"] = {"type": "jsonl", "path": str(data)}
+    document["run"]["output_dir"] = str(tmp_path / "run")
+    out = tmp_path / "report.txt"
+    with out.open("w") as report:
+        run_recipe(parse_recipe(document, registry), quiet=True, out=report)
+    logged = rows(tmp_path / "run")
+    evaluated = [r["iteration"] for r in logged if "eval/score" in r]
+    assert evaluated == [0, 2, 3]  # before training, every 2, and after the last
+    assert set(logged[0]) == {"iteration", "eval/score", "eval/length", "eval/eos_rate", "eval/rouge"}
+    text = out.read_text()
+    assert "held-out evaluation, iteration 0 → 3:" in text and "  score " in text
+    samples = json.loads((tmp_path / "run" / "samples_before.json").read_text())
+    trainer = Trainer(parse_recipe(document, registry))
+    assert [s["prompt"] for s in samples] == [r["prompt"] for r in trainer.eval_records[:3]]
+
+
+def test_unknown_eval_metric_is_located(recipe_document, registry):
+    with pytest.raises(RecipeError, match=r"\$\.eval\.metrics\[1\]: unknown reward 'rogue'"):
+        parse_recipe(with_eval(recipe_document, metrics=["rouge", "rogue"]), registry)
+    with pytest.raises(RecipeError, match=r"\$\.eval\.metrics\[0\]: reward 'python' needs settings \(function\)"):
+        parse_recipe(with_eval(recipe_document, metrics=["python"]), registry)
+
+
+def test_evaluation_does_not_disturb_training(recipe_document, registry, tmp_path):
+    """Evaluating after every iteration (sampled, so it draws random numbers) leaves the training
+    figures exactly as with evaluation only before and after."""
+    often = with_eval(recipe_document, every=1, greedy=False)
+    often["run"]["output_dir"] = str(tmp_path / "often")
+    rarely = with_eval(recipe_document, every=0, greedy=False)
+    rarely["run"]["output_dir"] = str(tmp_path / "rarely")
+    run_recipe(parse_recipe(often, registry), quiet=True)
+    run_recipe(parse_recipe(rarely, registry), quiet=True)
+    assert training_rows(tmp_path / "often") == training_rows(tmp_path / "rarely")
+    assert "eval/kl" in rows(tmp_path / "often")[0]
+
+
+def test_resume_with_evaluation_matches_an_uninterrupted_run(recipe_document, registry, tmp_path):
+    straight = with_eval(recipe_document, steps=4, every=1)
+    straight["run"]["output_dir"] = str(tmp_path / "straight")
+    run_recipe(parse_recipe(straight, registry), quiet=True)
+    first = with_eval(recipe_document, steps=2, every=1)
+    first["run"]["output_dir"] = str(tmp_path / "split")
+    run_recipe(parse_recipe(first, registry), quiet=True)
+    second = with_eval(recipe_document, steps=4, every=1)
+    second["run"]["output_dir"] = str(tmp_path / "split")
+    run_recipe(parse_recipe(second, registry), quiet=True, resume="auto")
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]  # noqa: E731
+    assert strip(rows(tmp_path / "split")) == strip(rows(tmp_path / "straight"))

@@ -1,0 +1,427 @@
+"""The vllm generator without vLLM: the recipe-to-engine mapping, HF-to-vLLM weight names (LoRA
+folded), the turning of engine samples into a Generation, `rlkit check`'s messages, and the
+generator contract through the engine seam with a CPU stand-in that receives weights only by push.
+The engine itself is tested on a GPU by tests/test_vllm_gpu.py."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from rlkit_core.cli import main
+from rlkit_core.context import BuildContext
+from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.recipe import structure_table
+from rlkit_core.prompts import encode_prompts
+from rlkit_core.testing import GeneratorContract, policy_inputs
+from rlkit_plugins import vllm_generator
+from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
+from rlkit_plugins.vllm_generator import (
+    Sample,
+    VLLMGenerator,
+    VLLMGeneratorConfig,
+    engine_settings,
+    repeat_runs,
+    sampling_settings,
+    to_generation,
+    version_problem,
+    vllm_weights,
+)
+
+# --- the recipe-to-engine mapping ----------------------------------------------------------------
+
+
+def test_engine_settings_follow_the_recipe():
+    config = VLLMGeneratorConfig(tensor_parallel_size=2, gpu_memory_fraction=0.5, sleep_level=1, max_model_len=512)
+    settings = engine_settings(config, "/tmp/m", torch.bfloat16, seed=7)
+    assert settings == {
+        "model": "/tmp/m", "skip_tokenizer_init": True, "load_format": "dummy", "dtype": "bfloat16", "seed": 7,
+        "tensor_parallel_size": 2, "gpu_memory_utilization": 0.5, "enable_sleep_mode": True,
+        "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs", "generation_config": "vllm",
+        "max_model_len": 512,
+    }
+    defaults = engine_settings(VLLMGeneratorConfig(dtype="float16"), "/tmp/m", torch.float32, seed=0)
+    assert defaults["dtype"] == "float16" and defaults["enable_sleep_mode"] is False and "max_model_len" not in defaults
+
+
+def test_sampling_settings_spell_out_pure_temperature_sampling():
+    config = VLLMGeneratorConfig(max_new_tokens=48, min_new_tokens=3, temperature=0.7)
+    assert sampling_settings(config, (1, 5), (), vocab_size=8) == {
+        "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 48, "min_tokens": 3,
+        "stop_token_ids": [1, 5], "ignore_eos": False, "logprobs": 0, "detokenize": False,
+        "allowed_token_ids": None,
+    }
+
+
+def test_sampling_settings_pass_top_k_top_p_and_leave_out_the_suppressed_ids():
+    settings = sampling_settings(VLLMGeneratorConfig(top_k=20, top_p=0.9), (1,), (3, 6), vocab_size=8)
+    assert settings["top_k"] == 20 and settings["top_p"] == 0.9
+    assert settings["allowed_token_ids"] == [0, 1, 2, 4, 5, 7]
+
+
+@pytest.mark.parametrize("version, too_old", [("0.33.0", False), ("0.11.0", False), ("0.12.0+cu128", False),
+                                              ("0.10.2", True), ("0.11.0rc1", True), ("dev", False)])
+def test_version_gate(version, too_old):
+    problem = version_problem(version)
+    assert (problem is not None) is too_old
+    if too_old:
+        assert problem == f'vLLM {version} is older than 0.11.0, the oldest this generator supports; pip install "rlkit[vllm]" --upgrade'
+
+
+def test_missing_here_names_what_to_install_and_the_gpu(monkeypatch):
+    monkeypatch.setattr(vllm_generator.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert vllm_generator.missing_here() == [
+        'vLLM is not installed: pip install "rlkit[vllm]" (Linux with a CUDA GPU; vLLM brings its own CUDA build of torch)',
+        "torch sees no CUDA GPU: the vllm generator needs one (use generator.type = 'hf' on this machine)",
+    ]
+    monkeypatch.setattr(vllm_generator.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(vllm_generator.importlib.metadata, "version", lambda name: "0.10.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert vllm_generator.missing_here(tensor_parallel_size=2) == [
+        'vLLM 0.10.0 is older than 0.11.0, the oldest this generator supports; pip install "rlkit[vllm]" --upgrade',
+        "generator.tensor_parallel_size = 2 but torch sees 1 GPU(s)",
+    ]
+
+
+# --- rlkit check -------------------------------------------------------------------------------------
+
+
+def test_check_prints_the_plan_and_notes_what_this_machine_lacks(recipe_document, write_recipe, monkeypatch, capsys):
+    monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: ["vLLM is not installed: ..."])
+    recipe_document["generator"]["type"] = "vllm"
+    assert main(["check", write_recipe(recipe_document)]) == 0  # the recipe is fine; this machine is not for it
+    out = capsys.readouterr().out
+    assert "[generator] vllm" in out and "iterations" in out
+    assert "  generator: the vLLM engine, which this machine cannot run: vLLM is not installed: ..." in out.split("not checked:")[1]
+
+
+def test_check_rejects_the_cpu_device(recipe_document, write_recipe, capsys):
+    recipe_document["generator"]["type"] = "vllm"
+    recipe_document["run"]["device"] = "cpu"
+    assert main(["check", write_recipe(recipe_document)]) == 2
+    assert ('$.run.device: the vllm generator runs on a CUDA GPU, so "cpu" cannot work; '
+            'use run.device = "auto" or "cuda", or generator.type = "hf"') in capsys.readouterr().err
+
+
+def test_building_without_vllm_is_a_run_error_and_on_the_cpu_a_recipe_error(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: ["torch sees no CUDA GPU"])
+    context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=0, policy=_policy(tiny_model, tmp_path))
+    with pytest.raises(RunError, match="the vllm generator cannot start here: torch sees no CUDA GPU"):
+        VLLMGenerator(VLLMGeneratorConfig(), context)
+    monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: [])  # a GPU machine, run.device = "cpu"
+    with pytest.raises(RecipeError, match='runs on a CUDA GPU, so "cpu" cannot work'):
+        VLLMGenerator(VLLMGeneratorConfig(), context)
+
+
+def test_the_engine_starts_from_the_policys_config_with_placeholder_weights(tiny_model, tmp_path, monkeypatch):
+    """vLLM builds the architecture from the config files alone (`load_format = "dummy"`): the
+    vocabulary must be the policy's, resized for an added PAD token, or the first push would not fit."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    model_dir = tmp_path / "gpt2-without-pad"
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(special_tokens=["<|endoftext|>"]))
+    tokenizer = GPT2TokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")  # no PAD: the policy adds one
+    tokenizer.save_pretrained(model_dir)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(model_dir)
+    policy = _policy(model_dir, tmp_path)
+    started = {}
+
+    def engine(settings, sampling):
+        started.update(settings=settings, sampling=sampling, vocab=AutoConfig.from_pretrained(settings["model"]).vocab_size)
+        return "engine"
+
+    monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: [])
+    monkeypatch.setattr(vllm_generator, "InProcessEngine", engine)
+    context = BuildContext(recipe=None, device=torch.device("cuda"), output_dir=str(tmp_path), seed=3, policy=policy)
+    generator = VLLMGenerator(VLLMGeneratorConfig(), context)
+    assert generator.engine == "engine"
+    assert started["vocab"] == len(policy.tokenizer) == policy.model.get_input_embeddings().num_embeddings == len(tokenizer) + 1
+    assert started["settings"]["load_format"] == "dummy" and started["settings"]["seed"] == 3 and started["settings"]["dtype"] == "float32"
+    assert started["sampling"]["stop_token_ids"] == list(policy.eos_token_ids)
+    pad = policy.tokenizer.pad_token_id
+    assert policy.suppressed_token_ids == (pad,) and pad not in started["sampling"]["allowed_token_ids"]
+    assert len(started["sampling"]["allowed_token_ids"]) == started["vocab"] - 1
+
+
+# --- weight names --------------------------------------------------------------------------------------
+
+
+def _tiny(kind: str, tied: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, tie_word_embeddings=tied)
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=384, n_positions=64, n_embd=32, n_layer=2, n_head=2, tie_word_embeddings=tied))
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**shape))
+    return Qwen2ForCausalLM(Qwen2Config(**shape))
+
+
+def _checkpoint(model, path) -> dict[str, torch.Tensor]:
+    """What `save_pretrained` writes: the names and tensors vLLM loads from a model directory."""
+    model.save_pretrained(path)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
+
+
+def _assert_same(pushed: dict, checkpoint: dict):
+    assert sorted(pushed) == sorted(checkpoint)
+    for name, tensor in checkpoint.items():
+        torch.testing.assert_close(pushed[name], tensor, msg=name)
+
+
+ARCHITECTURES = [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False), ("qwen2", False)]
+
+
+@pytest.mark.parametrize("kind, tied", ARCHITECTURES)
+def test_pushed_names_are_the_checkpoint_names(kind, tied, tmp_path):
+    model = _tiny(kind, tied)
+    _assert_same(dict(vllm_weights(model)), _checkpoint(model, tmp_path))
+
+
+LORA_TARGETS = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj", "down_proj"], "qwen2": ["k_proj", "o_proj"]}
+
+
+@pytest.mark.parametrize("kind, tied", ARCHITECTURES)
+def test_lora_is_folded_into_the_base_names(kind, tied, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    modules_to_save = None if tied else ["lm_head"]
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[kind], modules_to_save=modules_to_save, task_type="CAUSAL_LM")
+    model = get_peft_model(_tiny(kind, tied), lora)
+    with torch.no_grad():  # as after training: B ≠ 0 (peft starts it at 0) and a moved lm_head copy
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    pushed = dict(vllm_weights(model))
+    assert not any("lora_" in n or "base_layer" in n or n.startswith("base_model") or "modules_to_save" in n for n in pushed)
+    merged = copy.deepcopy(model).merge_and_unload()
+    _assert_same(pushed, _checkpoint(merged, tmp_path))
+    moved = [n for n in pushed if any(t in n for t in LORA_TARGETS[kind])][0]
+    assert not torch.equal(pushed[moved], model.get_base_model().state_dict()[moved.replace(".weight", ".base_layer.weight")])
+
+
+def test_fsdp2_shards_are_gathered_before_the_push(tmp_path, monkeypatch):
+    """FSDP2 keeps each weight as a DTensor shard; the push sends whole tensors (one CPU process
+    on gloo here; under `accelerate launch` every rank joins the same gather)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = _tiny("llama", tied=False)
+        checkpoint = _checkpoint(model, tmp_path)
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert type(model.state_dict()["lm_head.weight"]).__name__ == "DTensor"
+        pushed = dict(vllm_weights(model))
+        assert all(type(t) is torch.Tensor for t in pushed.values())
+        _assert_same(pushed, checkpoint)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_with_lora_a_later_push_sends_only_what_training_changes(tiny_model, tmp_path):
+    policy = _policy(tiny_model, tmp_path, lora_r=4)
+    generator = _generator(policy, tmp_path)
+    generator.sync_weights(policy)  # the first push carries the base as well
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    partial = dict(vllm_weights(policy.model, lora_only=True))
+    assert sorted(partial) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]
+    generator.sync_weights(policy)
+    input_ids, attention_mask, position_ids = policy_inputs(policy.tokenizer)
+    torch.testing.assert_close(generator.engine.model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits,
+                               policy.model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits)
+
+
+# --- engine samples to a Generation -------------------------------------------------------------------
+
+
+def test_repeated_prompts_become_one_request_with_n_samples():
+    assert repeat_runs([[5, 6], [5, 6], [7], [7], [5, 6]]) == ([[5, 6], [7], [5, 6]], [2, 2, 1])
+
+
+def test_samples_become_right_padded_rows_that_end_at_the_first_eos():
+    eos, other_end, pad = 1, 9, 0
+    samples = [
+        Sample([4, 1], [-0.5, -0.25]),  # ended on the EOS
+        Sample([4, 9], [-1.0, -2.0]),  # ended on the second end id
+        Sample([4, 5, 6], [-0.1, -0.2, -0.3]),  # hit max_new_tokens
+    ]
+    out = to_generation(samples, (eos, other_end), pad, "cpu")
+    assert out.response_ids.tolist() == [[4, 1, pad], [4, 9, pad], [4, 5, 6]]
+    assert out.response_mask.tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 1]]
+    assert out.logprobs.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, 0.0], pytest.approx([-0.1, -0.2, -0.3])]
+
+
+# --- the generator through the seam --------------------------------------------------------------------
+
+
+class StandInEngine:
+    """A CPU stand-in behind the engine seam: its own randomly initialised copy of the architecture
+    that learns the policy's weights only through pushes under checkpoint names (as vLLM's
+    `load_weights` does), and samples with the hf generator. Records the calls it gets."""
+
+    def __init__(self, policy, config: VLLMGeneratorConfig):
+        from transformers import AutoModelForCausalLM
+
+        base = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
+        torch.manual_seed(123)
+        self.model = AutoModelForCausalLM.from_config(base.config).eval()
+        self.tied = {"lm_head.weight"} if base.config.tie_word_embeddings else set()
+        self.loaded: set[str] = set()
+        shadow = types.SimpleNamespace(model=self.model, tokenizer=policy.tokenizer, eos_token_ids=policy.eos_token_ids,
+                                       suppressed_token_ids=policy.suppressed_token_ids)
+        sampling = HFGeneratorConfig(max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens,
+                                     temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+        self.sampler = HFGenerator(sampling, types.SimpleNamespace(policy=shadow))
+        self.tokenizer = policy.tokenizer
+        self.calls: list[str] = []
+
+    def load_weights(self, weights):
+        """Like vLLM's: any subset of the names, each tensor replacing the engine's copy."""
+        state = dict(weights)
+        _, unexpected = self.model.load_state_dict(state, strict=False)
+        assert not unexpected, unexpected
+        self.loaded |= set(state)
+        never_loaded = set(self.model.state_dict()) - self.loaded - self.tied
+        assert not never_loaded, f"still placeholder weights: {sorted(never_loaded)[:3]}"
+        self.calls.append("load_weights")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def sleep(self, level):
+        self.calls.append(f"sleep({level})")
+
+    def wake_up(self):
+        self.calls.append("wake_up")
+
+    def generate(self, prompts, counts, greedy=False):
+        self.calls.append(f"generate({counts})")
+        rows = [prompt for prompt, count in zip(prompts, counts) for _ in range(count)]
+        width = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        out = self.sampler.generate(ids, mask, greedy)
+        flat = [Sample(i[m.bool()].tolist(), lp[m.bool()].tolist()) for i, m, lp in zip(out.response_ids, out.response_mask, out.logprobs)]
+        groups, start = [], 0
+        for count in counts:
+            groups.append(flat[start:start + count])
+            start += count
+        return groups
+
+
+def _policy(model_dir, tmp_path, **options):
+    from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
+
+    config, problems = structure_table({"model": str(model_dir), **options}, HFPolicyConfig, "policy")
+    assert not problems
+    return HFPolicy(config, BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=0))
+
+
+class TestVLLMGeneratorContract(GeneratorContract):
+    """The contract's sampled log-probs must match the policy: true only if the push carried every
+    weight to the stand-in under the right name."""
+
+    component = "vllm"
+    config = {"max_new_tokens": 6, "temperature": 0.8}
+
+    @pytest.fixture
+    def make(self, registered, structured_config, context):
+        return lambda: registered.factory(structured_config, context, engine=StandInEngine(context.policy, structured_config))
+
+
+class TestVLLMGeneratorContractWithLoRA(TestVLLMGeneratorContract):
+    @pytest.fixture
+    def policy(self, tiny_model, tmp_path):
+        policy = _policy(tiny_model, tmp_path, lora_r=4)
+        with torch.no_grad():
+            for name, p in policy.model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(torch.randn_like(p) * 0.5)
+        return policy
+
+
+def _generator(policy, tmp_path, **options):
+    config = VLLMGeneratorConfig(max_new_tokens=5, **options)
+    context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=0, policy=policy)
+    return VLLMGenerator(config, context, engine=StandInEngine(policy, config))
+
+
+def test_push_then_reset_then_generate_n_per_prompt_and_report_the_sync_time(tiny_model, tmp_path):
+    policy = _policy(tiny_model, tmp_path)
+    generator = _generator(policy, tmp_path)
+    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": p} for p in ["ab", "ab", "ab", "xyz", "xyz", "ab"]], "cpu")
+    generator.sync_weights(policy)
+    out = generator.generate(prompt_ids, prompt_mask)
+    assert out.response_ids.shape[0] == 6
+    assert generator.engine.calls == ["wake_up", "load_weights", "reset_prefix_cache", "wake_up", "generate([3, 2, 1])"]
+    metrics = generator.metrics()
+    assert set(metrics) == {"time/weight_sync"} and metrics["time/weight_sync"] > 0
+    assert generator.metrics() == {}  # reported once
+
+
+def test_pushed_weights_change_what_the_engine_samples(tiny_model, tmp_path):
+    policy = _policy(tiny_model, tmp_path)
+    generator = _generator(policy, tmp_path)
+    input_ids, attention_mask, position_ids = policy_inputs(policy.tokenizer)
+    generator.sync_weights(policy)
+    before = generator.engine.model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    with torch.no_grad():
+        policy.model.lm_head.weight.mul_(3.0)  # tied to the embeddings in the tiny GPT-2
+    generator.sync_weights(policy)
+    after = generator.engine.model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    expected = policy.model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, expected)
+
+
+@pytest.mark.parametrize("level, pushes", [(1, 1), (2, 2)])
+def test_sleep_between_rollouts(tiny_model, tmp_path, level, pushes):
+    """Level 1 keeps the weights (on the CPU) while asleep; level 2 drops them, so the next
+    generation pushes again even without a sync (e.g. the before/after report's samples)."""
+    policy = _policy(tiny_model, tmp_path)
+    generator = _generator(policy, tmp_path, sleep_level=level)
+    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": "ab"}, {"prompt": "xyz"}], "cpu")
+    generator.generate(prompt_ids, prompt_mask)
+    generator.generate(prompt_ids, prompt_mask)
+    calls = generator.engine.calls
+    assert calls.count("load_weights") == pushes and calls.count(f"sleep({level})") == 2
+    assert calls[:3] == ["wake_up", "load_weights", "reset_prefix_cache"] and calls[-1] == f"sleep({level})"
+
+
+def test_a_ppo_step_through_the_seam_logs_the_sync_time_and_a_zero_gap(recipe_document, registry, monkeypatch):
+    from rlkit_core.recipe import parse_recipe
+    from rlkit_core.trainer import Trainer
+
+    monkeypatch.setattr(VLLMGenerator, "_start_engine", lambda self, context: StandInEngine(self.policy, self.config))
+    recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8}
+    recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
+    metrics = Trainer(parse_recipe(recipe_document, registry)).step()
+    assert metrics["time/weight_sync"] > 0
+    assert metrics["check/logprob_gap"] < 1e-4  # the stand-in samples in float32 like the trainer
+    assert metrics["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
