@@ -116,3 +116,10 @@ class Processes:
     def wait(self) -> None:
         """Every process reaches this point before any goes on."""
         self.accelerator.wait_for_everyone()
+
+    def close(self) -> None:
+        """At the end of a run: wait for every process, then take the process group down (a gloo
+        thread still running when the interpreter exits aborts it)."""
+        if self.count > 1:
+            self.wait()
+            torch.distributed.destroy_process_group()

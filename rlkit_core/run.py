@@ -113,11 +113,11 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
             final_checkpoint = _finish_outputs(trainer, tracker, run_id, history)
         tracker.finish(status)
 
-    if not main:
-        return history
-    after = trainer.sample_responses(_sample_records(trainer), greedy=_samples_greedy(trainer))
-    samples = [{**before, "after": a} for before, a in zip(samples_before, after)]
-    print_report(history, samples, trainer.metrics_log.path, final_checkpoint, tracker, out=out)
+    if main:
+        after = trainer.sample_responses(_sample_records(trainer), greedy=_samples_greedy(trainer))
+        samples = [{**before, "after": a} for before, a in zip(samples_before, after)]
+        print_report(history, samples, trainer.metrics_log.path, final_checkpoint, tracker, out=out)
+    trainer.processes.close()
     return history
 
 

@@ -38,11 +38,12 @@ def rlkit_script() -> str:
     return str(Path(sys.executable).with_name("rlkit"))
 
 
-@pytest.fixture(params=["full", "lora-separate-critic"])
+@pytest.fixture(params=["full", "lora-separate-critic-accumulating"])
 def two_process_document(request, recipe_document, tiny_reward_model):
     # one minibatch per epoch: one process's minibatch of 16 is two processes' minibatches of 8
     recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16})
-    if request.param == "lora-separate-critic":
+    if request.param == "lora-separate-critic-accumulating":  # DDP's no_sync and the global token count together
+        recipe_document["ppo"]["gradient_accumulation_steps"] = 2
         recipe_document["policy"]["lora_r"] = 4
         recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
     return recipe_document
