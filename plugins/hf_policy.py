@@ -16,11 +16,11 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, one_of, setting
 from rlkit_core.errors import RecipeError
-from rlkit_core.hf_loading import check_tokenizer
+from rlkit_core.hf_loading import check_tokenizer, settle_pad
 from rlkit_core.interfaces import Policy, PolicyOutput
+from rlkit_core.randomness import switch_off_dropout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PAD_TOKEN = "<|rlkit_pad|>"
 
 
 @attrs.frozen
@@ -48,17 +48,6 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     return tokenizer
 
 
-def settle_pad(tokenizer, eos_token_ids) -> bool:
-    """Give the tokenizer a PAD that ends no response; True when rlkit had to add one.
-
-    GPT-2, Pythia and Llama have no PAD, or use an end token as PAD; a shared id would make
-    padding indistinguishable from a response that ended, so rlkit adds its own token."""
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_token_ids:
-        return False
-    tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-    return True
-
-
 def end_token_ids(tokenizer, generation_config, end_tokens=()) -> tuple[int, ...]:
     """The tokenizer's EOS first, then every other end id the model's generation config names
     (chat models stop on an end-of-turn token as well as on end-of-text), then the recipe's."""
@@ -71,13 +60,6 @@ def end_token_ids(tokenizer, generation_config, end_tokens=()) -> tuple[int, ...
                                "name it exactly as the tokenizer spells it (see tokenizer.json's added_tokens)"])
         ids.append(index)
     return tuple(dict.fromkeys(i for i in ids if i is not None))
-
-
-def switch_off_dropout(model: torch.nn.Module) -> None:
-    """RL wants π_θ and π_old to differ only by the update, not by random masks."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
 
 
 class HFPolicy(Policy):

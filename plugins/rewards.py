@@ -16,6 +16,7 @@ from rlkit_core.config import at_least, greater_than, setting
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.hf_loading import check_tokenizer
 from rlkit_core.interfaces import RewardSource
+from rlkit_core.randomness import switch_off_dropout
 
 
 @attrs.frozen
@@ -100,8 +101,6 @@ class RewardModel(RewardSource):
 
     def __init__(self, config: RewardModelConfig, context):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from rlkit_plugins.hf_policy import switch_off_dropout
 
         self.config = config
         try:

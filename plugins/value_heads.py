@@ -8,8 +8,9 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import one_of, setting
 from rlkit_core.errors import RecipeError
-from rlkit_core.hf_loading import check_tokenizer, vocabulary_mismatch
+from rlkit_core.hf_loading import PAD_TOKEN, check_tokenizer, vocabulary_mismatch
 from rlkit_core.interfaces import ValueHead
+from rlkit_core.randomness import switch_off_dropout
 
 
 @attrs.frozen
@@ -74,7 +75,6 @@ class SeparateValueHead(ValueHead):
     def __init__(self, config: SeparateValueConfig, context):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from rlkit_plugins.hf_policy import PAD_TOKEN, switch_off_dropout
 
         try:
             self.model = AutoModelForSequenceClassification.from_pretrained(config.model, num_labels=1)
@@ -103,7 +103,6 @@ class SeparateValueHead(ValueHead):
     @staticmethod
     def check(config: SeparateValueConfig, recipe) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check`: the critic's tokenizer against the policy's."""
-        from rlkit_plugins.hf_policy import PAD_TOKEN
 
         problems, notes = [], []
         policy_name = policy_tokenizer_name(recipe)

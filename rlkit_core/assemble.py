@@ -5,8 +5,6 @@ from __future__ import annotations
 import attrs
 
 from rlkit_core.context import BuildContext
-from rlkit_core.errors import RecipeError
-from rlkit_core.interfaces import KINDS
 from rlkit_core.recipe import Recipe
 
 
@@ -23,28 +21,18 @@ class Components:
     tracker: object
 
 
-def _build(recipe: Recipe, table: str, context: BuildContext):
-    choice = recipe[table]
-    instance = choice.component.factory(choice.config, context)
-    kind = choice.component.kind
-    if not isinstance(instance, KINDS[kind]):
-        raise RecipeError([f"$.{table}.type: {choice.component.name!r} from plugin {choice.component.plugin!r} built a "
-                           f"{type(instance).__name__}, which is not a {KINDS[kind].__name__}; the plugin is broken"])
-    return instance
-
-
 def build_components(recipe: Recipe, context: BuildContext) -> Components:
-    policy = _build(recipe, "policy", context)
+    policy = context.build(recipe["policy"])
     context.policy = policy
-    advantage = _build(recipe, "advantage", context)
+    advantage = context.build(recipe["advantage"])
     return Components(
         policy=policy,
-        value_head=_build(recipe, "value_head", context) if advantage.needs_values else None,
-        generator=_build(recipe, "generator", context),
-        reward=_build(recipe, "reward", context),
-        kl=_build(recipe, "kl", context),
+        value_head=context.build(recipe["value_head"]) if advantage.needs_values else None,
+        generator=context.build(recipe["generator"]),
+        reward=context.build(recipe["reward"]),
+        kl=context.build(recipe["kl"]),
         advantage=advantage,
-        loss=_build(recipe, "loss", context),
-        data=_build(recipe, "data", context),
-        tracker=_build(recipe, "tracker", context),
+        loss=context.build(recipe["loss"]),
+        data=context.build(recipe["data"]),
+        tracker=context.build(recipe["tracker"]),
     )

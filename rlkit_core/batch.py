@@ -13,6 +13,22 @@ import attrs
 import torch
 
 
+def sequence_inputs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor | None = None,
+                    response_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, position_ids) of left-padded prompts, followed by their responses
+    when given: what `Policy.forward` takes.
+
+    Position ids count real tokens only, so a left-padded prompt starts at position 0. Padding
+    after a response's EOS is masked out.
+    """
+    input_ids, attention_mask = prompt_ids, prompt_mask.long()
+    if response_ids is not None:
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
 @attrs.frozen
 class RolloutBatch:
     prompts: list[str]  # B prompt texts
@@ -45,15 +61,8 @@ class RolloutBatch:
         return self.prompt_ids.shape[1]
 
     def sequence(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids, attention_mask, position_ids) of prompt + response, as the policy sees them.
-
-        Position ids count real tokens only, so a left-padded prompt starts at position 0.
-        Padding after the response's EOS is masked out.
-        """
-        input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
-        attention_mask = torch.cat([self.prompt_mask, self.response_mask], dim=1).long()
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        return input_ids, attention_mask, position_ids
+        """(input_ids, attention_mask, position_ids) of prompt + response, as the policy sees them."""
+        return sequence_inputs(self.prompt_ids, self.prompt_mask, self.response_ids, self.response_mask)
 
     def map_fields(self, tensor: Callable[[str, torch.Tensor], torch.Tensor], values: Callable[[list], list]) -> RolloutBatch:
         """A copy with every tensor field replaced by `tensor(name, field)` and every per-rollout

@@ -45,24 +45,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _print_fields(fields: list[dict]) -> None:
+    for f in fields:
+        default = "required" if f["required"] else f"default {f['default']!r}"
+        print(f"      {f['name']:<24} {f['type']:<10} {default:<24} {f['help']}")
+
+
 def _cmd_plugins(args) -> int:
-    from rlkit_core.inventory import registry_rows
+    from rlkit_core.inventory import core_table_rows, registry_rows
     from rlkit_core.plugins import load_registry
 
     registry = load_registry()
-    rows = registry_rows(registry)
+    core, rows = core_table_rows(), registry_rows(registry)
     if args.json:
-        print(json.dumps({"components": rows, "broken": registry.broken}, indent=2, default=str))
+        print(json.dumps({"core": core, "components": rows, "broken": registry.broken}, indent=2, default=str))
         return 0
+    print("core tables")
+    for table in core:
+        print(f"  [{table['table']}]")
+        _print_fields(table["fields"])
     kind = None
     for row in rows:
         if row["kind"] != kind:
             kind = row["kind"]
             print(f"\n{kind}")
         print(f"  {row['name']:<16} {row['plugin']} ({row['distribution']} {row['version']})")
-        for f in row["fields"]:
-            default = "required" if f["required"] else f"default {f['default']!r}"
-            print(f"      {f['name']:<24} {f['type']:<10} {default:<24} {f['help']}")
+        _print_fields(row["fields"])
     for name, why in registry.broken.items():
         print(f"\nbroken plugin {name!r}: {why}", file=sys.stderr)
     return 0

@@ -3,11 +3,30 @@
 Every setting carries a one-line help text (shown by `rlkit plugins` and `rlkit check`), and range
 validators phrase their failures so that the recipe loader can prefix them with a location:
 `$.kl.target: must be > 0, got -1`.
+
+A setting may also hold other components' tables (`nested_component`, `nested_components`): a reward
+that adds up other rewards, a KL schedule made of stages. The recipe loader checks each nested table
+against its own component's config class and hands the factory a `ComponentChoice` per table, which
+the factory builds with `context.build(choice)`.
 """
+
+from __future__ import annotations
 
 import attrs
 
 HELP = "help"
+NESTED = "rlkit_nested"
+
+
+@attrs.frozen
+class Nested:
+    """What a nested-component setting holds: tables of component `kind`, one or a list, and
+    `extra`, an attrs class for keys the parent reads from each table besides the component's own
+    settings (a part's `weight`)."""
+
+    kind: str
+    many: bool
+    extra: type | None = None
 
 
 def setting(default=attrs.NOTHING, *, help, validator=None, factory=None, kw_only=False):
@@ -16,6 +35,25 @@ def setting(default=attrs.NOTHING, *, help, validator=None, factory=None, kw_onl
     if factory is not None:
         return attrs.field(factory=factory, validator=validator, metadata={HELP: help}, kw_only=kw_only)
     return attrs.field(default=default, validator=validator, metadata={HELP: help}, kw_only=kw_only)
+
+
+def nested_component(kind: str, *, help, extra: type | None = None, default=attrs.NOTHING, validator=None):
+    """A setting that holds one component table of `kind`: `[reward.judge]` with a `type` and that
+    component's settings. The recipe loader puts a `rlkit_core.recipe.ComponentChoice` here
+    (annotate the field so); `default=None` makes the table optional."""
+    metadata = {HELP: help, NESTED: Nested(kind, many=False, extra=extra)}
+    return attrs.field(default=default, validator=validator, metadata=metadata)
+
+
+def nested_components(kind: str, *, help, extra: type | None = None, validator=None):
+    """A setting that holds a list of component tables of `kind` (`[[reward.parts]]`), each
+    checked on its own; the recipe loader puts a `list[ComponentChoice]` here."""
+    metadata = {HELP: help, NESTED: Nested(kind, many=True, extra=extra)}
+    return attrs.field(validator=validator, metadata=metadata)
+
+
+def nested_spec(field: attrs.Attribute) -> Nested | None:
+    return field.metadata.get(NESTED)
 
 
 def _check(predicate, words):
@@ -43,8 +81,9 @@ def one_of(*choices):
     return _check(lambda v: v in choices, "one of " + ", ".join(repr(c) for c in choices))
 
 
-def fields_help(config_class):
-    """[(name, type name, default or None, required, help)] for a config class, in declaration order."""
+def fields_help(config_class, prefix: str = ""):
+    """[(name, type name, default or None, required, help)] for a config class, in declaration order.
+    A nested-component setting reads as `reward tables`, followed by its `extra` keys (`parts[].weight`)."""
     rows = []
     for f in attrs.fields(config_class):
         required = f.default is attrs.NOTHING
@@ -52,6 +91,12 @@ def fields_help(config_class):
             default = f.default.factory()
         else:
             default = None if required else f.default
-        type_name = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # list[str] stays list[str]
-        rows.append((f.name, type_name, default, required, f.metadata.get(HELP, "")))
+        nested = nested_spec(f)
+        if nested:
+            type_name = f"[[{nested.kind}]]" if nested.many else f"[{nested.kind}]"  # TOML: a list of tables, a table
+        else:
+            type_name = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # list[str] stays list[str]
+        rows.append((prefix + f.name, type_name, default, required, f.metadata.get(HELP, "")))
+        if nested and nested.extra:
+            rows += fields_help(nested.extra, f"{prefix}{f.name}{'[]' if nested.many else ''}.")
     return rows

@@ -1,5 +1,20 @@
 """Errors a user can act on. The CLI prints them without a traceback and picks the exit code."""
 
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class Problem:
+    """One thing wrong with a recipe: where it is (`$.reward.parts[1].weight`) and what, ending with the fix."""
+
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
 
 class RlkitError(Exception):
     """Base class: a problem the user can fix. Exit code 2 (bad input) unless a subclass says otherwise."""
@@ -10,11 +25,12 @@ class RlkitError(Exception):
 class RecipeError(RlkitError):
     """One or more located problems in a recipe, reported together.
 
-    Each problem reads `$.path.to.key: what is wrong` so the user can find it in the file.
+    Each problem reads `$.path.to.key: what is wrong` so the user can find it in the file; give
+    `Problem` records or strings already in that form.
     """
 
     def __init__(self, problems, source=None):
-        self.problems = list(problems)
+        self.problems = [str(p) for p in problems]
         self.source = source
         where = f"{source}: " if source else ""
         lines = "\n".join(f"  {p}" for p in self.problems)

@@ -13,6 +13,7 @@ import torch
 
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import masked_sum
+from rlkit_core.recipe import ComponentChoice
 
 EVAL_SEED_OFFSET = 7_919  # held-out choice and eval sampling get their own stream, apart from the run seed's
 
@@ -35,7 +36,8 @@ class Evaluator:
     def __init__(self, trainer):
         self.trainer = trainer
         self.config = trainer.recipe.eval
-        self.metrics = {c.name: c.factory(c.config_class(), trainer.context) for c in trainer.recipe.eval_metrics}
+        self.metrics = {c.name: trainer.context.build(ComponentChoice(f"eval.metrics[{i}]", c, c.config_class()))
+                        for i, c in enumerate(trainer.recipe.eval_metrics)}
 
     @property
     def enabled(self) -> bool:

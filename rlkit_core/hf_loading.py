@@ -1,4 +1,5 @@
-"""Loading transformers tokenizers for checks, with located errors and no surprise downloads.
+"""Tokenizer rules shared by the transformers-backed plugins: rlkit's PAD, and loading tokenizers
+for checks with located errors and no surprise downloads.
 
 `rlkit check` compares the tokenizers of the parts that must agree (policy and critic) and makes
 sure a reward model's tokenizer loads, before anything heavy starts. With `--offline` (the
@@ -10,6 +11,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+
+PAD_TOKEN = "<|rlkit_pad|>"  # the PAD rlkit adds to a tokenizer that has none of its own
+
+
+def settle_pad(tokenizer, eos_token_ids) -> bool:
+    """Give the tokenizer a PAD that ends no response; True when rlkit had to add one.
+
+    GPT-2, Pythia and Llama have no PAD, or use an end token as PAD; a shared id would make
+    padding indistinguishable from a response that ended, so rlkit adds its own token."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_token_ids:
+        return False
+    tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    return True
 
 
 def offline() -> bool:

@@ -3,29 +3,50 @@ the recipe flattened to `table.key` parameters, for the tracker and `rlkit check
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from rlkit_core.config import fields_help
-from rlkit_core.recipe import Recipe
+import attrs
+
+from rlkit_core.config import fields_help, nested_spec
+from rlkit_core.recipe import ComponentChoice, Recipe
 from rlkit_core.registry import Registry
+from rlkit_core.schema import CORE_TABLES
 
 
 def inventory_rows(recipe: Recipe) -> list[dict[str, str]]:
+    """One row per component table, nested ones after the table that holds them; their place reads
+    `reward.parts.1` (dots only, as tracker tag names allow)."""
     return [
-        {"table": table, "kind": c.component.kind, "type": c.component.name, "plugin": c.component.plugin,
-         "distribution": c.component.distribution, "version": c.component.version}
-        for table, c in recipe.components.items()
+        {"table": c.table.replace("[", ".").replace("]", ""), "kind": c.component.kind, "type": c.component.name,
+         "plugin": c.component.plugin, "distribution": c.component.distribution, "version": c.component.version}
+        for top in recipe.components.values() for c in _with_nested(top)
     ]
+
+
+def _with_nested(choice: ComponentChoice) -> Iterator[ComponentChoice]:
+    yield choice
+    for field in attrs.fields(type(choice.config)):
+        if nested_spec(field):
+            value = getattr(choice.config, field.name)
+            for inner in value if isinstance(value, list) else [value]:
+                if inner is not None:
+                    yield from _with_nested(inner)
+
+
+def field_rows(config_class) -> list[dict[str, Any]]:
+    return [{"name": n, "type": t, "default": d, "required": r, "help": h} for n, t, d, r, h in fields_help(config_class)]
+
+
+def core_table_rows() -> list[dict[str, Any]]:
+    """The core tables (`[run]`, `[ppo]`, ...) with their fields, for `rlkit plugins`."""
+    return [{"table": table, "fields": field_rows(cls)} for table, cls in CORE_TABLES.items()]
 
 
 def registry_rows(registry: Registry) -> list[dict[str, Any]]:
     """Every registered component with its config fields, for `rlkit plugins`."""
-    rows = []
-    for c in registry.all():
-        fields = [{"name": n, "type": t, "default": d, "required": r, "help": h} for n, t, d, r, h in fields_help(c.config_class)]
-        rows.append({"kind": c.kind, "name": c.name, "plugin": c.plugin, "distribution": c.distribution,
-                     "version": c.version, "fields": fields})
-    return rows
+    return [{"kind": c.kind, "name": c.name, "plugin": c.plugin, "distribution": c.distribution, "version": c.version,
+             "fields": field_rows(c.config_class)} for c in registry.all()]
 
 
 def flatten(document: dict, prefix: str = "") -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """Finding plugins: one pluggy manager over the `rlkit` entry-point group.
 
-Built-ins and third-party plugins are found the same way. A plugin that fails to import, uses a
-hook name rlkit does not define, or raises while registering is recorded as broken with its error;
-the others still load, so `rlkit plugins` keeps working and a recipe that needs the broken one
-fails with that error.
+Built-ins and third-party plugins are found the same way. pluggy checks each plugin against the
+hookspecs; a plugin that fails to import, fails those checks (a hook name rlkit does not define, a
+hook argument other than `register`) or raises while registering is recorded as broken with its
+error; the others still load, so `rlkit plugins` keeps working and a recipe that needs the broken
+one fails with that error.
 
 `RLKIT_PLUGINS` limits which third-party plugins load: unset loads all; an empty value or `none`
 loads only the built-ins; otherwise a comma-separated list of plugin (entry-point) names.
@@ -45,18 +46,6 @@ def _allowed_third_party(environ) -> set[str] | None:
     return set() if names == {"none"} else names
 
 
-def _misspelled_hooks(plugin) -> list[str]:
-    """Hook implementations whose names rlkit does not define."""
-    wrong = []
-    for attr in dir(plugin):
-        function = getattr(plugin, attr, None)
-        if callable(function) and hasattr(function, f"{hookspecs.PROJECT}_impl") and attr not in HOOKS:
-            close = difflib.get_close_matches(attr, HOOKS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; rlkit's hooks are {', '.join(HOOKS)}"
-            wrong.append(f"hook {attr!r} is not an rlkit hook{hint}")
-    return wrong
-
-
 def load_registry(environ=None, extra_plugins=()) -> Registry:
     """Load every allowed plugin into a fresh registry.
 
@@ -83,37 +72,59 @@ def load_registry(environ=None, extra_plugins=()) -> Registry:
         candidates.append((ep.name, module, dist, version))
     candidates.extend(extra_plugins)
 
-    seen: dict[str, str] = {}
+    sources: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version)
     for name, module, dist, version in candidates:
-        if name in seen:
-            raise PluginError(f"two plugins are named {name!r}: one from {seen[name]}, one from {dist} {version}; "
+        if name in sources:
+            raise PluginError(f"two plugins are named {name!r}: one from {' '.join(sources[name])}, one from {dist} {version}; "
                               "plugin (entry-point) names must be unique: rename one, or uninstall it")
-        seen[name] = f"{dist} {version}"
-        _register_plugin(manager, registry, name, module, dist, version)
+        sources[name] = (dist, version)
+        problem = _register_with_pluggy(manager, name, module)
+        if problem:
+            registry.broken[name] = problem
+    _call_hooks(manager, registry, sources)
     return registry
 
 
-def _register_plugin(manager, registry, name, module, dist, version) -> None:
-    wrong = _misspelled_hooks(module)
-    if wrong:
-        registry.broken[name] = "; ".join(wrong)
-        return
+def _register_with_pluggy(manager: pluggy.PluginManager, name: str, module) -> str | None:
+    """pluggy's own checks: hook arguments match the hookspecs, no hook rlkit does not define, no
+    module registered twice. Why the plugin is broken, or None; a broken plugin stays unregistered."""
     try:
         manager.register(module, name=name)
-    except ValueError:  # pluggy refuses a module registered twice (two entry points naming it)
-        registry.broken[name] = f"module {module.__name__} is already registered by another plugin entry point"
-        return
+    except ValueError:  # two entry points naming one module
+        return f"module {module.__name__} is already registered by another plugin entry point"
+    except pluggy.PluginValidationError as exc:
+        return " ".join(str(exc).split())
+    try:
+        manager.check_pending()
+    except pluggy.PluginValidationError:
+        unknown = [caller.name for caller in manager.get_hookcallers(module) if not caller.has_spec()]
+        manager.unregister(module)
+        return "; ".join(f"hook {hook!r} is not an rlkit hook{_closest_hook(hook)}" for hook in unknown)
+    return None
+
+
+def _closest_hook(name: str) -> str:
+    close = difflib.get_close_matches(name, HOOKS, n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; rlkit's hooks are {', '.join(HOOKS)}"
+
+
+def _call_hooks(manager: pluggy.PluginManager, registry: Registry, sources: dict[str, tuple[str, str]]) -> None:
+    """Each hook implementation called with a `register` that records its plugin, distribution and
+    version (one call of the hook would lose who registered what). A plugin that raises is broken
+    and is not called again."""
     for hook_name, kind in HOOKS.items():
-        implementation = getattr(module, hook_name, None)
-        if implementation is None:
-            continue
+        for implementation in getattr(manager.hook, hook_name).get_hookimpls():
+            plugin = implementation.plugin_name
+            if plugin in registry.broken:
+                continue
+            dist, version = sources[plugin]
 
-        def register(component_name, factory, config_class, _kind=kind):
-            registry.add(Component(_kind, component_name, factory, config_class, name, dist, version))
+            def register(component_name, factory, config_class, _kind=kind, _plugin=plugin, _dist=dist, _version=version):
+                registry.add(Component(_kind, component_name, factory, config_class, _plugin, _dist, _version))
 
-        try:
-            implementation(register=register)
-        except PluginError:
-            raise  # a duplicate name is a conflict between plugins: loud, never skipped
-        except Exception as exc:
-            registry.broken[name] = f"{hook_name} failed: {type(exc).__name__}: {exc}"
+            try:
+                implementation.function(**{arg: register for arg in implementation.argnames})  # as pluggy would call it
+            except PluginError:
+                raise  # a duplicate name is a conflict between plugins: loud, never skipped
+            except Exception as exc:
+                registry.broken[plugin] = f"{hook_name} failed: {type(exc).__name__}: {exc}"

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from rlkit_core.randomness import seeded_generator
+
 
 class PromptStream:
     def __init__(self, records: list[dict[str, Any]], prompts_per_iteration: int, seed: int):
@@ -20,8 +22,8 @@ class PromptStream:
 
     def _order(self, data_epoch: int) -> list[int]:
         if data_epoch not in self._orders:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + data_epoch)
-            self._orders = {data_epoch: torch.randperm(len(self.records), generator=generator).tolist()}
+            order = torch.randperm(len(self.records), generator=seeded_generator(self.seed, data_epoch))
+            self._orders = {data_epoch: order.tolist()}
         return self._orders[data_epoch]
 
     def batch(self, iteration: int) -> list[dict[str, Any]]:

@@ -2,7 +2,10 @@
 
 The document is parsed at the edge by one cattrs converter. Core tables become `rlkit_core.schema`
 classes; each component table's `type` picks a registered component and the rest of the table is
-structured into that component's own config class.
+structured into that component's own config class. A component table may hold component tables of
+its own (settings declared with `rlkit_core.config.nested_components`); each is read the same way,
+and its problems are located where it sits (`$.reward.parts[1].weight`). Problems travel as
+`rlkit_core.errors.Problem` records until they are reported.
 """
 
 from __future__ import annotations
@@ -10,20 +13,30 @@ from __future__ import annotations
 import copy
 import difflib
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 import attrs
 import cattrs
 import torch
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
-from cattrs.v import transform_error
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
-from rlkit_core.errors import RecipeError
+from rlkit_core.config import nested_spec
+from rlkit_core.errors import Problem, RecipeError
 from rlkit_core.registry import Component, Registry
 from rlkit_core.schema import (
-    COMPONENT_TABLES, CORE_TABLES, EvalConfig, OptimConfig, PPOConfig, RunConfig, batch_arithmetic_problems, kl_problems,
-    launch_problems, launched_processes,
+    COMPONENT_TABLES,
+    CORE_TABLES,
+    EvalConfig,
+    OptimConfig,
+    PPOConfig,
+    RunConfig,
+    batch_arithmetic_problems,
+    kl_problems,
+    launch_problems,
+    launched_processes,
+    schedule_problems,
 )
 
 if sys.version_info >= (3, 11):
@@ -34,9 +47,12 @@ else:  # pragma: no cover
 
 @attrs.frozen
 class ComponentChoice:
-    table: str
+    """A checked component table: the registered component its `type` names and its structured config."""
+
+    table: str  # where the table sits in the recipe: `reward`, or `reward.parts[1]` when nested
     component: Component
     config: Any
+    extra: Any = None  # for a nested table: its keys for the parent (see `rlkit_core.config.Nested.extra`)
 
 
 @attrs.frozen
@@ -49,6 +65,7 @@ class Recipe:
     source: str | None = None
     eval: EvalConfig = EvalConfig()
     eval_metrics: tuple[Component, ...] = ()  # the reward components named by eval.metrics
+    registry: Registry | None = attrs.field(default=None, eq=False, repr=False)  # where the components were found
 
     def __getitem__(self, table: str) -> ComponentChoice:
         return self.components[table]
@@ -80,50 +97,83 @@ def make_converter() -> cattrs.Converter:
 CONVERTER = make_converter()
 
 
-_UNKNOWN_KEYS = "\1unknown keys\1"
+# Nested component tables are read by `read_component_table` before cattrs runs; cattrs passes
+# them through, whether a setting holds one (`ComponentChoice`, `ComponentChoice | None`) or a list.
+CONVERTER.register_structure_hook_func(lambda t: t is ComponentChoice or ComponentChoice in typing.get_args(t),
+                                       lambda value, _type: value)
 
 
-def _describe(exc: BaseException, _type) -> str:
-    if isinstance(exc, ForbiddenExtraKeysError):
-        return _UNKNOWN_KEYS + "\0".join(sorted(exc.extra_fields))  # split into one message per key below
-    if isinstance(exc, KeyError):
-        return "required key is missing"
-    return str(exc)
-
-
-def structure_table(data: Any, cls: type, where: str) -> tuple[Any, list[str]]:
-    """(instance or None, problems) for one table; validators run after structuring so that every
-    failing field is reported, not just the first."""
+def structure_table(data: Any, cls: type, where: str, registry: Registry | None = None,
+                    also_known: tuple[str, ...] = ()) -> tuple[Any, list[Problem]]:
+    """(instance or None, problems) for one table. Validators run after structuring so that every
+    failing field is reported, not just the first. Nested component tables need the `registry`;
+    `also_known` are keys the caller took out of `data` (named in "did you mean" hints)."""
     if not isinstance(data, dict):
-        return None, [f"{where}: expected a table, got {data!r}"]
-    known = [f.name for f in attrs.fields(cls)]
+        return None, [Problem(where, f"expected a table, got {data!r}")]
+    data, problems, broken = _nested_tables(data, cls, where, registry)
     with attrs.validators.disabled():
         try:
             instance = CONVERTER.structure(data, cls)
         except ClassValidationError as exc:
-            return None, [p for line in transform_error(exc, path=where, format_exception=_describe) for p in _split(line, known)]
-    problems = []
+            return None, problems + _located(exc, where, cls, also_known)
     for field in attrs.fields(cls):
-        if field.validator is None:
+        if field.validator is None or field.name in broken:
             continue
         try:
             field.validator(instance, field, getattr(instance, field.name))
         except (ValueError, TypeError) as exc:
-            problems.append(f"{where}.{field.name}: {exc}")
+            problems.append(Problem(f"{where}.{field.name}", str(exc)))
     return (None if problems else instance), problems
 
 
-def _split(line: str, known: list[str]) -> list[str]:
-    """`msg @ $.path` lines from cattrs → `$.path: msg`, one per unknown key."""
-    message, _, path = line.rpartition(" @ ")
-    if not message.startswith(_UNKNOWN_KEYS):
-        return [f"{path}: {message}"]
-    problems = []
-    for key in message[len(_UNKNOWN_KEYS):].split("\0"):
-        hint = difflib.get_close_matches(key, known, n=1)
-        suggestion = f"did you mean {hint[0]!r}?" if hint else f"known keys: {', '.join(known)}"
-        problems.append(f"{path}.{key}: unknown key; {suggestion}")
-    return problems
+def _located(exc: BaseException, where: str, cls: type, also_known: tuple[str, ...]) -> list[Problem]:
+    """cattrs' tree of exceptions → one located problem per leaf, one per unknown key."""
+    if isinstance(exc, (ClassValidationError, IterableValidationError)):
+        with_notes, without = exc.group_exceptions()
+        problems = []
+        for inner, note in with_notes:
+            step = f".{note.name}" if isinstance(exc, ClassValidationError) else f"[{note.index!r}]"
+            problems += _located(inner, where + step, cls, also_known)
+        for inner in without:
+            problems += _located(inner, where, cls, also_known)
+        return problems
+    if isinstance(exc, ForbiddenExtraKeysError):
+        known = [f.name for f in attrs.fields(exc.cl)] + (list(also_known) if exc.cl is cls else [])
+        problems = []
+        for key in sorted(exc.extra_fields):
+            hint = difflib.get_close_matches(key, known, n=1)
+            suggestion = f"did you mean {hint[0]!r}?" if hint else f"known keys: {', '.join(known)}"
+            problems.append(Problem(f"{where}.{key}", f"unknown key; {suggestion}"))
+        return problems
+    if isinstance(exc, KeyError):
+        return [Problem(where, "required key is missing")]
+    return [Problem(where, str(exc))]
+
+
+def _nested_tables(data: dict, cls: type, where: str, registry: Registry | None) -> tuple[dict, list[Problem], set[str]]:
+    """`data` with each nested-component setting's tables replaced by `ComponentChoice`s, the
+    problems, and the settings with a broken table (None in `data`: the problems say why)."""
+    data, problems, broken = dict(data), [], set()
+    table = where.removeprefix("$.")
+    for field in attrs.fields(cls):
+        spec = nested_spec(field)
+        if spec is None or field.name not in data:
+            continue
+        if registry is None:
+            raise ValueError(f"{cls.__name__}.{field.name} holds component tables: structure it with the registry")
+        value, here = data[field.name], f"{table}.{field.name}"
+        if not spec.many:
+            choice, found = read_component_table(value, spec.kind, here, registry, extra=spec.extra)
+        elif not isinstance(value, list):
+            choice, found = None, [Problem(f"$.{here}", f"expected a list of {spec.kind} tables ([[{here}]] in TOML), got {value!r}")]
+        else:
+            pairs = [read_component_table(item, spec.kind, f"{here}[{i}]", registry, extra=spec.extra) for i, item in enumerate(value)]
+            choice, found = [choice for choice, _ in pairs], [problem for _, item_problems in pairs for problem in item_problems]
+        problems += found
+        data[field.name] = None if found else choice
+        if found:
+            broken.add(field.name)
+    return data, problems, broken
 
 
 def apply_overrides(document: dict, overrides: list[str]) -> dict:
@@ -155,13 +205,13 @@ def apply_overrides(document: dict, overrides: list[str]) -> dict:
 
 
 def parse_recipe(document: dict, registry: Registry, source: str | None = None) -> Recipe:
-    problems: list[str] = []
+    problems: list[Problem] = []
     known_tables = [*CORE_TABLES, *COMPONENT_TABLES]
     for table in document:
         if table not in known_tables:
             hint = difflib.get_close_matches(table, known_tables, n=1)
             suggestion = f"did you mean [{hint[0]}]?" if hint else f"known tables: {', '.join(known_tables)}"
-            problems.append(f"$.{table}: unknown table; {suggestion}")
+            problems.append(Problem(f"$.{table}", f"unknown table; {suggestion}"))
 
     core = {}
     for table, cls in CORE_TABLES.items():
@@ -169,12 +219,19 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         problems += found
     if core["ppo"] is not None:
         problems += batch_arithmetic_problems(core["ppo"], launched_processes()) + kl_problems(core["ppo"])
+    if core["optim"] is not None:
+        problems += schedule_problems(core["optim"])
 
     components = {}
     for table, (kind, default_type) in COMPONENT_TABLES.items():
-        choice, found = _component(document, table, kind, default_type, registry)
+        data = document.get(table)
+        if data is None and default_type is None:
+            names = ", ".join(registry.names(kind)) or "(none registered)"
+            problems.append(Problem(f"$.{table}", f"this table is required; add [{table}] with type = one of {names}"))
+            continue
+        components[table], found = read_component_table({"type": default_type} if data is None else data, kind, table,
+                                                        registry, default_type)
         problems += found
-        components[table] = choice
 
     if core["run"] is not None and components.get("policy") is not None:
         problems += launch_problems(core["run"], components["policy"].config, torch.cuda.is_available())
@@ -182,7 +239,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
     problems += found
     if problems:
         raise RecipeError(problems, source)
-    return Recipe(core["run"], core["ppo"], core["optim"], components, document, source, core["eval"], eval_metrics)
+    return Recipe(core["run"], core["ppo"], core["optim"], components, document, source, core["eval"], eval_metrics,
+                  registry)
 
 
 def _eval_metrics(config: EvalConfig | None, registry: Registry) -> tuple[tuple[Component, ...], list[str]]:
@@ -206,27 +264,34 @@ def _eval_metrics(config: EvalConfig | None, registry: Registry) -> tuple[tuple[
     return tuple(found), problems
 
 
-def _component(document, table, kind, default_type, registry) -> tuple[ComponentChoice | None, list[str]]:
+def read_component_table(data: Any, kind: str, table: str, registry: Registry, default_type: str | None = None,
+                         extra: type | None = None) -> tuple[ComponentChoice | None, list[Problem]]:
+    """A component table (`type` and the component's settings, plus the `extra` class's keys for a
+    nested table) → its ComponentChoice, or the problems located under `$.{table}`."""
     where = f"$.{table}"
-    data = document.get(table)
-    if data is None:
-        if default_type is None:
-            return None, [f"{where}: this table is required; add [{table}] with type = one of {', '.join(registry.names(kind)) or '(none registered)'}"]
-        data = {"type": default_type}
     if not isinstance(data, dict):
-        return None, [f"{where}: expected a table, got {data!r}"]
+        return None, [Problem(where, f"expected a table, got {data!r}")]
     options = dict(data)
     name = options.pop("type", default_type)
     if name is None:
-        return None, [f"{where}.type: required; one of {', '.join(registry.names(kind)) or '(none registered)'}"]
+        return None, [Problem(f"{where}.type", f"required; one of {', '.join(registry.names(kind)) or '(none registered)'}")]
     if not isinstance(name, str):
-        return None, [f"{where}.type: expected a string, got {name!r}"]
-    try:
-        component = registry.get(kind, name, f"{where}.type")
-    except RecipeError as exc:
-        return None, exc.problems
-    config, problems = structure_table(options, component.config_class, where)
-    return (None if problems else ComponentChoice(table, component, config)), problems
+        return None, [Problem(f"{where}.type", f"expected a string, got {name!r}")]
+    component = registry.find(kind, name)
+    if component is None:
+        return None, [registry.unknown_problem(kind, name, f"{where}.type")]
+    extra_values, problems, extra_keys = None, [], ()
+    if extra is not None:
+        extra_keys = tuple(f.name for f in attrs.fields(extra))
+        shared = sorted(set(extra_keys) & {f.name for f in attrs.fields(component.config_class)})
+        if shared:
+            return None, [Problem(where, f"{kind} {name!r} has settings named {', '.join(shared)}, which this table "
+                                         "also reads for the component it sits in; the two cannot be told apart here")]
+        extra_values, found = structure_table({k: options.pop(k) for k in extra_keys if k in options}, extra, where)
+        problems += found
+    config, found = structure_table(options, component.config_class, where, registry, also_known=extra_keys)
+    problems += found
+    return (None if problems else ComponentChoice(table, component, config, extra_values)), problems
 
 
 def load_recipe(path: str | Path, registry: Registry, overrides: list[str] = ()) -> Recipe:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import attrs
 
-from rlkit_core.errors import PluginError, RecipeError
+from rlkit_core.errors import PluginError, Problem, RecipeError
 from rlkit_core.interfaces import KINDS
 
 
@@ -53,19 +53,22 @@ class Registry:
     def all(self) -> list[Component]:
         return [c for kind in KINDS for c in sorted(self._components[kind].values(), key=lambda c: c.name)]
 
+    def find(self, kind: str, name: str) -> Component | None:
+        return self._components[kind].get(name)
+
     def get(self, kind: str, name: str, where: str) -> Component:
         """The component, or a located RecipeError naming the registered names and the closest match."""
-        try:
-            return self._components[kind][name]
-        except KeyError:
-            raise RecipeError([self.unknown_message(kind, name, where)]) from None
+        component = self.find(kind, name)
+        if component is None:
+            raise RecipeError([self.unknown_problem(kind, name, where)])
+        return component
 
-    def unknown_message(self, kind: str, name: str, where: str) -> str:
+    def unknown_problem(self, kind: str, name: str, where: str) -> Problem:
         known = self.names(kind)
-        message = f"{where}: unknown {kind} {name!r}; registered: {', '.join(known) or '(none)'}"
+        message = f"unknown {kind} {name!r}; registered: {', '.join(known) or '(none)'}"
         close = difflib.get_close_matches(name, known, n=1)
         if close:
             message += f"; did you mean {close[0]!r}?"
         if self.broken:
             message += "; plugins that failed to load: " + "; ".join(f"{p} ({why})" for p, why in self.broken.items())
-        return message
+        return Problem(where, message)

@@ -9,6 +9,7 @@ import os
 import attrs
 
 from rlkit_core.config import at_least, greater_than, one_of, setting
+from rlkit_core.errors import Problem
 from rlkit_core.functional import KL_ESTIMATORS
 
 
@@ -40,14 +41,19 @@ class PPOConfig:
     missing_eos_penalty: float = setting(0.0, help="subtracted from the score of a response that never emitted EOS", validator=at_least(0))
 
 
+# transformers' schedules that need nothing besides the warm-up and the run's length (not the ones
+# that step on a metric or need extra settings).
+SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt")
+
+
 @attrs.frozen
 class OptimConfig:
     learning_rate: float = setting(1e-5, help="AdamW learning rate of the policy", validator=greater_than(0))
     value_learning_rate: float = setting(0.0, help="learning rate of the critic (0: same as the policy)", validator=at_least(0))
     weight_decay: float = setting(0.0, help="AdamW weight decay", validator=at_least(0))
     adam_eps: float = setting(1e-8, help="AdamW epsilon", validator=greater_than(0))
-    schedule: str = setting("constant", help="learning-rate schedule: constant, linear or cosine (decay to 0 over the run)", validator=one_of("constant", "linear", "cosine"))
-    warmup_steps: int = setting(0, help="optimiser steps of linear warm-up", validator=at_least(0))
+    schedule: str = setting("constant", help="learning-rate schedule over the run's optimiser steps (transformers' get_scheduler): " + ", ".join(SCHEDULES), validator=one_of(*SCHEDULES))
+    warmup_steps: int = setting(0, help="optimiser steps of linear warm-up from 0 (every schedule but constant)", validator=at_least(0))
     max_grad_norm: float = setting(1.0, help="clip gradients to this global norm (0: no clipping)", validator=at_least(0))
 
 
@@ -75,59 +81,61 @@ COMPONENT_TABLES = {
 }
 
 
-def batch_arithmetic_problems(ppo: PPOConfig, processes: int = 1) -> list[str]:
+def batch_arithmetic_problems(ppo: PPOConfig, processes: int = 1) -> list[Problem]:
     """Problems with how the rollout batch splits into groups, minibatches, processes and
     micro-batches, each located."""
     problems = []
     if ppo.batch_size % ppo.samples_per_prompt:
-        problems.append(
-            f"$.ppo.batch_size: {ppo.batch_size} rollouts do not split into groups of samples_per_prompt="
-            f"{ppo.samples_per_prompt}; use a multiple of {ppo.samples_per_prompt}"
-        )
+        problems.append(Problem(
+            "$.ppo.batch_size", f"{ppo.batch_size} rollouts do not split into groups of samples_per_prompt="
+                                f"{ppo.samples_per_prompt}; use a multiple of {ppo.samples_per_prompt}"
+        ))
     if ppo.minibatch_size > ppo.batch_size:
-        problems.append(f"$.ppo.minibatch_size: {ppo.minibatch_size} is larger than batch_size={ppo.batch_size}")
+        problems.append(Problem("$.ppo.minibatch_size", f"{ppo.minibatch_size} is larger than batch_size={ppo.batch_size}"))
     elif ppo.batch_size % ppo.minibatch_size:
-        problems.append(
-            f"$.ppo.minibatch_size: {ppo.minibatch_size} does not divide batch_size={ppo.batch_size}; "
-            f"pick a divisor such as {_largest_divisor_at_most(ppo.batch_size, ppo.minibatch_size)}"
-        )
+        problems.append(Problem(
+            "$.ppo.minibatch_size", f"{ppo.minibatch_size} does not divide batch_size={ppo.batch_size}; "
+                                    f"pick a divisor such as {_largest_divisor_at_most(ppo.batch_size, ppo.minibatch_size)}"
+        ))
     prompts = ppo.batch_size // ppo.samples_per_prompt
     if problems:
         return problems
     if prompts % processes:
-        problems.append(f"$.ppo.batch_size: its {prompts} prompts do not split evenly over {processes} processes; "
-                        f"use a multiple of {processes * ppo.samples_per_prompt} rollouts")
+        problems.append(Problem("$.ppo.batch_size", f"its {prompts} prompts do not split evenly over {processes} processes; "
+                                                    f"use a multiple of {processes * ppo.samples_per_prompt} rollouts"))
     if ppo.minibatch_size % processes:
-        problems.append(f"$.ppo.minibatch_size: {ppo.minibatch_size} rollouts do not split evenly over {processes} processes; "
-                        f"use a multiple of {processes}")
+        problems.append(Problem("$.ppo.minibatch_size", f"{ppo.minibatch_size} rollouts do not split evenly over {processes} "
+                                                        f"processes; use a multiple of {processes}"))
     elif (ppo.minibatch_size // processes) % ppo.gradient_accumulation_steps:
-        problems.append(f"$.ppo.gradient_accumulation_steps: the {ppo.minibatch_size // processes} rollouts of a minibatch in each "
-                        f"of {processes} processes do not split into {ppo.gradient_accumulation_steps} micro-batches; pick a divisor "
-                        f"such as {_largest_divisor_at_most(ppo.minibatch_size // processes, ppo.gradient_accumulation_steps)}")
+        per_process = ppo.minibatch_size // processes
+        problems.append(Problem("$.ppo.gradient_accumulation_steps",
+                                f"the {per_process} rollouts of a minibatch in each of {processes} processes do not split into "
+                                f"{ppo.gradient_accumulation_steps} micro-batches; pick a divisor such as "
+                                f"{_largest_divisor_at_most(per_process, ppo.gradient_accumulation_steps)}"))
     return problems
 
 
-def launch_problems(run, policy_config, cuda: bool) -> list[str]:
+def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
     """Combinations of recipe and launch that cannot work, each located, found before anything
     is built. `cuda`: whether this machine has a GPU."""
     problems = []
     for engine in ("FSDP", "DEEPSPEED"):
         if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() in ("1", "true"):
-            problems.append(f"launch: the accelerate config selects {engine}, which rlkit does not support yet (it shards the "
-                            "weights that generation reads); launch with configs/accelerate/ddp.yaml")
+            problems.append(Problem("launch", f"the accelerate config selects {engine}, which rlkit does not support yet (it "
+                                              "shards the weights that generation reads); launch with configs/accelerate/ddp.yaml"))
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION", run.mixed_precision)
     if launched != run.mixed_precision:
-        problems.append(f"launch: accelerate launch asks for mixed precision {launched!r} but $.run.mixed_precision = "
-                        f"{run.mixed_precision!r}; the recipe decides (it is what the run records): set "
-                        f"--set run.mixed_precision={launched}, or launch without --mixed_precision")
+        problems.append(Problem("launch", f"accelerate launch asks for mixed precision {launched!r} but $.run.mixed_precision = "
+                                          f"{run.mixed_precision!r}; the recipe decides (it is what the run records): set "
+                                          f"--set run.mixed_precision={launched}, or launch without --mixed_precision"))
     if run.mixed_precision == "fp16":
         if run.device == "cpu" or not cuda:
-            problems.append("$.run.mixed_precision: 'fp16' needs a GPU (on a CPU accelerate would quietly run float32); "
-                            "use 'bf16' or 'no'")
+            problems.append(Problem("$.run.mixed_precision", "'fp16' needs a GPU (on a CPU accelerate would quietly run float32); "
+                                                             "use 'bf16' or 'no'"))
         if getattr(policy_config, "dtype", "float32") != "float32":
-            problems.append(f"$.run.mixed_precision: 'fp16' keeps float32 master weights and scales the loss, but "
-                            f"policy.dtype = {policy_config.dtype!r}; set policy.dtype = 'float32', or run.mixed_precision = 'no' "
-                            "for pure low-precision weights")
+            problems.append(Problem("$.run.mixed_precision", f"'fp16' keeps float32 master weights and scales the loss, but "
+                                                             f"policy.dtype = {policy_config.dtype!r}; set policy.dtype = 'float32', "
+                                                             "or run.mixed_precision = 'no' for pure low-precision weights"))
     return problems
 
 
@@ -136,12 +144,12 @@ def launched_processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def kl_problems(ppo: PPOConfig) -> list[str]:
+def kl_problems(ppo: PPOConfig) -> list[Problem]:
     """KL settings that cannot run: the loss sees only the sampled tokens' log-probs, not the full
     distributions that the "full" estimator sums over."""
     if ppo.kl_penalty == "loss" and ppo.kl_estimator == "full":
-        return ['$.ppo.kl_estimator: "full" needs both models\' whole distributions, which the loss does not '
-                'keep; with kl_penalty = "loss" use "k3" (or put the penalty in the reward: kl_penalty = "reward")']
+        return [Problem("$.ppo.kl_estimator", '"full" needs both models\' whole distributions, which the loss does not '
+                        'keep; with kl_penalty = "loss" use "k3" (or put the penalty in the reward: kl_penalty = "reward")')]
     return []
 
 
@@ -150,6 +158,12 @@ def kl_warnings(ppo: PPOConfig) -> list[str]:
     if ppo.kl_penalty == "loss" and ppo.kl_estimator == "k1":
         return ['$.ppo.kl_estimator: "k1" in the loss has zero expected gradient (its gradient at tokens sampled '
                 'from π is ∇log π, whose mean is 0, so it never pulls π towards the reference); use "k3" with kl_penalty = "loss"']
+    return []
+
+
+def schedule_problems(optim: OptimConfig) -> list[Problem]:
+    if optim.schedule == "constant" and optim.warmup_steps:
+        return [Problem("$.optim.warmup_steps", "the 'constant' schedule has no warm-up; use schedule = 'constant_with_warmup'")]
     return []
 
 

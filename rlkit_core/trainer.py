@@ -10,13 +10,13 @@ every stage's own logic lives in a component or in `rlkit_core.functional`.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from transformers import get_scheduler
 
 from rlkit_core.assemble import build_components
 from rlkit_core.batch import RolloutBatch
@@ -36,6 +36,7 @@ from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.prompt_stream import PromptStream
 from rlkit_core.evaluation import hold_out
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts
+from rlkit_core.randomness import seeded_generator
 from rlkit_core.recipe import Recipe
 
 
@@ -45,20 +46,6 @@ def pick_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"run.device = {name!r} but torch sees no GPU; use 'auto' or 'cpu'")
     return torch.device(name)
-
-
-def _schedule(kind: str, warmup: int, total: int):
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "linear":
-            return 1.0 - progress
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return factor
 
 
 class Trainer:
@@ -97,7 +84,7 @@ class Trainer:
         # The schedule stays outside `prepare`: accelerate would step it once per process.
         self.trainable, self.optimizer = self.accelerator.prepare(TrainableModules(self.policy, self.value_head), optimizer)
         updates = run.steps * ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(optim.schedule, optim.warmup_steps, updates))
+        self.scheduler = get_scheduler(optim.schedule, optimizer, num_warmup_steps=optim.warmup_steps, num_training_steps=updates)
         self.iteration = 0  # iterations completed
         self.last_batch: RolloutBatch | None = None  # the latest scored batch, for sample tables
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
@@ -212,7 +199,7 @@ class Trainer:
         divided by the minibatch's global token count, so the summed gradients are the same
         however the minibatch is split over processes and micro-batches."""
         ppo, optim = self.recipe.ppo, self.recipe.optim
-        shuffler = torch.Generator().manual_seed(self.recipe.run.seed * 1_000_003 + self.iteration)
+        shuffler = seeded_generator(self.recipe.run.seed, self.iteration)
         per_process = ppo.minibatch_size // self.processes.count
         micro_size = per_process // ppo.gradient_accumulation_steps
         sums, count = defaultdict(float), 0

@@ -33,6 +33,17 @@ def test_plugins_text_shows_fields_with_help():
     assert "adaptive" in result.stdout and "horizon" in result.stdout and "initial KL coefficient" in result.stdout
 
 
+def test_plugins_lists_the_core_tables_with_their_help():
+    listing = json.loads(rlkit("plugins", "--json").stdout)
+    tables = {table["table"]: {f["name"]: f for f in table["fields"]} for table in listing["core"]}
+    assert list(tables) == ["run", "ppo", "optim", "eval"]
+    assert tables["run"]["steps"]["required"] and "PPO iterations" in tables["run"]["steps"]["help"]
+    assert tables["ppo"]["batch_size"]["default"] == 64
+    assert "get_scheduler" in tables["optim"]["schedule"]["help"]
+    text = rlkit("plugins").stdout
+    assert "  [optim]\n      learning_rate" in text and "AdamW learning rate of the policy" in text
+
+
 def test_check_valid_recipe_prints_the_plan(recipe_document, write_recipe):
     result = rlkit("check", write_recipe(recipe_document), "--set", "run.steps=5")
     assert result.returncode == 0, result.stderr

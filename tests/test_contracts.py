@@ -1,11 +1,17 @@
-"""The built-in components pass the same contract tests that `rlkit_core.testing` offers plugin
+"""The built-in components pass the same contract tests that `rlkit_core.contracts` offers plugin
 authors: every component that can be built offline."""
 
 import json
+import subprocess
+import sys
+import types
 
+import attrs
 import pytest
 
-from rlkit_core.testing import (
+from rlkit_core import hookimpl
+from rlkit_core.config import setting
+from rlkit_core.contracts import (
     AdvantageEstimatorContract,
     GeneratorContract,
     KLControllerContract,
@@ -16,6 +22,8 @@ from rlkit_core.testing import (
     TrackerContract,
     ValueHeadContract,
 )
+from rlkit_core.interfaces import KLController
+from rlkit_core.plugins import load_registry
 
 
 class TestFixedKL(KLControllerContract):
@@ -125,3 +133,58 @@ class TestWarmStartSummarizer(PolicyContract):
     @pytest.fixture
     def component_config(self, cache):
         return {"cache_dir": str(cache), "n_layer": 1, "n_embd": 16, "n_head": 2, "sft_steps": 2, "sft_batch_size": 4}
+
+
+# --- the contract tests build as a run does ------------------------------------------------------
+
+
+@attrs.frozen
+class DecayConfig:
+    beta: float = setting(0.1, help="β at the start; it falls linearly to 0 over the run")
+
+
+class DecayingKL(KLController):
+    """Reads the run's length from the recipe, as a schedule over the run naturally would."""
+
+    def __init__(self, config, context):
+        self.start, self.steps, self.done = config.beta, context.recipe.run.steps, 0
+
+    @property
+    def beta(self) -> float:
+        return self.start * max(0.0, 1 - self.done / self.steps)
+
+    def update(self, kl, n_samples):
+        self.done += 1
+
+    def state_dict(self):
+        return {"done": self.done}
+
+    def load_state_dict(self, state):
+        self.done = state["done"]
+
+
+def register_kl_controllers(register):
+    register("decaying", DecayingKL, DecayConfig)
+
+
+class TestAControllerThatReadsTheRecipe(KLControllerContract):
+    component = "decaying"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def registry(cls):
+        plugin = types.ModuleType("decaying_kl")
+        plugin.register_kl_controllers = hookimpl(register_kl_controllers)
+        return load_registry(extra_plugins=[("decaying-kl", plugin, "rlkit-decaying", "0.1")])
+
+    def test_the_context_holds_the_recipe_registry_and_policy(self, context, registry):
+        assert context.recipe["kl"].component.name == "decaying" and context.recipe.run.steps == 10
+        assert context.registry is registry
+        assert context.policy is not None and context.tokenizer is context.policy.tokenizer
+
+
+def test_the_test_helpers_import_without_pytest():
+    """`rlkit_core.testing` is part of the runtime package; pytest is a test dependency only."""
+    code = "import sys, rlkit_core.testing; assert 'pytest' not in sys.modules, 'pytest was imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -88,3 +88,28 @@ def test_two_plugins_with_one_name_is_a_loud_error():
     same_name = plugin_module("other", register_rewards=register_rewards)
     with pytest.raises(PluginError, match="two plugins are named 'kl': one from rlkit .*, one from rlkit-acme 2.0"):
         load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[("kl", same_name, "rlkit-acme", "2.0")])
+
+
+def test_pluggy_refuses_a_hook_with_arguments_the_hookspec_does_not_have():
+    def register_rewards(reg):
+        reg("mine", object, EmptyConfig)
+
+    wrong = plugin_module("wrong", register_rewards=register_rewards)
+    registry = load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[("wrong", wrong, "rlkit-wrong", "0.1")])
+    assert "register_rewards(reg)" in registry.broken["wrong"] and "{'reg'}" in registry.broken["wrong"]
+    assert "mine" not in registry.names("reward") and "python" in registry.names("reward")
+
+
+def test_a_plugin_that_raises_in_one_hook_is_not_called_again():
+    calls = []
+
+    def register_rewards(register):
+        calls.append("rewards")
+        raise RuntimeError("down")
+
+    def register_trackers(register):
+        calls.append("trackers")
+
+    flaky = plugin_module("flaky", register_rewards=register_rewards, register_trackers=register_trackers)
+    registry = load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[("flaky", flaky, "rlkit-flaky", "0.1")])
+    assert calls == ["rewards"] and registry.broken["flaky"] == "register_rewards failed: RuntimeError: down"

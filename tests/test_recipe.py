@@ -142,3 +142,35 @@ def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_doc
     assert [p.split(":")[0] for p in problems] == ["launch", "launch", "$.run.mixed_precision", "$.run.mixed_precision"]
     assert "DEEPSPEED" in problems[0] and "--set run.mixed_precision=bf16" in problems[1]
     assert "needs a GPU" in problems[2] and "policy.dtype = 'bfloat16'" in problems[3]
+
+
+def test_constant_schedule_with_warmup_points_to_the_schedule_that_has_one(recipe_document, registry):
+    recipe_document["optim"].update(schedule="constant", warmup_steps=10)
+    assert problems_of(recipe_document, registry) == [
+        "$.optim.warmup_steps: the 'constant' schedule has no warm-up; use schedule = 'constant_with_warmup'"]
+
+
+def test_every_schedule_the_recipe_accepts_builds_in_transformers():
+    import torch
+    from transformers import get_scheduler
+
+    from rlkit_core.schema import SCHEDULES
+
+    for name in SCHEDULES:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = get_scheduler(name, optimizer, num_warmup_steps=2, num_training_steps=10)
+        for _ in range(10):
+            optimizer.step()
+            scheduler.step()  # steps without a metric, as the trainer does
+        assert 0.0 <= scheduler.get_last_lr()[0] <= 1.0, name
+
+
+def test_problems_are_located_records(registry):
+    from rlkit_core.errors import Problem
+    from rlkit_core.recipe import structure_table
+    from rlkit_core.schema import RunConfig
+
+    _, problems = structure_table({"stpes": 1}, RunConfig, "$.run")
+    assert problems == [Problem("$.run.steps", "required key is missing"),
+                        Problem("$.run.stpes", "unknown key; did you mean 'steps'?")]
+    assert str(problems[0]) == "$.run.steps: required key is missing"

@@ -1,5 +1,7 @@
 """The PPO loop on a tiny real model: consistency at the first step, learning, determinism."""
 
+import math
+
 import pytest
 import torch
 
@@ -126,6 +128,26 @@ def test_forward_batch_size_only_changes_how_the_rollout_is_chunked(recipe_docum
     whole, chunked = evaluated(0), evaluated(3)
     for name in ("old_logprobs", "ref_logprobs", "values", "advantages"):
         assert torch.allclose(getattr(whole, name), getattr(chunked, name), atol=1e-5), name
+
+
+# The conftest recipe makes 8 optimiser steps: 2 iterations × 2 epochs × (16 / 8) minibatches.
+# Learning-rate factor after k steps (k = 0 … 8), by hand:
+#   linear: (8 − k) / 8;  cosine: (1 + cos(π k / 8)) / 2;
+#   linear with 2 warm-up steps: k / 2 for k < 2, then (8 − k) / 6 (transformers' warm-up starts at 0).
+@pytest.mark.parametrize("schedule, warmup, factors", [
+    ("constant", 0, [1.0] * 9),
+    ("linear", 0, [(8 - k) / 8 for k in range(9)]),
+    ("cosine", 0, [(1 + math.cos(math.pi * k / 8)) / 2 for k in range(9)]),
+    ("linear", 2, [0.0, 0.5] + [(8 - k) / 6 for k in range(2, 9)]),
+])
+def test_learning_rate_schedule_over_the_run(recipe_document, registry, schedule, warmup, factors):
+    trainer = make_trainer(recipe_document, registry, optim__schedule=schedule, optim__warmup_steps=warmup)
+    rates = [trainer.scheduler.get_last_lr()[0]]
+    for _ in range(8):
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+        rates.append(trainer.scheduler.get_last_lr()[0])
+    assert rates == pytest.approx([1e-3 * f for f in factors], abs=1e-12)
 
 
 def test_a_minibatch_whose_ratio_exploded_is_skipped(recipe_document, registry):

@@ -14,10 +14,11 @@ from safetensors import safe_open
 
 from rlkit_core.cli import main
 from rlkit_core.context import BuildContext
+from rlkit_core.contracts import GeneratorContract
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.recipe import structure_table
 from rlkit_core.prompts import encode_prompts
-from rlkit_core.testing import GeneratorContract, policy_inputs
+from rlkit_core.testing import policy_inputs
 from rlkit_plugins import vllm_generator
 from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
 from rlkit_plugins.vllm_generator import (

@@ -1,0 +1,439 @@
+"""Contract tests for plugin authors: one pytest base class per component kind.
+
+A plugin's test suite subclasses the base of its kind and names the component; pytest then runs
+every check of the interface contract against it, built exactly as `rlkit run` builds it: the
+component's table sits in a whole recipe that is checked with the installed plugins, and the
+factory gets a `BuildContext` holding that recipe, the registry and the recipe's policy:
+
+    from rlkit_core.contracts import KLControllerContract
+
+    class TestPID(KLControllerContract):
+        component = "pid"              # the registered name
+        config = {"target": 4.0}       # the recipe table, without `type`
+
+When the table needs a path or another fixture, override the `component_config` fixture instead
+of `config`; to put the component next to other parts or batch sizes, override `recipe_document`.
+The recipe's policy is a two-layer GPT-2 with the byte-level ByT5 tokenizer, written offline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import pytest
+import torch
+
+from rlkit_core.batch import RolloutBatch, sequence_inputs
+from rlkit_core.config import fields_help
+from rlkit_core.context import BuildContext
+from rlkit_core.errors import RecipeError
+from rlkit_core.functional import logprobs_from_logits
+from rlkit_core.interfaces import KINDS, Generation, LossInputs, PolicyOutput
+from rlkit_core.plugins import load_registry
+from rlkit_core.recipe import Recipe, parse_recipe
+from rlkit_core.schema import COMPONENT_TABLES
+from rlkit_core.testing import policy_inputs, rollout_batch, write_tiny_causal_lm
+
+__all__ = [
+    "AdvantageEstimatorContract", "ComponentContract", "GeneratorContract", "KLControllerContract", "LossContract",
+    "PolicyContract", "PromptSourceContract", "RewardContract", "TrackerContract", "ValueHeadContract",
+]
+
+TABLE_OF_KIND = {kind: table for table, (kind, _) in COMPONENT_TABLES.items()}
+
+
+class ComponentContract:
+    """What every component owes: registered under its name, a frozen attrs config class that
+    documents every field, and a factory that builds the kind's interface from a recipe table."""
+
+    kind: ClassVar[str]  # set by the kind's base class
+    component: ClassVar[str]  # set by your subclass: the name recipes use in `type = "..."`
+    config: ClassVar[dict[str, Any]] = {}  # the recipe table without `type`
+
+    @pytest.fixture
+    def component_config(self) -> dict[str, Any]:
+        return dict(self.config)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tiny_model(cls, tmp_path_factory) -> Path:
+        """A model directory for the recipe's policy, or for `component_config`."""
+        return write_tiny_causal_lm(tmp_path_factory.mktemp("tiny-causal-lm"))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def registry(cls):
+        return load_registry()
+
+    @pytest.fixture
+    def registered(self, registry):
+        try:
+            return registry.get(self.kind, self.component, f"{type(self).__name__}.component")
+        except RecipeError as exc:
+            problem = exc.problems[0]
+        pytest.fail(f"{problem}\nthe contract tests use installed plugins: `pip install -e .` the package, "
+                    "check its `rlkit` entry point, and leave RLKIT_PLUGINS unset", pytrace=False)
+
+    @pytest.fixture
+    def recipe_document(self, registered, component_config, tiny_model, tmp_path) -> dict[str, Any]:
+        """The recipe a run of this component reads: its table, and small built-in parts in the
+        tables a recipe must have."""
+        document = {
+            "run": {"steps": 10, "output_dir": str(tmp_path / "run")},
+            "policy": {"type": "hf", "model": str(tiny_model)},
+            "reward": {"type": "rouge"},
+            "data": {"type": "toy-summaries", "size": 16},
+            "tracker": {"type": "none"},
+        }
+        document[TABLE_OF_KIND[self.kind]] = {"type": self.component, **component_config}
+        return document
+
+    @pytest.fixture
+    def recipe(self, recipe_document, registry) -> Recipe:
+        try:
+            return parse_recipe(recipe_document, registry, source=f"{type(self).__name__}.recipe_document")
+        except RecipeError as exc:
+            pytest.fail(f"the test's recipe does not check: {exc}", pytrace=False)
+
+    @pytest.fixture
+    def structured_config(self, recipe):
+        """The config instance the recipe holds for the component."""
+        return recipe[TABLE_OF_KIND[self.kind]].config
+
+    @pytest.fixture
+    def policy(self, recipe):
+        """The recipe's policy, built first, as in a run."""
+        return BuildContext(recipe, torch.device("cpu"), recipe.run.output_dir, recipe.run.seed).build(recipe["policy"])
+
+    @pytest.fixture
+    def context(self, recipe, policy) -> BuildContext:
+        return BuildContext(recipe, torch.device("cpu"), recipe.run.output_dir, recipe.run.seed, policy=policy)
+
+    @pytest.fixture
+    def make(self, registered, structured_config, context):
+        """Builds a fresh component each call, as `rlkit run` would."""
+        return lambda: registered.factory(structured_config, context)
+
+    @pytest.fixture
+    def instance(self, make):
+        return make()
+
+    def test_config_class_documents_every_field(self, registered):
+        rows = fields_help(registered.config_class)
+        undocumented = [name for name, _, _, _, help_text in rows if not help_text.strip()]
+        assert not undocumented, (f"{registered.config_class.__name__}: fields without help: {', '.join(undocumented)}; "
+                                  "declare them with rlkit_core.config.setting(..., help='one line')")
+        multiline = [name for name, _, _, _, help_text in rows if "\n" in help_text]
+        assert not multiline, f"{registered.config_class.__name__}: help must be one line (`rlkit plugins` prints it so): {', '.join(multiline)}"
+
+    def test_config_class_is_frozen(self, structured_config):
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            structured_config.rlkit_contract_probe = 1  # recipes are immutable; decorate the class with @attrs.frozen
+
+    def test_builds_the_interface(self, instance):
+        interface = KINDS[self.kind]
+        assert isinstance(instance, interface), f"{self.component!r} built a {type(instance).__name__}, not a {interface.__name__}"
+
+
+# --- scalar kinds ------------------------------------------------------------------------------
+
+
+class KLControllerContract(ComponentContract):
+    """β is a finite, non-negative float whatever KL arrives, and `state_dict` carries everything
+    that later updates depend on (a resumed run must continue exactly)."""
+
+    kind = "kl_controller"
+    # Negative: the k1 estimator's batch mean can dip below 0. Huge: a policy that ran away.
+    observed_kls: ClassVar[list[float]] = [0.0, 1e-4, 3.0, 6.0, 60.0, 1e4, -2.0]
+
+    def test_beta_is_a_finite_non_negative_float(self, instance):
+        beta = instance.beta
+        assert isinstance(beta, float) and math.isfinite(beta) and beta >= 0, f"β must be a finite float >= 0, got {beta!r}"
+
+    def test_beta_stays_finite_and_non_negative_under_updates(self, instance):
+        for round_ in range(30):
+            for kl in self.observed_kls:
+                instance.update(kl, 512 if round_ % 2 else 1)  # positional, as the loop calls it
+                assert math.isfinite(instance.beta) and instance.beta >= 0, f"β = {instance.beta} after update(kl={kl})"
+
+    def test_state_round_trips_and_resumes_identically(self, make):
+        trained = make()
+        for kl in [8.0, 2.0, 7.0, 30.0]:
+            trained.update(kl, 64)
+        state = json.loads(json.dumps(trained.state_dict()))  # checkpoints store plain numbers
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert resumed.beta == trained.beta, f"β after load_state_dict is {resumed.beta}, the saved controller's is {trained.beta}"
+        for kl in [9.0, 1.0, 6.0]:
+            trained.update(kl, 64)
+            resumed.update(kl, 64)
+            assert resumed.beta == trained.beta, "state_dict misses something that update() depends on"
+
+
+class RewardContract(ComponentContract):
+    """One finite float per response, including the empty response of an immediate EOS, and any
+    extra data column is accepted (the loop passes every column of the prompt data)."""
+
+    kind = "reward"
+    prompts: ClassVar[list[str]] = ["The cat", "Summarise: the meeting moved to Friday.", "x"]
+    responses: ClassVar[list[str]] = [" sat on the mat.", " Meeting on Friday.", ""]
+    columns: ClassVar[dict[str, list[Any]]] = {}  # columns your reward reads, one value per response
+
+    def test_one_finite_float_per_response(self, instance):
+        scores = instance.score(list(self.prompts), list(self.responses), **self.columns)
+        assert len(scores) == len(self.responses), f"{len(scores)} scores for {len(self.responses)} responses: {scores!r}"
+        assert all(isinstance(s, float) and math.isfinite(s) for s in scores), f"every score must be a finite float: {scores!r}"
+
+    def test_accepts_extra_columns(self, instance):
+        extra = {"rlkit_contract_extra": [{"unused": True}] * len(self.responses)}
+        scores = instance.score(list(self.prompts), list(self.responses), **self.columns, **extra)
+        assert len(scores) == len(self.responses), f"{len(scores)} scores for {len(self.responses)} responses with an extra column"
+
+
+class PromptSourceContract(ComponentContract):
+    """Records with a string `prompt` and the same other columns in each (the loop takes the
+    column names from the first record)."""
+
+    kind = "prompt_source"
+
+    def test_records_have_a_prompt_and_the_same_columns(self, instance):
+        records = instance.load()
+        assert records, "load() returned no records"
+        assert all(isinstance(r, dict) for r in records), "every record must be a dict"
+        assert all(isinstance(r.get("prompt"), str) for r in records), "every record needs a string 'prompt'"
+        keys = set(records[0])
+        assert all(set(r) == keys for r in records), "records differ in their columns"
+
+
+class TrackerContract(ComponentContract):
+    """A run opens, takes metrics, samples and artifacts, closes, and reopens by the id it returned."""
+
+    kind = "tracker"
+
+    def test_run_lifecycle_and_resume(self, make, tmp_path):
+        tracker = make()
+        run_id = tracker.start(run_name="contract", params={"kl.target": 6.0, "policy.model": "x" * 10_000},
+                               tags={"rlkit.version": "test"}, resume_id=None)
+        assert run_id is None or isinstance(run_id, str), f"start() must return a run id string or None, got {run_id!r}"
+        tracker.log_metrics({"score/mean": 0.5, "kl/beta": 0.05}, step=1)
+        tracker.log_samples([{"prompt": "p", "response": "r", "score": 1.0}], step=1)
+        artifact = tmp_path / "artifact.txt"
+        artifact.write_text("kept with the run")
+        tracker.log_artifact(str(artifact))
+        tracker.finish("KILLED")
+        if run_id is not None:
+            resumed = make()
+            reopened = resumed.start(run_name="contract", params={}, tags={}, resume_id=run_id)
+            assert reopened == run_id, f"resuming run {run_id!r} opened {reopened!r}"
+            resumed.log_metrics({"score/mean": 0.6}, step=2)
+            resumed.finish("FINISHED")
+
+
+
+class AdvantageEstimatorContract(ComponentContract):
+    """(advantages, returns) of shape [B, R], finite on counted tokens, zero on padding, and the
+    batch it read left as it was."""
+
+    kind = "advantage_estimator"
+
+    def test_shapes_zero_padding_and_finite(self, instance):
+        batch = rollout_batch(with_values=instance.needs_values)
+        batch = batch.with_(advantages=None, returns=None)  # what the estimator is there to make
+        advantages, returns = instance.estimate(batch)
+        counted = batch.response_mask.bool()
+        for name, tensor in (("advantages", advantages), ("returns", returns)):
+            assert tensor.shape == counted.shape and tensor.is_floating_point(), f"{name}: {tuple(tensor.shape)}"
+            assert torch.isfinite(tensor[counted]).all(), f"{name} is not finite on counted tokens"
+            assert (tensor[~counted] == 0).all(), f"{name} must be 0 on padding"
+
+    def test_leaves_the_batch_unchanged(self, instance):
+        batch = rollout_batch(with_values=instance.needs_values)
+        before = {name: value.clone() for name, value in attrs.asdict(batch, recurse=False).items() if isinstance(value, torch.Tensor)}
+        instance.estimate(batch)
+        for name, value in before.items():
+            unchanged = torch.allclose(value, getattr(batch, name), rtol=0, atol=0, equal_nan=True)
+            assert unchanged, f"estimate() wrote into batch.{name}; return new tensors instead"
+
+
+class LossContract(ComponentContract):
+    """Named scalar terms; `loss_*` terms are finite, backprop into the current log-probs (never
+    into padding), scale with 1/token_count, and work without a critic."""
+
+    kind = "loss"
+
+    @staticmethod
+    def current(batch: RolloutBatch, with_values: bool) -> LossInputs:
+        """What the current parameters say: close to the rollout, with gradient, NaN on padding."""
+        noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(1)) * 0.1
+        logprobs = (batch.old_logprobs + noise).requires_grad_()
+        values = (batch.values + noise).requires_grad_() if with_values else None
+        entropy = torch.rand(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        return LossInputs(logprobs=logprobs, values=values, entropy=entropy)
+
+    def terms(self, instance, with_values=True, token_count=None):
+        batch = rollout_batch(with_values=with_values)
+        current = self.current(batch, with_values)
+        count = float(batch.response_mask.sum()) if token_count is None else token_count
+        return instance(batch, current, count), current, batch
+
+    @pytest.mark.parametrize("with_values", [True, False], ids=["critic", "critic-free"])
+    def test_terms_are_finite_scalars_and_loss_terms_backprop(self, instance, with_values):
+        terms, current, batch = self.terms(instance, with_values)
+        losses = {k: v for k, v in terms.items() if k.startswith("loss_")}
+        assert losses, f"no loss_* term among {sorted(terms)}"
+        for name, value in terms.items():
+            assert isinstance(value, torch.Tensor) and value.ndim == 0, f"{name} must be a scalar tensor"
+            assert torch.isfinite(value), f"{name} = {value}"
+        assert all(v.requires_grad for v in losses.values()), "every loss_* term must carry gradient"
+        sum(losses.values()).backward()
+        counted = batch.response_mask.bool()
+        grad = current.logprobs.grad
+        assert grad is not None and torch.isfinite(grad).all(), "the loss must reach the current log-probs"
+        assert (grad[~counted] == 0).all(), "padding must get no gradient"
+        assert grad[counted].abs().sum() > 0, "the loss must depend on the counted tokens' log-probs"
+
+    def test_loss_terms_average_over_token_count(self, instance):
+        once, _, batch = self.terms(instance)
+        count = float(batch.response_mask.sum())
+        twice, _, _ = self.terms(instance, token_count=2 * count)
+        for name in once:
+            if name.startswith("loss_"):
+                assert torch.allclose(twice[name], once[name] / 2, rtol=1e-5, atol=1e-7), (
+                    f"{name} does not scale with 1/token_count; results would depend on how the batch is split")
+
+
+# --- model kinds -------------------------------------------------------------------------------
+
+
+class PolicyContract(ComponentContract):
+    """Logits with gradient, a frozen reference equal to the starting policy, trainable state
+    that round-trips, and a plain transformers directory on save. The `tiny_model` fixture
+    gives a model directory for `component_config`."""
+
+    kind = "policy"
+
+    @pytest.fixture
+    def context(self, recipe) -> BuildContext:
+        """The policy is the first component a run builds: nothing else exists yet."""
+        return BuildContext(recipe, torch.device("cpu"), recipe.run.output_dir, recipe.run.seed)
+
+    def test_tokenizer_pads_with_a_token_that_ends_nothing(self, instance):
+        tokenizer = instance.tokenizer
+        assert tokenizer.eos_token_id is not None and tokenizer.pad_token_id is not None, "the tokenizer needs EOS and PAD ids"
+        assert instance.eos_token_ids and instance.eos_token_ids[0] == tokenizer.eos_token_id, "eos_token_ids must start with the tokenizer's EOS"
+        assert tokenizer.pad_token_id not in instance.eos_token_ids, "a PAD that is also an end id would hide where responses end"
+
+    def test_forward_and_reference_agree_at_the_start(self, instance):
+        inputs = policy_inputs(instance.tokenizer)
+        out = instance.forward(*inputs)
+        assert isinstance(out, PolicyOutput), f"forward() must return a PolicyOutput, got {type(out).__name__}"
+        assert out.logits.shape[:2] == inputs[0].shape, f"logits {tuple(out.logits.shape)} for inputs {tuple(inputs[0].shape)}"
+        assert out.logits.requires_grad, "the policy's logits must carry gradient"
+        reference = instance.reference_logits(*inputs)
+        assert reference.shape == out.logits.shape, f"reference logits {tuple(reference.shape)}, policy logits {tuple(out.logits.shape)}"
+        assert not reference.requires_grad, "the reference is frozen: its logits must carry no gradient"
+        counted = inputs[1].bool()
+        assert torch.allclose(reference[counted], out.logits[counted].detach(), atol=1e-5), "the reference must start as the policy"
+
+    def test_gradient_reaches_the_trainable_parameters(self, instance):
+        parameters = list(instance.parameters())
+        assert parameters, "the policy has no trainable parameters"
+        assert all(p.requires_grad for p in parameters), "parameters() must yield only trainable parameters"
+        instance.forward(*policy_inputs(instance.tokenizer)).logits.logsumexp(-1).sum().backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in parameters), "no gradient reached the parameters"
+
+    def test_state_dict_round_trips(self, instance):
+        inputs = policy_inputs(instance.tokenizer)
+        state = {k: v.clone() for k, v in instance.state_dict().items()}
+        with torch.no_grad():
+            before = instance.forward(*inputs).logits
+            for p in instance.parameters():
+                p.add_(0.1)
+        instance.load_state_dict(state)
+        with torch.no_grad():
+            assert torch.allclose(instance.forward(*inputs).logits, before), "load_state_dict did not restore the logits"
+
+    def test_save_pretrained_writes_a_transformers_directory(self, instance, tmp_path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        instance.save_pretrained(str(tmp_path / "saved"))
+        AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+        AutoTokenizer.from_pretrained(tmp_path / "saved")
+
+
+class ValueHeadContract(ComponentContract):
+    """[B, L] values with gradient into the head's parameters, and state that round-trips."""
+
+    kind = "value_head"
+
+    def values(self, instance, policy):
+        inputs = policy_inputs(policy.tokenizer)
+        return instance.values(policy.forward(*inputs), *inputs), inputs
+
+    def test_values_per_position_with_gradient(self, instance, policy):
+        values, inputs = self.values(instance, policy)
+        assert values.shape == inputs[0].shape, f"values {tuple(values.shape)} for inputs {tuple(inputs[0].shape)}: one per position"
+        assert values.is_floating_point(), f"values must be floating point, got {values.dtype}"
+        assert torch.isfinite(values[inputs[1].bool()]).all(), "values must be finite on real tokens"
+        parameters = list(instance.parameters())
+        assert parameters, "the critic has nothing to train"
+        values.sum().backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in parameters), "no gradient reached the critic's parameters"
+
+    def test_state_dict_round_trips(self, instance, policy):
+        state = {k: v.clone() for k, v in instance.state_dict().items()}
+        with torch.no_grad():
+            before, _ = self.values(instance, policy)
+            for p in instance.parameters():
+                p.add_(0.1)
+        instance.load_state_dict(state)
+        with torch.no_grad():
+            after, _ = self.values(instance, policy)
+        assert torch.allclose(after, before), "load_state_dict did not restore the values"
+
+
+class GeneratorContract(ComponentContract):
+    """Responses padded after the first EOS, a mask that counts up to and including it, and
+    sampled log-probs that match the policy at the sampler's temperature (PPO's ratio starts
+    at 1 only if they do). Raise `logprob_tolerance` for samplers in lower precision."""
+
+    kind = "generator"
+    logprob_tolerance: ClassVar[float] = 1e-4
+
+    @pytest.fixture
+    def generation(self, instance, policy):
+        torch.manual_seed(0)
+        prompt_ids, prompt_mask, _ = policy_inputs(policy.tokenizer, ["ab", "abcdef", "x", "hello"])
+        instance.sync_weights(policy)
+        return instance.generate(prompt_ids, prompt_mask), prompt_ids, prompt_mask
+
+    def test_temperature_is_positive(self, instance):
+        temperature = instance.temperature
+        assert isinstance(temperature, float) and temperature > 0, f"temperature must be a float > 0, got {temperature!r}"
+
+    def test_masks_stop_at_the_first_eos(self, generation, policy):
+        out, prompt_ids, _ = generation
+        assert isinstance(out, Generation), f"generate() must return a Generation, got {type(out).__name__}"
+        ids, mask = out.response_ids, out.response_mask
+        shapes = f"ids {tuple(ids.shape)}, mask {tuple(mask.shape)}, logprobs {tuple(out.logprobs.shape)}"
+        assert ids.shape == mask.shape == out.logprobs.shape, f"response tensors differ in shape: {shapes}"
+        assert ids.shape[0] == prompt_ids.shape[0], f"{ids.shape[0]} responses for {prompt_ids.shape[0]} prompts"
+        ends, pad = set(policy.eos_token_ids), policy.tokenizer.pad_token_id
+        for row_ids, row_mask in zip(ids.tolist(), mask.tolist()):
+            length = next((i + 1 for i, token in enumerate(row_ids) if token in ends), len(row_ids))
+            assert row_mask == [1] * length + [0] * (len(row_ids) - length), "mask must count up to and including the first EOS"
+            assert all(token == pad for token in row_ids[length:]), "tokens after the first EOS must be PAD"
+
+    def test_sampled_logprobs_match_the_policy(self, instance, generation, policy):
+        out, prompt_ids, prompt_mask = generation
+        sequence = sequence_inputs(prompt_ids, prompt_mask, out.response_ids, out.response_mask)
+        with torch.no_grad():
+            logits = policy.forward(*sequence).logits[:, prompt_ids.shape[1] - 1:-1]
+        recomputed = logprobs_from_logits(logits, out.response_ids, instance.temperature, policy.suppressed_token_ids)
+        counted = out.response_mask.bool()
+        gap = (recomputed - out.logprobs)[counted].abs().max()
+        assert gap <= self.logprob_tolerance, f"sampled log-probs differ from π/T by up to {gap:.2e}"
