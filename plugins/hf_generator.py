@@ -29,6 +29,14 @@ class HFGeneratorConfig:
     top_p: float = setting(1.0, help="nucleus sampling mass (1.0: off). Biases PPO like top_k", validator=between(0.0, 1.0))
 
 
+@attrs.frozen
+class HFGenerateConfig(HFGeneratorConfig):
+    """The `hf` generator's settings: the sampling settings (which the vllm generator shares) and
+    how many prompts go into one `generate` call."""
+
+    batch_size: int = setting(0, help="prompts per generate call, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
+
+
 @contextlib.contextmanager
 def generation_config_swapped(model, config):
     """`model.generate` with `config` as the model's own generation config: transformers fills every
@@ -47,7 +55,7 @@ class HFGenerator(Generator):
     """Pure temperature sampling by default (no top-k/top-p), so that the sampler is exactly π/T
     and the KL to the reference cannot go negative through truncation."""
 
-    def __init__(self, config: HFGeneratorConfig, context):
+    def __init__(self, config: HFGenerateConfig, context):
         self.config = config
         self.temperature = config.temperature
         self.policy = context.policy
@@ -70,6 +78,19 @@ class HFGenerator(Generator):
 
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
+        size = getattr(self.config, "batch_size", 0) or len(prompt_ids)  # sampling settings alone: all at once
+        if size >= len(prompt_ids):
+            return self._generate(prompt_ids, prompt_mask, greedy)
+        chunks = [self._generate(ids, mask, greedy) for ids, mask in zip(prompt_ids.split(size), prompt_mask.split(size))]
+        width = max(chunk.response_ids.shape[1] for chunk in chunks)
+
+        def joined(field, pad):
+            return torch.cat([torch.nn.functional.pad(getattr(c, field), (0, width - getattr(c, field).shape[1]), value=pad) for c in chunks])
+
+        return Generation(response_ids=joined("response_ids", self.policy.tokenizer.pad_token_id),
+                          response_mask=joined("response_mask", 0), logprobs=joined("logprobs", 0.0))
+
+    def _generate(self, prompt_ids, prompt_mask, greedy: bool) -> Generation:
         model = self.policy.model
         pad = self.policy.tokenizer.pad_token_id
         was_training = model.training
@@ -87,4 +108,4 @@ class HFGenerator(Generator):
 
 @hookimpl
 def register_generators(register):
-    register("hf", HFGenerator, HFGeneratorConfig)
+    register("hf", HFGenerator, HFGenerateConfig)

@@ -84,8 +84,10 @@ class HFPolicy(Policy):
         base.generation_config.pad_token_id = self.tokenizer.pad_token_id
         base.generation_config.eos_token_id = list(self.eos_token_ids)
         switch_off_dropout(base)
-        if config.gradient_checkpointing:
-            base.gradient_checkpointing_enable()
+        if config.gradient_checkpointing:  # acts while the loop trains (training mode, dropout off)
+            # non-reentrant: with LoRA the frozen base's activations need no grad, and reentrant
+            # checkpointing would then drop the adapters' gradients
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if context is not None:
             base.to(context.device)
 
@@ -113,26 +115,39 @@ class HFPolicy(Policy):
         return problems, notes
 
     @staticmethod
-    def describe(config: HFPolicyConfig) -> list[str]:
-        """Size and a rough training-memory figure from the model's config alone (no weights loaded)."""
+    def shape(config: HFPolicyConfig):
+        """The model's shape from its config file alone (no weights loaded); None when unreadable."""
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        from rlkit_core.memory import ModelShape
 
         try:
             model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         except OSError:
-            return [f"{config.model}: config not readable here (a hub name without network?); size unknown"]
+            return None
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(model_config)
-        count = sum(p.numel() for p in skeleton.parameters())
-        width = DTYPES[config.dtype].itemsize
-        if config.lora_r:
-            copies, note = 1, "base shared by policy and reference; LoRA adapters trained"
-        else:
-            copies, note = 2, "policy + frozen reference copy"
-        optimiser = 0 if config.lora_r else count * 4 * 3  # fp32 gradients + two AdamW moments
-        total = count * width * copies + optimiser
-        return [f"{model_config.model_type}: {count:,} parameters ({config.dtype})",
-                f"about {total / 2**20:,.0f} MiB for weights and optimiser state ({note}), before activations"]
+            if config.lora_r:
+                from peft import LoraConfig, get_peft_model
+
+                skeleton = get_peft_model(skeleton, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha,
+                                                               target_modules=list(config.lora_target_modules) or None, task_type="CAUSAL_LM"))
+        text = model_config.get_text_config()
+        return ModelShape(
+            parameters=sum(p.numel() for p in skeleton.parameters()),
+            trainable=sum(p.numel() for p in skeleton.parameters() if p.requires_grad),
+            layers=text.num_hidden_layers, hidden=text.hidden_size, heads=text.num_attention_heads, vocab=text.vocab_size,
+            weight_bytes=DTYPES[config.dtype].itemsize, reference_copy=not config.lora_r,
+        )
+
+    @staticmethod
+    def describe(config: HFPolicyConfig) -> list[str]:
+        """Size from the model's config alone (no weights loaded)."""
+        shape = HFPolicy.shape(config)
+        if shape is None:
+            return [f"{config.model}: config not readable here (a hub name without network?); size unknown"]
+        note = "base shared by policy and reference; LoRA adapters trained" if config.lora_r else "policy + frozen reference copy"
+        return [f"{shape.parameters:,} parameters ({config.dtype}), {shape.trainable:,} trained; {note}"]
 
     def forward(self, input_ids, attention_mask, position_ids) -> PolicyOutput:
         out = self._model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -41,7 +41,7 @@ class PPOClip(Loss):
             "approx_kl": pg["approx_kl"],
             "ratio_mean": pg["ratio_mean"],
             "ratio_max": pg["ratio_max"],
-            "entropy": (masked_sum(current.entropy, mask) / token_count).detach(),
+            "entropy": masked_mean(current.entropy, mask).detach(),
         }
         if weights is not None:
             terms["tis_weight_mean"] = masked_mean(weights, mask)
@@ -49,7 +49,8 @@ class PPOClip(Loss):
         if current.values is not None:
             vf = value_loss(current.values, minibatch.values, minibatch.returns, mask, self.config.value_clip, token_count)
             terms["loss_value"] = self.config.vf_coef * vf["loss"]
-            terms["value_loss"] = vf["loss"].detach()
+            # diagnostics are means over the minibatch's own tokens (see `Loss`)
+            terms["value_loss"] = value_loss(current.values, minibatch.values, minibatch.returns, mask, self.config.value_clip, mask.sum())["loss"].detach()
             terms["value_clipfrac"] = vf["clipfrac"]
         if self.config.entropy_coef:
             terms["loss_entropy"] = -self.config.entropy_coef * masked_sum(current.entropy, mask) / token_count

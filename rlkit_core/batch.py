@@ -7,7 +7,7 @@ Each stage reads the fields it needs and returns a copy with the fields it made
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -64,26 +64,26 @@ class RolloutBatch:
         """(input_ids, attention_mask, position_ids) of prompt + response, as the policy sees them."""
         return sequence_inputs(self.prompt_ids, self.prompt_mask, self.response_ids, self.response_mask)
 
-    def select(self, index: torch.Tensor) -> RolloutBatch:
-        """The rollouts at `index` (a 1-D long tensor), every field sliced alike."""
-        picked = index.tolist()
+    def map_fields(self, tensor: Callable[[str, torch.Tensor], torch.Tensor], values: Callable[[list], list]) -> RolloutBatch:
+        """A copy with every tensor field replaced by `tensor(name, field)` and every per-rollout
+        list (each column of `columns` too) by `values(list)`."""
         changes = {}
         for f in attrs.fields(RolloutBatch):
             value = getattr(self, f.name)
             if value is None:
                 continue
             if isinstance(value, torch.Tensor):
-                changes[f.name] = value[index]
+                changes[f.name] = tensor(f.name, value)
             elif isinstance(value, dict):
-                changes[f.name] = {k: [col[i] for i in picked] for k, col in value.items()}
+                changes[f.name] = {k: values(col) for k, col in value.items()}
             else:
-                changes[f.name] = [value[i] for i in picked]
+                changes[f.name] = values(value)
         return attrs.evolve(self, **changes)
 
+    def select(self, index: torch.Tensor) -> RolloutBatch:
+        """The rollouts at `index` (a 1-D long tensor), every field sliced alike."""
+        picked = index.tolist()
+        return self.map_fields(lambda _, value: value[index], lambda column: [column[i] for i in picked])
+
     def to(self, device) -> RolloutBatch:
-        changes = {
-            f.name: getattr(self, f.name).to(device)
-            for f in attrs.fields(RolloutBatch)
-            if isinstance(getattr(self, f.name), torch.Tensor)
-        }
-        return attrs.evolve(self, **changes)
+        return self.map_fields(lambda _, value: value.to(device), lambda column: column)

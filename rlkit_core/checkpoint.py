@@ -3,9 +3,11 @@
 Layout of `<output_dir>/checkpoints/iter_000012/`:
   policy.safetensors      trainable policy tensors (all weights, or the LoRA adapters)
   value_head.safetensors  critic tensors (absent without a critic)
-  trainer.pt              optimiser, schedule, KL controller, RNG states, iteration
-  meta.json               iteration, tracker run id, the recipe document, rlkit version
+  trainer.pt              optimiser, schedule, KL controller, RNG states of every process, iteration
+  meta.json               iteration, tracker run id, the recipe document, rlkit version, processes
 
+Under several processes every one of them calls `save_checkpoint` (each hands over its RNG state)
+and the main process writes; the weights and optimiser state are the same in every process (DDP).
 A checkpoint is written into a hidden temporary folder and renamed into place only when complete,
 so a crash mid-write never leaves one that looks whole; only the latest `keep` are kept.
 """
@@ -46,9 +48,19 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(trainer, run_id: str | None, keep: int) -> Path:
+    processes = trainer.processes
+    rng_states = processes.gather_objects(_rng_state())
     root = checkpoint_root(trainer.output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{trainer.iteration:06d}"
+    if processes.is_main:
+        _write_checkpoint(trainer, final, run_id, keep, rng_states)
+    processes.wait()
+    return final
+
+
+def _write_checkpoint(trainer, final: Path, run_id: str | None, keep: int, rng_states: list[dict]) -> None:
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
     temporary = root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
@@ -60,16 +72,16 @@ def save_checkpoint(trainer, run_id: str | None, keep: int) -> Path:
         "optimizer": trainer.optimizer.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
         "kl": trainer.parts.kl.state_dict(),
-        "rng": _rng_state(),
+        "rng_by_process": rng_states,
     }, temporary / "trainer.pt")
-    meta = {"iteration": trainer.iteration, "run_id": run_id, "rlkit_version": __version__, "recipe": trainer.recipe.document}
+    meta = {"iteration": trainer.iteration, "run_id": run_id, "rlkit_version": __version__, "recipe": trainer.recipe.document,
+            "processes": len(rng_states)}
     (temporary / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
     if final.exists():  # the same iteration written again (a resumed run redoing it): replace it whole
         shutil.rmtree(final)
     os.replace(temporary, final)
     for old in complete_checkpoints(trainer.output_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -100,7 +112,13 @@ def read_meta(path: Path) -> dict:
 
 
 def load_checkpoint(trainer, path: Path) -> dict:
-    """Restore `trainer` from `path`; returns the checkpoint's meta (iteration, run id, recipe)."""
+    """Restore `trainer` from `path`; returns the checkpoint's meta (iteration, run id, recipe).
+    Every process loads; each takes back its own RNG state."""
+    meta = read_meta(path)
+    written_by, processes = meta.get("processes", 1), trainer.processes.count
+    if written_by != processes:
+        raise RlkitError(f"--resume {path}: the checkpoint was written by {written_by} processes and this run has "
+                         f"{processes}; resume with {written_by} processes (each continues its own random stream)")
     trainer.policy.load_state_dict(load_file(path / "policy.safetensors", device=str(trainer.device)))
     if trainer.value_head is not None:
         trainer.value_head.load_state_dict(load_file(path / "value_head.safetensors", device=str(trainer.device)))
@@ -108,6 +126,7 @@ def load_checkpoint(trainer, path: Path) -> dict:
     trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.parts.kl.load_state_dict(state["kl"])
-    _set_rng_state(state["rng"])
+    by_process = state["rng_by_process"] if "rng_by_process" in state else [state["rng"]]  # "rng": rlkit 0.1.0
+    _set_rng_state(by_process[trainer.processes.index])
     trainer.iteration = state["iteration"]
-    return read_meta(path)
+    return meta

@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     check.add_argument("--offline", action="store_true",
                        help="download nothing: hub models and tokenizers not in the local cache are reported as unchecked")
+    check.add_argument("--num-processes", type=int, metavar="N",
+                       help="check for a launch of N processes (default: this launch's WORLD_SIZE, else 1)")
+    check.add_argument("--prompt-tokens", type=int, default=128, metavar="N", help="prompt length the memory estimate assumes")
 
     export = commands.add_parser("export", help="write a checkpoint's policy as a plain transformers model directory")
     export.add_argument("checkpoint", help="a checkpoint folder (<output_dir>/checkpoints/iter_NNNNNN)")
@@ -80,8 +83,10 @@ def _cmd_check(args) -> int:
     from rlkit_core.plugins import load_registry
     from rlkit_core.recipe import load_recipe
 
+    if args.num_processes:
+        os.environ["WORLD_SIZE"] = str(args.num_processes)  # what accelerate launch would set
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)
-    print(describe_plan(recipe))
+    print(describe_plan(recipe, args.prompt_tokens))
     return 0
 
 
@@ -89,9 +94,16 @@ def _cmd_run(args) -> int:
     from rlkit_core.plugins import load_registry
     from rlkit_core.recipe import load_recipe
     from rlkit_core.run import run_recipe
+    from rlkit_core.schema import launched_processes
 
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)
     run_recipe(recipe, quiet=args.quiet, resume=args.resume, overwrite=args.overwrite)
+    if launched_processes() > 1:
+        # Everything is written and the process group is down, but its C++ threads can still abort
+        # the interpreter's teardown (SIGABRT, and the launcher reports a failed run): leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -139,7 +139,13 @@ class Loss(ABC):
     @abstractmethod
     def __call__(self, minibatch: RolloutBatch, current: LossInputs, token_count: float) -> dict[str, torch.Tensor]:
         """`token_count` is the number of counted tokens the loss is averaged over (the global
-        count of the optimiser step), so that results do not depend on how the batch was split."""
+        count of the optimiser step), so that results do not depend on how the batch was split.
+
+        `loss_*` terms are sums over the minibatch's tokens divided by `token_count`: the loop adds
+        them up over micro-batches and processes. Other terms are means over the minibatch's own
+        counted tokens, which the loop combines weighted by token count; a name ending in `_max`
+        is combined by its maximum, and so is `skipped`: one micro-batch or process that asks for
+        it skips the whole optimiser step (the backward passes still run, in every process)."""
 
 
 class Generator(ABC):
@@ -194,6 +200,19 @@ class Tracker(ABC):
     @abstractmethod
     def finish(self, status: str) -> None:
         """Close the run; `status` is "FINISHED", "FAILED" or "KILLED"."""
+
+
+class SilentTracker(Tracker):
+    """Records nothing: the `none` tracker, and what the processes other than the main one log to."""
+
+    def start(self, *, run_name, params, tags, resume_id):
+        return None
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def finish(self, status):
+        pass
 
 
 KINDS = {

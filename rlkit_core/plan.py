@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from rlkit_core.errors import RecipeError
 from rlkit_core.inventory import inventory_rows
+from rlkit_core.memory import Workload, estimate
+from rlkit_core.memory import describe as describe_memory
 from rlkit_core.recipe import Recipe
-from rlkit_core.schema import kl_warnings
+from rlkit_core.schema import kl_warnings, launched_processes
 
 
-def describe_plan(recipe: Recipe) -> str:
+def describe_plan(recipe: Recipe, prompt_tokens: int = 128) -> str:
     run, ppo = recipe.run, recipe.ppo
     updates_per_iteration = ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
     lines = [f"recipe {recipe.source or '(in memory)'} is valid", "", "components:"]
@@ -21,11 +23,15 @@ def describe_plan(recipe: Recipe) -> str:
         f"  rollouts/iteration  {ppo.batch_size} ({ppo.batch_size // ppo.samples_per_prompt} prompts × {ppo.samples_per_prompt} samples)",
         f"  optimiser steps     {updates_per_iteration} per iteration ({ppo.epochs} epochs × {ppo.batch_size // ppo.minibatch_size} minibatches of {ppo.minibatch_size}), {updates_per_iteration * run.steps} in all",
         f"  KL                  estimator {ppo.kl_estimator}, penalty in the {ppo.kl_penalty}",
+        *_per_process(recipe),
         f"  output              {run.output_dir}",
     ]
     size = model_size(recipe)
     if size:
         lines += ["", "model:", *[f"  {line}" for line in size]]
+    memory = memory_estimate(recipe, prompt_tokens)
+    if memory:
+        lines += ["", f"memory (prompts of {prompt_tokens} tokens; rlkit check --prompt-tokens N):", *[f"  {line}" for line in memory]]
     problems, notes = component_checks(recipe)
     if problems:
         raise RecipeError(problems, recipe.source)
@@ -51,7 +57,40 @@ def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:
     return problems, notes
 
 
+def _per_process(recipe: Recipe) -> list[str]:
+    """How the global batch splits over processes and micro-batches (the recipe's sizes are global)."""
+    ppo, processes = recipe.ppo, launched_processes()
+    per_process = ppo.minibatch_size // processes
+    return [
+        f"  processes           {processes}, each with {ppo.batch_size // processes} rollouts per iteration "
+        f"({ppo.batch_size // ppo.samples_per_prompt // processes} prompts)",
+        f"  micro-batches       {ppo.gradient_accumulation_steps} of {per_process // ppo.gradient_accumulation_steps} rollouts "
+        f"per process and optimiser step; forward passes in chunks of {ppo.forward_batch_size or ppo.minibatch_size}",
+        f"  precision           mixed_precision = {recipe.run.mixed_precision!r}",
+    ]
+
+
 def model_size(recipe: Recipe) -> list[str]:
-    """Parameter count and a memory estimate from the policy's config file, when it names a local model."""
+    """Parameter count from the policy's config file, when it names a local model."""
     describe = getattr(recipe["policy"].component.factory, "describe", None)
     return describe(recipe["policy"].config) if describe else []
+
+
+def memory_estimate(recipe: Recipe, prompt_tokens: int) -> list[str]:
+    """Per-process memory, when the policy plugin can say its model's shape (see rlkit_core.memory)."""
+    shape_of = getattr(recipe["policy"].component.factory, "shape", None)
+    shape = shape_of(recipe["policy"].config) if shape_of else None
+    if shape is None:
+        return []
+    ppo, processes = recipe.ppo, launched_processes()
+    generator = recipe["generator"].config
+    work = Workload(
+        micro_batch=ppo.minibatch_size // processes // ppo.gradient_accumulation_steps,
+        forward_batch=ppo.forward_batch_size or ppo.minibatch_size,
+        generate_batch=getattr(generator, "batch_size", 0) or ppo.batch_size // processes,
+        prompt_tokens=prompt_tokens,
+        response_tokens=getattr(generator, "max_new_tokens", 0),
+        checkpointing=getattr(recipe["policy"].config, "gradient_checkpointing", False),
+        mixed_precision=recipe.run.mixed_precision,
+    )
+    return describe_memory(estimate(shape, work))

@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 import cattrs
+import torch
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
 from rlkit_core.config import nested_spec
@@ -33,6 +34,8 @@ from rlkit_core.schema import (
     RunConfig,
     batch_arithmetic_problems,
     kl_problems,
+    launch_problems,
+    launched_processes,
     schedule_problems,
 )
 
@@ -215,7 +218,7 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         core[table], found = structure_table(document.get(table, {}), cls, f"$.{table}")
         problems += found
     if core["ppo"] is not None:
-        problems += batch_arithmetic_problems(core["ppo"]) + kl_problems(core["ppo"])
+        problems += batch_arithmetic_problems(core["ppo"], launched_processes()) + kl_problems(core["ppo"])
     if core["optim"] is not None:
         problems += schedule_problems(core["optim"])
 
@@ -230,6 +233,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
                                                         registry, default_type)
         problems += found
 
+    if core["run"] is not None and components.get("policy") is not None:
+        problems += launch_problems(core["run"], components["policy"].config, torch.cuda.is_available())
     eval_metrics, found = _eval_metrics(core["eval"], registry)
     problems += found
     if problems:

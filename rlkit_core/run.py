@@ -12,6 +12,7 @@ from pathlib import Path
 from rlkit_core import __version__, checkpoint
 from rlkit_core.errors import RlkitError
 from rlkit_core.evaluation import Evaluator
+from rlkit_core.interfaces import SilentTracker
 from rlkit_core.inventory import flatten, inventory_rows
 from rlkit_core.plot import plot_curves
 from rlkit_core.progress import Progress
@@ -27,53 +28,62 @@ SAMPLES_SHOWN = 4
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "samples_before.json", "final_model", "curves.png")
 
 
-def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> None:
-    """A fresh run must not mix its files with an earlier run's; say how to continue or start over."""
+def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> list[Path]:
+    """A fresh run must not mix its files with an earlier run's; say how to continue or start over.
+    Returns the earlier outputs that --overwrite clears (only reads, so every process can check)."""
     folder = Path(output_dir)
     found = [name for name in RUN_OUTPUTS if (folder / name).exists()]
     if not found or resume:
-        return
+        return []
     if not overwrite:
         raise RlkitError(f"{folder} already holds a run ({', '.join(found)}); continue it with --resume auto, "
                          f"start over with --overwrite, or pick another folder with --set run.output_dir=...")
-    for name in found:
-        path = folder / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return [folder / name for name in found]
 
 
 def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, overwrite: bool = False, out=sys.stdout) -> list[dict]:
-    """Train up to `recipe.run.steps` iterations; returns the metrics of every iteration."""
-    claim_output_dir(recipe.run.output_dir, resume, overwrite)
-    for warning in kl_warnings(recipe.ppo):
-        print(f"rlkit run: warning: {warning}", file=sys.stderr)
+    """Train up to `recipe.run.steps` iterations; returns the metrics of every iteration (on the
+    main process; the others train alongside it and write nothing)."""
+    earlier = claim_output_dir(recipe.run.output_dir, resume, overwrite)
     trainer = Trainer(recipe)
-    tracker = trainer.parts.tracker
+    main = trainer.processes.is_main
+    if main:
+        for warning in kl_warnings(recipe.ppo):
+            print(f"rlkit run: warning: {warning}", file=sys.stderr)
+        for path in earlier:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    trainer.processes.wait()
+    tracker = trainer.parts.tracker if main else SilentTracker()  # one tracked run per training run
     counts = trainer.prompt_counts
-    if counts["cut"] or counts["skipped"]:
+    if main and (counts["cut"] or counts["skipped"]):
         print(f"prompts: {counts['loaded']} loaded, {counts['cut']} cut from the left to {trainer.max_prompt_tokens} tokens, "
               f"{counts['skipped']} skipped as too long", file=out)
     run_id = None
     if resume:
         meta = checkpoint.load_checkpoint(trainer, checkpoint.resolve(resume, recipe.run.output_dir))
         run_id = meta["run_id"]
-    trainer.metrics_log.truncate_after(trainer.iteration)
-    history = trainer.metrics_log.read()
+    history = []
+    if main:
+        trainer.metrics_log.truncate_after(trainer.iteration)
+        history = trainer.metrics_log.read()
 
     tags = {"rlkit.version": __version__}
     tags.update({f"rlkit.component.{r['table']}": f"{r['type']} ({r['distribution']} {r['version']})" for r in inventory_rows(recipe)})
-    params = {**flatten(recipe.document), **{f"prompts.{name}": value for name, value in counts.items()}}
+    params = {**flatten(recipe.document), **{f"prompts.{name}": value for name, value in counts.items()},
+              "processes": trainer.processes.count}
     run_id = tracker.start(run_name=recipe.run.name, params=params, tags=tags, resume_id=run_id)
     if recipe.source and not resume:
         tracker.log_artifact(recipe.source, "recipe")
-    evaluator = Evaluator(trainer)
+    evaluator = Evaluator(trainer)  # every process evaluates the same held-out set; the main one writes
     if evaluator.enabled and trainer.iteration == 0:
         before = evaluator()
-        trainer.metrics_log.append(0, before)
+        if main:
+            trainer.metrics_log.append(0, before)
         tracker.log_metrics(before, step=0)
         history.append({"iteration": 0, **before})
-    samples_before = _samples_before(trainer)
+    samples_before = _samples_before(trainer) if main else []
 
-    progress = Progress(recipe.run.steps, start=trainer.iteration, quiet=quiet)
+    progress = Progress(recipe.run.steps, start=trainer.iteration, quiet=quiet or not main)
     status, final_checkpoint = "FAILED", None
     try:
         while trainer.iteration < recipe.run.steps:
@@ -81,7 +91,8 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
             if evaluator.due(trainer.iteration):
                 metrics.update(evaluator())
             started = time.perf_counter()
-            trainer.metrics_log.append(trainer.iteration, metrics)
+            if main:
+                trainer.metrics_log.append(trainer.iteration, metrics)
             tracker.log_metrics(metrics, step=trainer.iteration)
             if trainer.iteration % recipe.run.sample_every == 0 or trainer.iteration == recipe.run.steps:
                 tracker.log_samples(_sample_rows(trainer.last_batch), step=trainer.iteration)
@@ -102,9 +113,11 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
             final_checkpoint = _finish_outputs(trainer, tracker, run_id, history)
         tracker.finish(status)
 
-    after = trainer.sample_responses(_sample_records(trainer), greedy=True)
-    samples = [{**before, "after": a} for before, a in zip(samples_before, after)]
-    print_report(history, samples, trainer.metrics_log.path, final_checkpoint, tracker, out=out)
+    if main:
+        after = trainer.sample_responses(_sample_records(trainer), greedy=True)
+        samples = [{**before, "after": a} for before, a in zip(samples_before, after)]
+        print_report(history, samples, trainer.metrics_log.path, final_checkpoint, tracker, out=out)
+    trainer.processes.close()
     return history
 
 
@@ -138,6 +151,8 @@ def _finish_outputs(trainer, tracker, run_id, history) -> Path:
     """The last checkpoint, the final model and the curves, logged with the run."""
     final_checkpoint = checkpoint.save_checkpoint(trainer, run_id, trainer.recipe.run.keep_checkpoints)
     tracker.log_checkpoint(str(final_checkpoint), trainer.iteration)
+    if not trainer.processes.is_main:
+        return final_checkpoint
     model_dir = Path(trainer.output_dir) / "final_model"
     trainer.policy.save_pretrained(str(model_dir), merge_adapters=True)
     tracker.log_model(str(model_dir))

@@ -4,6 +4,8 @@ Component tables (`[policy]`, `[kl]`, ...) are described by their plugins' own c
 `COMPONENT_TABLES` maps each table to its component kind and the type used when the table is absent.
 """
 
+import os
+
 import attrs
 
 from rlkit_core.config import at_least, greater_than, one_of, setting
@@ -22,13 +24,16 @@ class RunConfig:
     keep_checkpoints: int = setting(2, help="how many of the latest checkpoints to keep", validator=at_least(1))
     sample_every: int = setting(10, help="log a table of sample prompts and responses every N iterations", validator=at_least(1))
     threads: int = setting(0, help="CPU threads for torch (0: torch's default)", validator=at_least(0))
+    mixed_precision: str = setting("no", help="accelerate's autocast: 'no', 'bf16' or 'fp16' (fp32 master weights; fp16 scales the loss)", validator=one_of("no", "bf16", "fp16"))
 
 
 @attrs.frozen
 class PPOConfig:
-    batch_size: int = setting(64, help="rollouts per iteration (prompts × samples_per_prompt)", validator=greater_than(0))
+    batch_size: int = setting(64, help="rollouts per iteration, over all processes (prompts × samples_per_prompt)", validator=greater_than(0))
     samples_per_prompt: int = setting(1, help="responses sampled for each prompt (critic-free estimators need ≥ 2)", validator=greater_than(0))
-    minibatch_size: int = setting(16, help="rollouts per optimiser step; must divide batch_size", validator=greater_than(0))
+    minibatch_size: int = setting(16, help="rollouts per optimiser step, over all processes; must divide batch_size", validator=greater_than(0))
+    gradient_accumulation_steps: int = setting(1, help="micro-batches per optimiser step in each process (same update, less memory)", validator=greater_than(0))
+    forward_batch_size: int = setting(0, help="rollouts per no-grad forward pass of the rollout stage (0: minibatch_size)", validator=at_least(0))
     epochs: int = setting(4, help="passes over the rollout batch per iteration", validator=greater_than(0))
     kl_estimator: str = setting("k1", help="per-token KL estimator: k1, k2, k3 or full (the logged KL uses the same)", validator=one_of(*KL_ESTIMATORS))
     kl_penalty: str = setting("reward", help="'reward': −β·KL in the per-token rewards; 'loss': β·KL added to the loss", validator=one_of("reward", "loss"))
@@ -76,8 +81,9 @@ COMPONENT_TABLES = {
 }
 
 
-def batch_arithmetic_problems(ppo: PPOConfig) -> list[Problem]:
-    """Problems with how the rollout batch splits, each located."""
+def batch_arithmetic_problems(ppo: PPOConfig, processes: int = 1) -> list[Problem]:
+    """Problems with how the rollout batch splits into groups, minibatches, processes and
+    micro-batches, each located."""
     problems = []
     if ppo.batch_size % ppo.samples_per_prompt:
         problems.append(Problem(
@@ -91,7 +97,51 @@ def batch_arithmetic_problems(ppo: PPOConfig) -> list[Problem]:
             "$.ppo.minibatch_size", f"{ppo.minibatch_size} does not divide batch_size={ppo.batch_size}; "
                                     f"pick a divisor such as {_largest_divisor_at_most(ppo.batch_size, ppo.minibatch_size)}"
         ))
+    prompts = ppo.batch_size // ppo.samples_per_prompt
+    if problems:
+        return problems
+    if prompts % processes:
+        problems.append(Problem("$.ppo.batch_size", f"its {prompts} prompts do not split evenly over {processes} processes; "
+                                                    f"use a multiple of {processes * ppo.samples_per_prompt} rollouts"))
+    if ppo.minibatch_size % processes:
+        problems.append(Problem("$.ppo.minibatch_size", f"{ppo.minibatch_size} rollouts do not split evenly over {processes} "
+                                                        f"processes; use a multiple of {processes}"))
+    elif (ppo.minibatch_size // processes) % ppo.gradient_accumulation_steps:
+        per_process = ppo.minibatch_size // processes
+        problems.append(Problem("$.ppo.gradient_accumulation_steps",
+                                f"the {per_process} rollouts of a minibatch in each of {processes} processes do not split into "
+                                f"{ppo.gradient_accumulation_steps} micro-batches; pick a divisor such as "
+                                f"{_largest_divisor_at_most(per_process, ppo.gradient_accumulation_steps)}"))
     return problems
+
+
+def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
+    """Combinations of recipe and launch that cannot work, each located, found before anything
+    is built. `cuda`: whether this machine has a GPU."""
+    problems = []
+    for engine in ("FSDP", "DEEPSPEED"):
+        if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() in ("1", "true"):
+            problems.append(Problem("launch", f"the accelerate config selects {engine}, which rlkit does not support yet (it "
+                                              "shards the weights that generation reads); launch with configs/accelerate/ddp.yaml"))
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", run.mixed_precision)
+    if launched != run.mixed_precision:
+        problems.append(Problem("launch", f"accelerate launch asks for mixed precision {launched!r} but $.run.mixed_precision = "
+                                          f"{run.mixed_precision!r}; the recipe decides (it is what the run records): set "
+                                          f"--set run.mixed_precision={launched}, or launch without --mixed_precision"))
+    if run.mixed_precision == "fp16":
+        if run.device == "cpu" or not cuda:
+            problems.append(Problem("$.run.mixed_precision", "'fp16' needs a GPU (on a CPU accelerate would quietly run float32); "
+                                                             "use 'bf16' or 'no'"))
+        if getattr(policy_config, "dtype", "float32") != "float32":
+            problems.append(Problem("$.run.mixed_precision", f"'fp16' keeps float32 master weights and scales the loss, but "
+                                                             f"policy.dtype = {policy_config.dtype!r}; set policy.dtype = 'float32', "
+                                                             "or run.mixed_precision = 'no' for pure low-precision weights"))
+    return problems
+
+
+def launched_processes() -> int:
+    """The number of processes of this launch: `accelerate launch` and `torchrun` set WORLD_SIZE."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def kl_problems(ppo: PPOConfig) -> list[Problem]:

@@ -9,6 +9,7 @@ every stage's own logic lives in a component or in `rlkit_core.functional`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -20,6 +21,7 @@ from transformers import get_scheduler
 from rlkit_core.assemble import build_components
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.context import BuildContext
+from rlkit_core.distributed import Processes, TrainableModules, combined_by_max, sampling_seed
 from rlkit_core.errors import RunError
 from rlkit_core.functional import (
     entropy_from_logits,
@@ -54,9 +56,13 @@ class Trainer:
             torch.set_num_threads(run.threads)
         torch.manual_seed(run.seed)
         self.device = device or pick_device(run.device)
-        # accelerate owns backward and gradient clipping, so mixed precision and `accelerate
-        # launch` (several processes) come through the same calls.
-        self.accelerator = Accelerator(cpu=self.device.type == "cpu")
+        # accelerate owns the processes, backward, gradient clipping and mixed precision, so one
+        # process and `accelerate launch` (several) go through the same calls.
+        # Components are built on self.device; `prepare` must not move them (run.device = "cuda:1").
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision, device_placement=False)
+        self.processes = Processes(self.accelerator)
+        if self.processes.count > 1 and self.device.type == "cuda":
+            self.device = self.accelerator.device  # this process's own GPU
         self.output_dir = Path(run.output_dir)
         self.context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
         self.parts = build_components(recipe, self.context)
@@ -66,15 +72,19 @@ class Trainer:
         self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0
         records, self.prompt_counts = prepare_prompts(self.parts.data.load(), self.tokenizer, limit)
         self.eval_records, self.records = hold_out(records, recipe.eval.size, run.seed)
+        if self.processes.index:  # every process built the same components; now each samples its own
+            torch.manual_seed(sampling_seed(run.seed, self.processes.index))
         self.stream = PromptStream(self.records, ppo.batch_size // ppo.samples_per_prompt, run.seed)
 
         groups = [{"params": list(self.policy.parameters()), "lr": optim.learning_rate}]
         if self.value_head is not None:
             groups.append({"params": list(self.value_head.parameters()), "lr": optim.value_learning_rate or optim.learning_rate})
         self.parameters = [p for g in groups for p in g["params"]]
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps)
+        optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps)
+        # The schedule stays outside `prepare`: accelerate would step it once per process.
+        self.trainable, self.optimizer = self.accelerator.prepare(TrainableModules(self.policy, self.value_head), optimizer)
         updates = run.steps * ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
-        self.scheduler = get_scheduler(optim.schedule, self.optimizer, num_warmup_steps=optim.warmup_steps, num_training_steps=updates)
+        self.scheduler = get_scheduler(optim.schedule, optimizer, num_warmup_steps=optim.warmup_steps, num_training_steps=updates)
         self.iteration = 0  # iterations completed
         self.last_batch: RolloutBatch | None = None  # the latest scored batch, for sample tables
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
@@ -87,12 +97,13 @@ class Trainer:
         prompts = [r["prompt"] for r in records]
         keys = dict.fromkeys(key for r in records for key in r if key != "prompt")
         columns = {key: [r.get(key) for r in records] for key in keys}
-        group_ids = torch.arange(len(records), device=self.device) // k
+        group_ids = torch.arange(len(records), device=self.device) // k + self.processes.index * (len(records) // k)
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
 
         started = time.perf_counter()
         self.parts.generator.sync_weights(self.policy)
-        generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
+        with self.accelerator.autocast():
+            generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
         generated = time.perf_counter()
         mask = generation.response_mask
         ended = torch.isin(generation.response_ids, torch.tensor(self.policy.eos_token_ids, device=self.device)).any(dim=1)
@@ -134,15 +145,17 @@ class Trainer:
 
     @torch.no_grad()
     def compare_to_reference(self, batch: RolloutBatch) -> RolloutBatch:
-        """Old and reference log-probs, values and the per-token KL (zero on padding)."""
+        """Old and reference log-probs, values and the per-token KL (zero on padding), on this
+        process's rollouts."""
         ppo = self.recipe.ppo
         temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
         pieces = defaultdict(list)
-        for index in torch.arange(len(batch), device=self.device).split(ppo.minibatch_size):
+        for index in torch.arange(len(batch), device=self.device).split(ppo.forward_batch_size or ppo.minibatch_size):
             part = batch.select(index)
             sequence = part.sequence()
-            logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
-            ref_logits = self._at_response(self.policy.reference_logits(*sequence), part)
+            with self.accelerator.autocast():
+                logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
+                ref_logits = self._at_response(self.policy.reference_logits(*sequence), part)
             ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature, suppressed)
             full = ppo.kl_estimator == "full"
             pieces["kl"].append(kl_per_token(logprobs, ref_logprobs, ppo.kl_estimator, logits if full else None,
@@ -158,7 +171,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, batch: RolloutBatch) -> RolloutBatch:
-        """Old and reference log-probs, values, per-token KL and rewards, advantages and returns."""
+        """Old and reference log-probs, values, per-token KL and rewards, advantages and returns.
+
+        The forward passes run on this process's rollouts; the advantages are estimated over the
+        global batch (whitening statistics, groups), and this process keeps its rows of them."""
         ppo = self.recipe.ppo
         batch = self.compare_to_reference(batch)
         mask = batch.response_mask
@@ -170,52 +186,88 @@ class Trainer:
         last = mask.sum(dim=1).long() - 1  # the last counted token: the EOS when there is one
         rewards[torch.arange(len(batch), device=self.device), last] += scores
         batch = batch.with_(rewards=rewards)
-        advantages, returns = self.parts.advantage.estimate(batch)
-        return batch.with_(advantages=advantages, returns=returns)
+        advantages, returns = self.parts.advantage.estimate(self.processes.gather_batch(batch, self.tokenizer.pad_token_id))
+        return batch.with_(advantages=self.processes.local_rows(advantages, rewards),
+                           returns=self.processes.local_rows(returns, rewards))
 
     # --- stage 3: the update -------------------------------------------------------------------
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
+        """Epochs of shuffled minibatches over this process's rollouts, one optimiser step each.
+
+        A minibatch holds `minibatch_size / processes` rollouts here, run as
+        `gradient_accumulation_steps` micro-batches. Every loss term is a sum over its tokens
+        divided by the minibatch's global token count, so the summed gradients are the same
+        however the minibatch is split over processes and micro-batches."""
         ppo, optim = self.recipe.ppo, self.recipe.optim
         shuffler = seeded_generator(self.recipe.run.seed, self.iteration)
+        per_process = ppo.minibatch_size // self.processes.count
+        micro_size = per_process // ppo.gradient_accumulation_steps
         sums, count = defaultdict(float), 0
+        self.trainable.train()  # gradient checkpointing acts in training mode only; dropout is off
         for _ in range(ppo.epochs):
-            for index in torch.randperm(len(batch), generator=shuffler).to(self.device).split(ppo.minibatch_size):
-                minibatch = batch.select(index)
-                logprobs, values, entropy, _ = self._response_view(minibatch, minibatch.sequence(), grad=True)
-                mask = minibatch.response_mask
-                token_count = mask.sum().clamp(min=1)
-                terms = self.parts.loss(minibatch, LossInputs(logprobs=logprobs, values=values, entropy=entropy), token_count)
-                if ppo.kl_penalty == "loss":
-                    kl = kl_per_token(logprobs, minibatch.ref_logprobs, ppo.kl_estimator)
-                    terms["loss_kl"] = self.parts.kl.beta * masked_sum(kl, mask) / token_count
-                total = sum(value for name, value in terms.items() if name.startswith("loss_"))
+            for index in torch.randperm(len(batch), generator=shuffler).to(self.device).split(per_process):
+                token_count = self.processes.sum(batch.response_mask[index].sum()).clamp(min=1)
                 self.optimizer.zero_grad(set_to_none=True)
+                pieces = index.split(micro_size)
+                step_terms = {}
+                for number, piece in enumerate(pieces):
+                    # Gradients are all-reduced once, at the last micro-batch.
+                    syncing = number == len(pieces) - 1
+                    with contextlib.nullcontext() if syncing else self.accelerator.no_sync(self.trainable):
+                        terms = self._micro_step(batch.select(piece), token_count)
+                    for name, value in terms.items():
+                        known = step_terms.get(name)
+                        combine = torch.maximum if combined_by_max(name) else torch.add
+                        step_terms[name] = value if known is None else combine(known, value)
+                terms = self.processes.combine_terms(step_terms)
                 grad_norm = 0.0
+                # Every process took part in the backward passes (DDP needs them all); all skip or none does.
                 if not float(terms.get("skipped", 0.0)):
-                    self.accelerator.backward(total)
                     grad_norm = self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
                     self.optimizer.step()
                 self.scheduler.step()
                 for name, value in terms.items():
-                    sums[f"train/{name}"] += float(value.detach())
-                sums["train/loss"] += float(total.detach())
+                    sums[f"train/{name}"] += float(value)
                 sums["train/grad_norm"] += float(grad_norm)
                 count += 1
+        self.trainable.eval()
         metrics = {name: value / count for name, value in sums.items()}
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
+    def _micro_step(self, micro: RolloutBatch, token_count: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Forward and backward of one micro-batch; returns its share of the step's terms (detached):
+        `loss_*` and `loss` as they are (already over the global token count), diagnostics weighted
+        by this micro-batch's share of the tokens, so that their sum is the global token mean."""
+        ppo = self.recipe.ppo
+        logprobs, values, entropy, _ = self.trainable(self._response_view, micro, micro.sequence(), True)
+        mask = micro.response_mask
+        terms = self.parts.loss(micro, LossInputs(logprobs=logprobs, values=values, entropy=entropy), token_count)
+        if ppo.kl_penalty == "loss":
+            kl = kl_per_token(logprobs, micro.ref_logprobs, ppo.kl_estimator)
+            terms["loss_kl"] = self.parts.kl.beta * masked_sum(kl, mask) / token_count
+        total = sum(value for name, value in terms.items() if name.startswith("loss_"))
+        # DDP averages gradients over processes; the loss is a share of a global sum, so undo the mean.
+        self.accelerator.backward(total * self.processes.count)
+        share = mask.sum() / token_count
+        shares = {name: value.detach() if name.startswith("loss_") or combined_by_max(name) else value.detach() * share
+                  for name, value in terms.items()}
+        shares["loss"] = total.detach()
+        return shares
+
     # --- one whole iteration -------------------------------------------------------------------
     def step(self) -> dict[str, float]:
-        """Run iteration `self.iteration + 1` and return its metrics."""
+        """Run iteration `self.iteration + 1` and return its metrics: over the global batch, with
+        the timings of this process."""
         started = time.perf_counter()
-        batch, metrics = self.rollout(self.stream.batch(self.iteration))
+        batch, metrics = self.rollout(self.processes.share(self.stream.batch(self.iteration)))
         forward_started = time.perf_counter()
         batch = self.evaluate(batch)
         train_started = time.perf_counter()
         metrics.update(self.train_on(batch))
         finished = time.perf_counter()
 
+        batch = self.processes.gather_batch(batch, self.tokenizer.pad_token_id)  # the metrics are global
         mask = batch.response_mask
         kl_per_sequence = masked_sum(batch.kl, mask, dim=1)
         kl_now = float(kl_per_sequence.mean())
@@ -243,7 +295,7 @@ class Trainer:
 
     def sample_responses(self, records: list[dict], greedy: bool = False) -> list[str]:
         """Responses to `records` without touching the training random stream (for before/after reports)."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.accelerator.autocast():
             prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
             generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)

@@ -52,6 +52,17 @@ def test_check_valid_recipe_prints_the_plan(recipe_document, write_recipe):
     assert "[kl] adaptive" in result.stdout
 
 
+def test_check_plans_for_several_processes_with_a_memory_estimate(recipe_document, write_recipe):
+    recipe_document["ppo"].update(gradient_accumulation_steps=2)
+    result = rlkit("check", write_recipe(recipe_document), "--num-processes", "2")
+    assert result.returncode == 0, result.stderr
+    assert "processes           2, each with 8 rollouts per iteration (8 prompts)" in result.stdout
+    assert "micro-batches       2 of 2 rollouts per process and optimiser step" in result.stdout
+    assert "MiB per process at the peak" in result.stdout
+    refused = rlkit("check", write_recipe(recipe_document), "--num-processes", "3")
+    assert refused.returncode == 2 and "do not split evenly over 3 processes" in refused.stderr
+
+
 @pytest.mark.parametrize("change, message", [
     (("run", "stpes", 3), "$.run.stpes: unknown key; did you mean 'steps'?"),
     (("ppo", "batch_size", "many"), "$.ppo.batch_size: expected an integer, got 'many' (str)"),

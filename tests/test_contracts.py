@@ -101,6 +101,13 @@ class TestHFGenerator(GeneratorContract):
     config = {"max_new_tokens": 6, "temperature": 0.7}
 
 
+class TestHFGeneratorInChunks(GeneratorContract):
+    """Two generate calls of two prompts each, joined with padding to the longer responses."""
+
+    component = "hf"
+    config = {"max_new_tokens": 6, "temperature": 0.7, "batch_size": 2}
+
+
 class TestSharedValueHead(ValueHeadContract):
     component = "shared"
 

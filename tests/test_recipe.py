@@ -115,6 +115,35 @@ def test_missing_file_and_bad_toml(tmp_path, registry):
         load_recipe(bad, registry)
 
 
+def test_batch_arithmetic_over_processes_and_micro_batches(recipe_document, registry, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # what accelerate launch / torchrun set
+    recipe_document["ppo"].update(batch_size=12, minibatch_size=4)
+    assert problems_of(recipe_document, registry) == [
+        "$.ppo.minibatch_size: 4 rollouts do not split evenly over 3 processes; use a multiple of 3",
+    ]
+    recipe_document["ppo"].update(batch_size=16, minibatch_size=8)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    recipe_document["ppo"]["gradient_accumulation_steps"] = 3
+    assert problems_of(recipe_document, registry) == [
+        "$.ppo.gradient_accumulation_steps: the 4 rollouts of a minibatch in each of 2 processes do not split into "
+        "3 micro-batches; pick a divisor such as 2",
+    ]
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    recipe_document["ppo"]["gradient_accumulation_steps"] = 1
+    assert problems_of(recipe_document, registry)[0].startswith("$.ppo.batch_size: its 16 prompts do not split evenly over 32")
+
+
+def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_document, registry, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate launch --mixed_precision bf16
+    recipe_document["run"].update(mixed_precision="fp16", device="cpu")
+    recipe_document["policy"]["dtype"] = "bfloat16"
+    problems = problems_of(recipe_document, registry)
+    assert [p.split(":")[0] for p in problems] == ["launch", "launch", "$.run.mixed_precision", "$.run.mixed_precision"]
+    assert "DEEPSPEED" in problems[0] and "--set run.mixed_precision=bf16" in problems[1]
+    assert "needs a GPU" in problems[2] and "policy.dtype = 'bfloat16'" in problems[3]
+
+
 def test_constant_schedule_with_warmup_points_to_the_schedule_that_has_one(recipe_document, registry):
     recipe_document["optim"].update(schedule="constant", warmup_steps=10)
     assert problems_of(recipe_document, registry) == [

@@ -91,6 +91,45 @@ def test_every_required_metric_is_reported(recipe_document, registry):
     assert [name for name in required if name not in metrics] == []
 
 
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_gradient_checkpointing_recomputes_during_the_update_and_changes_nothing(recipe_document, registry, lora_r):
+    def update(checkpointing):
+        document = {table: dict(body) for table, body in recipe_document.items()}
+        trainer = make_trainer(document, registry, policy__gradient_checkpointing=checkpointing, policy__lora_r=lora_r)
+        torch.manual_seed(5)
+        batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+        calls = []
+        model = trainer.policy.model.get_base_model() if lora_r else trainer.policy.model
+        # a module inside a block (transformers keeps the block's own hooks out of the recomputation),
+        # counted as it starts (torch's recomputation may stop before it returns)
+        model.transformer.h[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+        gradients = []
+        trainer.optimizer.optimizer.register_step_pre_hook(
+            lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.parameters])))
+        trainer.train_on(batch)
+        return len(calls), gradients
+
+    plain_calls, plain_gradients = update(False)
+    checkpointed_calls, checkpointed_gradients = update(True)
+    steps = len(plain_gradients)
+    assert plain_calls == steps and checkpointed_calls == 2 * steps  # each block runs again in backward
+    for plain, checkpointed in zip(plain_gradients, checkpointed_gradients):
+        assert plain.abs().max() > 0
+        assert torch.allclose(plain, checkpointed, rtol=1e-5, atol=1e-8)  # dropout is off in training mode
+
+
+def test_forward_batch_size_only_changes_how_the_rollout_is_chunked(recipe_document, registry):
+    def evaluated(forward_batch_size):
+        document = {table: dict(body) for table, body in recipe_document.items()}
+        trainer = make_trainer(document, registry, ppo__forward_batch_size=forward_batch_size)
+        torch.manual_seed(5)
+        return trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+
+    whole, chunked = evaluated(0), evaluated(3)
+    for name in ("old_logprobs", "ref_logprobs", "values", "advantages"):
+        assert torch.allclose(getattr(whole, name), getattr(chunked, name), atol=1e-5), name
+
+
 # The conftest recipe makes 8 optimiser steps: 2 iterations × 2 epochs × (16 / 8) minibatches.
 # Learning-rate factor after k steps (k = 0 … 8), by hand:
 #   linear: (8 − k) / 8;  cosine: (1 + cos(π k / 8)) / 2;

@@ -1,0 +1,125 @@
+"""Many processes through accelerate: which share of the work is this process's, and how the
+per-process numbers become the global ones the math is defined over.
+
+A single process is the N = 1 case: every function here then returns its input unchanged, so
+single-process results do not depend on this module at all.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate.utils import gather_object
+
+from rlkit_core.batch import RolloutBatch
+
+SEED_STRIDE = 1_000_003
+
+
+def combined_by_max(name: str) -> bool:
+    """Terms combined over micro-batches and processes by their maximum (see `Loss`): maxima, and
+    the `skipped` flag (one exploded part skips the whole optimiser step)."""
+    return name.endswith("_max") or name == "skipped"
+
+
+def sampling_seed(seed: int, process_index: int) -> int:
+    """Process 0 keeps the run seed (a single process samples as it always did); the others get
+    their own streams, derived from it, so that they do not draw the same responses."""
+    return seed + SEED_STRIDE * process_index
+
+
+class TrainableModules(torch.nn.Module):
+    """Policy and critic as one module for `accelerator.prepare`.
+
+    DDP synchronises gradients only for a forward pass that goes through its wrapper; the loop's
+    forward pass reads both the policy and the critic, so it runs inside `forward` here. The
+    critic is held by its parameters, since a value head need not be a module.
+    """
+
+    def __init__(self, policy, value_head):
+        super().__init__()
+        self.policy_model = policy.model
+        self.critic = torch.nn.ParameterList(value_head.parameters() if value_head is not None else [])
+
+    def forward(self, view, *args):
+        """`view(*args)`, inside the wrapper's forward (and its autocast under mixed precision)."""
+        return view(*args)
+
+
+class Processes:
+    """This process's place among the processes of an `accelerate launch` (or `torchrun`)."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.count = accelerator.num_processes
+        self.index = accelerator.process_index
+        self.is_main = accelerator.is_main_process
+
+    def share(self, items: list) -> list:
+        """This process's contiguous share of a global list; shares in process order make up the list."""
+        size = len(items) // self.count
+        return items[self.index * size:(self.index + 1) * size]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over processes of a tensor of the same shape on each."""
+        if self.count == 1:
+            return tensor
+        return self.accelerator.reduce(tensor.clone(), reduction="sum")
+
+    def combine_terms(self, terms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each process's share of an optimiser step's terms -> the step's global terms: the
+        maximum over processes for `combined_by_max` names, the sum for the rest (see `Loss`)."""
+        if self.count == 1:
+            return terms
+        names, device = list(terms), self.accelerator.device  # a loss may report a flag on the CPU
+        maxima = [name for name in names if combined_by_max(name)]
+        sums = [name for name in names if name not in maxima]
+        combined = {}
+        if sums:
+            combined.update(zip(sums, self.sum(torch.stack([terms[n].float().to(device) for n in sums]))))
+        if maxima:
+            gathered = self.accelerator.gather(torch.stack([terms[n].float().to(device) for n in maxima]).unsqueeze(0))
+            combined.update(zip(maxima, gathered.max(dim=0).values))
+        return {name: combined[name] for name in names}
+
+    def gather_batch(self, batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
+        """The global batch: every process's rollouts, in process order, on every process.
+
+        Prompt tensors are left-padded and response tensors right-padded to the widest process;
+        the added positions have mask 0, so no masked statistic changes.
+        """
+        if self.count == 1:
+            return batch
+        return batch.map_fields(lambda name, value: self._gather_tensor(name, value, pad_token_id),
+                                lambda column: gather_object(list(column)))
+
+    def _gather_tensor(self, name: str, value: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+        dtype = value.dtype
+        if dtype == torch.bool:  # not every backend gathers bool
+            value = value.to(torch.uint8)
+        if value.dim() == 2:
+            pad = pad_token_id if name.endswith("_ids") and name != "group_ids" else 0
+            value = self.accelerator.pad_across_processes(value, dim=1, pad_index=pad, pad_first=name.startswith("prompt_"))
+        return self.accelerator.gather(value.contiguous()).to(dtype)
+
+    def local_rows(self, whole: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a tensor of the global batch, cut back to its own [B, R] width."""
+        rows = local.shape[0]
+        part = whole[self.index * rows:(self.index + 1) * rows]
+        return part[:, :local.shape[1]] if local.dim() == 2 else part
+
+    def gather_objects(self, value) -> list:
+        """[value of process 0, value of process 1, ...] on every process."""
+        if self.count == 1:
+            return [value]
+        return gather_object([value])
+
+    def wait(self) -> None:
+        """Every process reaches this point before any goes on."""
+        self.accelerator.wait_for_everyone()
+
+    def close(self) -> None:
+        """At the end of a run: wait for every process, then take the process group down (a gloo
+        thread still running when the interpreter exits aborts it)."""
+        if self.count > 1:
+            self.wait()
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,77 @@
+"""A per-process memory estimate for `rlkit check`, from the model's shape and the recipe's sizes.
+
+Peak = weights + gradients + optimiser state + the largest of the three stages' working memory:
+generation (KV cache and the sampled steps' logits), the no-grad forward passes (policy and
+reference logits) and the update (activations of one micro-batch). Under DDP every process holds
+all of it; nothing is sharded. The activation terms follow Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models"): per layer and token about 34·h bytes at
+16 bits plus 5·heads·tokens bytes of attention scores; with gradient checkpointing a layer keeps
+only its input. benchmarks/README.md compares the estimate with measured peaks.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+MiB = 2**20
+
+
+@attrs.frozen
+class ModelShape:
+    parameters: int  # every weight the policy holds (the base, with LoRA)
+    trainable: int  # what the optimiser updates (the adapters, with LoRA)
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    weight_bytes: int  # bytes per weight in policy.dtype
+    reference_copy: bool  # a frozen copy of the weights for the reference (no LoRA)
+
+
+@attrs.frozen
+class Workload:
+    micro_batch: int  # rollouts per micro-batch in one process
+    forward_batch: int  # rollouts per no-grad forward pass
+    generate_batch: int  # prompts per generate call
+    prompt_tokens: int
+    response_tokens: int
+    checkpointing: bool
+    mixed_precision: str  # "no", "bf16" or "fp16"
+
+
+def estimate(shape: ModelShape, work: Workload) -> dict[str, int]:
+    """Bytes per process, by part; "peak" is the sum of the resident parts and the largest stage."""
+    s = shape
+    tokens = work.prompt_tokens + work.response_tokens
+    act = 2 if work.mixed_precision != "no" else s.weight_bytes  # bytes per activation value
+    weights = s.parameters * s.weight_bytes * (2 if s.reference_copy else 1)
+    gradients = s.trainable * s.weight_bytes
+    optimiser = 2 * s.trainable * s.weight_bytes  # AdamW's two moments, in the weights' dtype
+
+    def per_layer(rows: int) -> int:  # saved for backward by one layer, Korthikanti et al. scaled to `act` bytes
+        return rows * tokens * s.hidden * (34 + 5 * s.heads * tokens // s.hidden) * act // 2
+
+    m = work.micro_batch
+    stored = m * tokens * s.hidden * act * s.layers + per_layer(m) if work.checkpointing else per_layer(m) * s.layers
+    # the logits of every position and the float32 scaled copy and log-softmax of the response
+    # positions, each with its gradient at the start of the backward pass
+    head = 2 * m * tokens * s.vocab * act + 4 * m * work.response_tokens * s.vocab * 4
+    f = work.forward_batch
+    forward = 2 * f * tokens * s.vocab * act + 2 * f * work.response_tokens * s.vocab * 4  # policy and reference
+    g = work.generate_batch
+    generate = 2 * s.layers * g * tokens * s.hidden * act + g * work.response_tokens * s.vocab * 4  # KV cache, step logits
+    stages = {"update": stored + head, "forward": forward, "generate": generate}
+    return {"weights": weights, "gradients": gradients, "optimiser": optimiser, **stages,
+            "peak": weights + gradients + optimiser + max(stages.values())}
+
+
+def describe(parts: dict[str, int]) -> list[str]:
+    """The estimate as plan lines, in MiB."""
+    largest = max(("update", "forward", "generate"), key=parts.get)
+    return [
+        f"about {parts['peak'] / MiB:,.0f} MiB per process at the peak ({largest} stage), before framework overhead:",
+        f"  weights {parts['weights'] / MiB:,.0f}, gradients {parts['gradients'] / MiB:,.0f}, "
+        f"optimiser state {parts['optimiser'] / MiB:,.0f} MiB",
+        f"  working memory: update {parts['update'] / MiB:,.0f} (one micro-batch), "
+        f"forward {parts['forward'] / MiB:,.0f}, generate {parts['generate'] / MiB:,.0f} MiB",
+    ]

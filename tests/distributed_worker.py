@@ -1,0 +1,58 @@
+"""Run by tests/test_distributed.py, as one process or under `torchrun --nproc_per_node 2`:
+
+1. every process draws the same global rollout batch (same seed everywhere), keeps its share,
+   and trains on it once: the weights must be identical on every process and equal those of one
+   process that trained on the whole batch;
+2. an ordinary iteration, after which every process must hold the same weights again.
+
+Writes `<out>/result-<processes>.json` from the main process: the flat weights before and after step 1, the
+update's metrics, and whether the weights agreed everywhere after each of the two.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from rlkit_core.plugins import load_registry
+from rlkit_core.recipe import parse_recipe
+from rlkit_core.trainer import Trainer
+
+
+def flat_weights(trainer) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in trainer.parameters])
+
+
+def same_everywhere(trainer) -> bool:
+    weights = trainer.processes.gather_objects(flat_weights(trainer))
+    return all(torch.equal(weights[0], w) for w in weights)
+
+
+def main(document_path: str, out: str) -> None:
+    document = json.loads(Path(document_path).read_text())
+    trainer = Trainer(parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"})))
+    processes = trainer.processes
+
+    start = flat_weights(trainer)
+    torch.manual_seed(1234)  # the same global batch in every process
+    whole, _ = trainer.rollout(trainer.stream.batch(0))
+    rows = len(whole) // processes.count
+    mine = whole.select(torch.arange(processes.index * rows, (processes.index + 1) * rows))
+    update_metrics = trainer.train_on(trainer.evaluate(mine))
+    weights = flat_weights(trainer)
+    agreed = [same_everywhere(trainer)]
+
+    trainer.step()
+    agreed.append(same_everywhere(trainer))
+    if processes.is_main:
+        result = {"start": start.tolist(), "weights": weights.tolist(), "metrics": update_metrics, "agreed": agreed}
+        Path(out, f"result-{processes.count}.json").write_text(json.dumps(result))
+    processes.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+    sys.stdout.flush()
+    os._exit(0)  # as `rlkit run` does under several processes (see rlkit_core/cli.py)
