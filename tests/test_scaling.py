@@ -70,11 +70,13 @@ def test_two_process_run_writes_once_and_resumes_exactly(recipe_document, write_
     output_dir = tmp_path / "run"
     recipe_document["run"].update({"output_dir": str(output_dir), "checkpoint_every": 1})
     recipe_document["tracker"] = {"type": "mlflow", "uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    recipe_document["eval"] = {"size": 8, "every": 1, "greedy": False}  # sampled: it draws random numbers too
     recipe = write_recipe(recipe_document)
     torchrun(rlkit_script(), "run", recipe, "--quiet")
 
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["iteration"] for row in rows] == [1, 2]
+    assert [row["iteration"] for row in rows] == [0, 1, 2]  # the held-out evaluation before training, then each iteration
+    assert all("eval/kl" in row for row in rows)
     assert sorted(p.name for p in (output_dir / "checkpoints").iterdir()) == ["iter_000001", "iter_000002"]
     meta = json.loads((output_dir / "checkpoints" / "iter_000002" / "meta.json").read_text())
     assert meta["processes"] == 2
