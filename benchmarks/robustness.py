@@ -67,7 +67,7 @@ def control_document(seed: int, folder: Path, steps: int) -> dict:
     }
 
 
-TASKS = {"summarize": (summarize_document, 0), "control": (control_document, 30)}  # 0: the recipe's own
+TASKS = {"summarize": (summarize_document, 0), "control": (control_document, 200)}  # 0: the recipe's own
 
 
 def figures(task: str, history: list[dict]) -> dict[str, float]:
