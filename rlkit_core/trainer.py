@@ -23,6 +23,7 @@ from rlkit_core.batch import RolloutBatch
 from rlkit_core.context import BuildContext
 from rlkit_core.distributed import Processes, TrainableModules, combined_by_max, sampling_seed
 from rlkit_core.errors import RunError
+from rlkit_core.evaluation import hold_out
 from rlkit_core.functional import (
     entropy_from_logits,
     explained_variance,
@@ -34,7 +35,6 @@ from rlkit_core.functional import (
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.prompt_stream import PromptStream
-from rlkit_core.evaluation import hold_out
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts
 from rlkit_core.randomness import seeded_generator
 from rlkit_core.recipe import Recipe
