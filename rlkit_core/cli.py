@@ -94,16 +94,8 @@ def _cmd_run(args) -> int:
     from rlkit_core.plugins import load_registry
     from rlkit_core.recipe import load_recipe
     from rlkit_core.run import run_recipe
-    from rlkit_core.schema import launched_processes
-
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)
-    run_recipe(recipe, quiet=args.quiet, resume=args.resume, overwrite=args.overwrite)
-    if launched_processes() > 1:
-        # Everything is written and the process group is down, but its C++ threads can still abort
-        # the interpreter's teardown (SIGABRT, and the launcher reports a failed run): leave now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    run_recipe(recipe, quiet=args.quiet, resume=args.resume, overwrite=args.overwrite)  # several processes end inside it
     return 0
 
 

@@ -117,7 +117,7 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
         after = trainer.sample_responses(_sample_records(trainer), greedy=True)
         samples = [{**before, "after": a} for before, a in zip(samples_before, after)]
         print_report(history, samples, trainer.metrics_log.path, final_checkpoint, tracker, out=out)
-    trainer.processes.close()
+    trainer.processes.exit_together()  # with several processes, this process ends here
     return history
 
 

@@ -10,7 +10,6 @@ update's metrics, and whether the weights agreed everywhere after each of the tw
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -49,10 +48,8 @@ def main(document_path: str, out: str) -> None:
     if processes.is_main:
         result = {"start": start.tolist(), "weights": weights.tolist(), "metrics": update_metrics, "agreed": agreed}
         Path(out, f"result-{processes.count}.json").write_text(json.dumps(result))
-    processes.close()
+    processes.exit_together()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    sys.stdout.flush()
-    os._exit(0)  # as `rlkit run` does under several processes (see rlkit_core/cli.py)
