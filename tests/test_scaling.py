@@ -38,14 +38,19 @@ def rlkit_script() -> str:
     return str(Path(sys.executable).with_name("rlkit"))
 
 
-@pytest.fixture(params=["full", "lora-separate-critic-accumulating"])
-def two_process_document(request, recipe_document, tiny_reward_model):
+@pytest.fixture(params=["full", "lora-separate-critic-accumulating", "padless-gpt2-separate-critic"])
+def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
     # one minibatch per epoch: one process's minibatch of 16 is two processes' minibatches of 8
     recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16})
     if request.param == "lora-separate-critic-accumulating":  # DDP's no_sync and the global token count together
         recipe_document["ppo"]["gradient_accumulation_steps"] = 2
         recipe_document["policy"]["lora_r"] = 4
         recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
+    if request.param == "padless-gpt2-separate-critic":  # an added, suppressed PAD and a critic that never sees it
+        from rlkit_core.offline_models import write_tiny_classifier, write_tiny_lm
+
+        recipe_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
+        recipe_document["value_head"] = {"type": "separate", "model": str(write_tiny_classifier(tmp_path / "critic", "gpt2"))}
     return recipe_document
 
 
