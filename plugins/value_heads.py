@@ -53,17 +53,21 @@ def policy_tokenizer_name(recipe) -> str:
     return getattr(config, "tokenizer", "") or getattr(config, "model", "")
 
 
-def critic_vocabulary_problem(policy_tokenizer, critic_tokenizer, critic_rows: int, added: tuple[str, ...]) -> str | None:
-    """Why a separate critic cannot read the policy's token ids, or None. A critic without its own
-    tokenizer files is checked by size alone."""
+def critic_vocabulary_problem(model: str, policy_tokenizer, critic_tokenizer, critic_rows: int) -> str | None:
+    """The located reason a separate critic cannot read the policy's token ids, or None. rlkit's
+    PAD does not count (the critic never sees it); a critic without tokenizer files is checked by
+    size alone."""
+    reason = None
     if critic_tokenizer is not None:
-        mismatch = vocabulary_mismatch(policy_tokenizer, critic_tokenizer, ignore=added)
-        if mismatch:
-            return f"its vocabulary is not the policy's ({mismatch})"
-    needed = len(policy_tokenizer) - len(added)
-    if critic_rows < needed:
-        return f"its embedding table has {critic_rows} rows but the policy's tokenizer has {needed} tokens"
-    return None
+        mismatch = vocabulary_mismatch(policy_tokenizer, critic_tokenizer, ignore=(PAD_TOKEN,))
+        reason = mismatch and f"its vocabulary is not the policy's ({mismatch})"
+    needed = len(policy_tokenizer) - (PAD_TOKEN in policy_tokenizer.get_vocab())
+    if not reason and critic_rows < needed:
+        reason = f"its embedding table has {critic_rows} rows but the policy's tokenizer has {needed} tokens"
+    if not reason:
+        return None
+    return (f"$.value_head.model: {model!r}: {reason}; start the critic from a model with the policy's tokenizer, "
+            "or use value_head.type = 'shared'")
 
 
 class SeparateValueHead(ValueHead):
@@ -75,7 +79,6 @@ class SeparateValueHead(ValueHead):
     def __init__(self, config: SeparateValueConfig, context):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-
         try:
             self.model = AutoModelForSequenceClassification.from_pretrained(config.model, num_labels=1)
         except OSError as exc:
@@ -85,10 +88,9 @@ class SeparateValueHead(ValueHead):
         except (OSError, ValueError):
             critic_tokenizer = None
         rows = self.model.get_input_embeddings().num_embeddings
-        problem = critic_vocabulary_problem(context.policy.tokenizer, critic_tokenizer, rows, (PAD_TOKEN,))
+        problem = critic_vocabulary_problem(config.model, context.policy.tokenizer, critic_tokenizer, rows)
         if problem:
-            raise RecipeError([f"$.value_head.model: {config.model!r}: {problem}; start the critic from a model with the "
-                               "policy's tokenizer, or use value_head.type = 'shared'"])
+            raise RecipeError([problem])
         self.score = getattr(self.model, "score", None)
         if not isinstance(self.score, torch.nn.Linear):
             raise RecipeError([f"$.value_head.model: {config.model!r} has no linear `score` head to read per token; "
@@ -103,7 +105,6 @@ class SeparateValueHead(ValueHead):
     @staticmethod
     def check(config: SeparateValueConfig, recipe) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check`: the critic's tokenizer against the policy's."""
-
         problems, notes = [], []
         policy_name = policy_tokenizer_name(recipe)
         if not policy_name:
@@ -111,10 +112,9 @@ class SeparateValueHead(ValueHead):
         policy_tokenizer = check_tokenizer(policy_name, "$.policy.model", problems, notes)
         critic_tokenizer = check_tokenizer(config.model, "$.value_head.model", problems, notes)
         if policy_tokenizer is not None and critic_tokenizer is not None:
-            problem = critic_vocabulary_problem(policy_tokenizer, critic_tokenizer, len(critic_tokenizer), (PAD_TOKEN,))
+            problem = critic_vocabulary_problem(config.model, policy_tokenizer, critic_tokenizer, len(critic_tokenizer))
             if problem:
-                problems.append(f"$.value_head.model: {config.model!r}: {problem}; start the critic from a model with the "
-                                "policy's tokenizer, or use value_head.type = 'shared'")
+                problems.append(problem)
         return problems, notes
 
     def values(self, policy_output, input_ids, attention_mask, position_ids):
