@@ -332,3 +332,20 @@ def test_check_names_a_reward_model_tokenizer_that_cannot_be_loaded(recipe_docum
                                                                 "tokenizer": tokenizer}), registry)
         with pytest.raises(RecipeError, match=message):
             describe_plan(recipe)
+
+
+def test_held_out_evaluation_on_chat_prompts_with_two_end_ids(recipe_document, registry, chat_lm, gpt2_classifier, chat_prompts, tmp_path):
+    import math
+
+    from rlkit_core.run import run_recipe
+
+    doc = document(recipe_document, policy={"model": str(chat_lm)},
+                   reward={"type": "reward-model", "model": str(gpt2_classifier)},
+                   data={"path": str(chat_prompts)}, ppo={"batch_size": 8, "minibatch_size": 4},
+                   eval={"size": 4, "greedy": False})
+    history = run_recipe(parse_recipe(doc, registry), quiet=True, out=open(os.devnull, "w"))
+    evaluations = [h for h in history if "eval/score" in h]
+    assert [h["iteration"] for h in evaluations] == [0, 2]
+    assert all(math.isfinite(h["eval/score"]) and math.isfinite(h["eval/kl"]) for h in evaluations)
+    samples = json.loads((tmp_path / "run" / "samples_before.json").read_text())
+    assert samples[0]["prompt"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")  # rendered with the template
