@@ -128,8 +128,8 @@ class Trainer:
 
         Entropy keeps its graph only when the loss optimises it; otherwise it is a detached
         diagnostic, so no [b, R, V] buffers are held for a backward that never uses them."""
-        out = self.policy.forward(*sequence)
-        logits = self._at_response(out.logits, batch)
+        out = self.policy.forward(*sequence, start=batch.prompt_length - 1)
+        logits = out.logits[:, :-1]  # positions P-1 .. L-2: the ones that predict the response
         temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
         logprobs = logprobs_from_logits(logits, batch.response_ids, temperature, suppressed)
         values = None
@@ -155,7 +155,7 @@ class Trainer:
             sequence = part.sequence()
             with self.accelerator.autocast():
                 logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
-                ref_logits = self._at_response(self.policy.reference_logits(*sequence), part)
+                ref_logits = self.policy.reference_logits(*sequence, start=part.prompt_length - 1)[:, :-1]
             ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature, suppressed)
             full = ppo.kl_estimator == "full"
             pieces["kl"].append(kl_per_token(logprobs, ref_logprobs, ppo.kl_estimator, logits if full else None,
