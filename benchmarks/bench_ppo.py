@@ -13,7 +13,8 @@ no early stop; reward = count of the byte "e"; PPO 4 epochs, minibatch 16, lr 1e
 Prompts are printable ASCII (one token per byte, like the peer's ids 3..258) because rlkit's
 prompt sources carry text; the work per iteration is the same.
 
-Besides the time per iteration it prints the time of each phase (generate, score, forward = old,
+Besides the time per iteration (wall clock, and the CPU time of this process: on a machine
+shared with other work the CPU time is the steadier figure at one thread) it prints the time of each phase (generate, score, forward = old,
 reference and value passes, train, tracking = everything after the update: metrics, metrics.jsonl),
 the peak resident memory, an estimate of the FLOPs one iteration needs (`flops_per_iteration`) and
 the FLOP rate achieved, and the floor: those FLOPs at the peak rate of a large matrix multiply
@@ -91,7 +92,7 @@ def iteration_flops(config, batch: int, prompt: int, response: int, epochs: int)
     }
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
     """FLOP/s of the fastest of `repeats` square matrix multiplies: the floor's rate."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
@@ -167,12 +168,13 @@ def main() -> None:
         trainer = Trainer(recipe)
         history = []
         for _ in range(args.steps):
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             metrics = trainer.step()
             stepped = time.perf_counter()
             trainer.metrics_log.append(trainer.iteration, metrics)
             # tracking: the step's bookkeeping after the update, and writing metrics.jsonl
             metrics["time/tracking"] = (stepped - started - metrics["time/iteration"]) + (time.perf_counter() - stepped)
+            metrics["time/cpu"] = time.process_time() - cpu_started
             history.append(metrics)
         if args.profile:
             print(profile_table(trainer, args.profile), file=sys.stderr)
@@ -200,6 +202,7 @@ def main() -> None:
         "steps": args.steps,
         "seconds_per_iteration": round(per_iteration, 3),
         "response_tokens_per_second": round(args.batch * args.response_len / per_iteration, 1),
+        "cpu_seconds_per_iteration": round(statistics.median(h["time/cpu"] for h in steady), 3),
         "seconds_in": {phase: round(seconds, 4) for phase, seconds in phases.items()},
         "tokens_per_second_in": {phase: round(tokens[phase] / phases[phase], 1) for phase in tokens},
         "flops_per_iteration": {phase: f"{value:.3e}" for phase, value in flops.items()} | {"total": f"{total_flops:.3e}"},

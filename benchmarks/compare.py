@@ -8,7 +8,9 @@ Runs `bench_ppo.py` (this interpreter) and `peer/trl_classic.py` (the peer's int
 turns, each in a fresh process, swapping which goes first every round so that a change in the
 machine's load falls on both alike. Prints every run with the load average before it, then the
 median seconds per iteration of each system and the ratio of the medians (peer / rlkit: above 1,
-rlkit is faster), and rlkit's median ratio to the compute floor, measured in its own runs.
+rlkit is faster), the same for the CPU time of each process (steadier than the wall clock when
+other work shares the cores, at one thread), and rlkit's median ratio to the compute floor,
+measured in its own runs.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def main() -> None:
         "peer": [args.peer_python, str(HERE / "peer" / "trl_classic.py"), *shape],
     }
     results = {"rlkit": [], "peer": []}
-    print(f"{'run':>3}  {'system':<6} {'load':>5}  {'s/iter':>7}  {'tokens/s':>8}  phases (s)", flush=True)
+    print(f"{'run':>3}  {'system':<6} {'load':>5}  {'s/iter':>7}  {'cpu s':>7}  {'tokens/s':>8}  phases (s)", flush=True)
     for number in range(args.rounds):
         order = ("rlkit", "peer") if number % 2 == 0 else ("peer", "rlkit")
         for system in order:
@@ -60,15 +62,19 @@ def main() -> None:
             result["load_before"] = load
             results[system].append(result)
             phases = " ".join(f"{name} {seconds:.2f}" for name, seconds in result["seconds_in"].items())
-            print(f"{number + 1:>3}  {system:<6} {load:>5.2f}  {result['seconds_per_iteration']:>7.3f}  "
+            print(f"{number + 1:>3}  {system:<6} {load:>5.2f}  {result['seconds_per_iteration']:>7.3f}  {result['cpu_seconds_per_iteration']:>7.3f}  "
                   f"{result['response_tokens_per_second']:>8.1f}  {phases}", flush=True)
 
     median = {system: statistics.median(r["seconds_per_iteration"] for r in rows) for system, rows in results.items()}
+    cpu = {system: statistics.median(r["cpu_seconds_per_iteration"] for r in rows) for system, rows in results.items()}
     summary = {
         "rounds": args.rounds, "steps": args.steps, "batch": args.batch, "response_len": args.response_len, "threads": args.threads,
         "rlkit_seconds_per_iteration": median["rlkit"],
         "peer_seconds_per_iteration": median["peer"],
         "speedup_over_peer": round(median["peer"] / median["rlkit"], 3),
+        "rlkit_cpu_seconds_per_iteration": cpu["rlkit"],
+        "peer_cpu_seconds_per_iteration": cpu["peer"],
+        "cpu_speedup_over_peer": round(cpu["peer"] / cpu["rlkit"], 3),
         "rlkit_ratio_to_floor": statistics.median(r["ratio_to_floor"] for r in results["rlkit"]),
         "rlkit_phase_medians": {phase: round(statistics.median(r["seconds_in"][phase] for r in results["rlkit"]), 4)
                                 for phase in results["rlkit"][0]["seconds_in"]},
@@ -79,6 +85,8 @@ def main() -> None:
     }
     print(f"median s/iteration: rlkit {median['rlkit']:.3f}, peer {median['peer']:.3f}; "
           f"rlkit is {summary['speedup_over_peer']:.2f}x the peer's speed; rlkit / floor {summary['rlkit_ratio_to_floor']:.2f}")
+    print(f"median CPU s/iteration: rlkit {cpu['rlkit']:.3f}, peer {cpu['peer']:.3f}; "
+          f"{summary['cpu_speedup_over_peer']:.2f}x in CPU time (the steadier figure on a shared machine at one thread)")
     print(json.dumps(summary))
 
 

@@ -54,8 +54,8 @@ class PPOClip(Loss):
             terms["value_clipfrac"] = vf["clipfrac"]
         if self.config.entropy_coef:
             terms["loss_entropy"] = -self.config.entropy_coef * masked_sum(current.entropy, mask) / token_count
-        exploded = bool(self.config.ratio_threshold) and float(pg["ratio_mean"]) > self.config.ratio_threshold
-        terms["skipped"] = torch.tensor(float(exploded))
+        threshold = self.config.ratio_threshold or float("inf")
+        terms["skipped"] = (pg["ratio_mean"] > threshold).float()  # a tensor: the loop reads it once per step
         return terms
 
 

@@ -80,7 +80,8 @@ class Trainer:
         if self.value_head is not None:
             groups.append({"params": list(self.value_head.parameters()), "lr": optim.value_learning_rate or optim.learning_rate})
         self.parameters = [p for g in groups for p in g["params"]]
-        optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps)
+        # fused: one kernel for all parameters (2 ms a step instead of 10 on the benchmark shape's CPU), same update
+        optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps, fused=self.device.type in ("cpu", "cuda"))
         # The schedule stays outside `prepare`: accelerate would step it once per process.
         self.trainable, self.optimizer = self.accelerator.prepare(TrainableModules(self.policy, self.value_head), optimizer)
         updates = run.steps * ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
@@ -202,7 +203,7 @@ class Trainer:
         shuffler = seeded_generator(self.recipe.run.seed, self.iteration)
         per_process = ppo.minibatch_size // self.processes.count
         micro_size = per_process // ppo.gradient_accumulation_steps
-        sums, count = defaultdict(float), 0
+        per_step, count = defaultdict(list), 0  # each step's terms stay tensors: one read from the device at the end
         self.trainable.train()  # gradient checkpointing acts in training mode only; dropout is off
         for _ in range(ppo.epochs):
             for index in torch.randperm(len(batch), generator=shuffler).to(self.device).split(per_process):
@@ -227,11 +228,12 @@ class Trainer:
                     self.optimizer.step()
                 self.scheduler.step()
                 for name, value in terms.items():
-                    sums[f"train/{name}"] += float(value)
-                sums["train/grad_norm"] += float(grad_norm)
+                    per_step[f"train/{name}"].append(value)
+                per_step["train/grad_norm"].append(torch.as_tensor(grad_norm))
                 count += 1
         self.trainable.eval()
-        metrics = {name: value / count for name, value in sums.items()}
+        read = iter(torch.stack([value.to(self.device, torch.float64) for values in per_step.values() for value in values]).tolist())
+        metrics = {name: sum(next(read) for _ in values) / count for name, values in per_step.items()}
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 

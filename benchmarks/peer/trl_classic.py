@@ -12,7 +12,8 @@ minibatch 16, lr 1e-4, adaptive KL (0.05, target 6, horizon 10000), γ 1, λ 0.9
 vf_coef 0.1. TRL's value head sits on the policy's trunk, as rlkit's `shared` head does.
 
 The time of an iteration runs from the call that samples to the end of `step` (TRL's whole
-update, statistics included); the figure is the median over the iterations after the first.
+update, statistics included), on the wall clock and in this process's CPU time; each figure is the
+median over the iterations after the first.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def main() -> None:
     rows = []
     for _ in range(args.steps):
         queries = list(torch.randint(3, 259, (args.batch, args.prompt_len)))
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         responses = trainer.generate(queries, return_prompt=False, batch_size=args.batch, **sampling)
         generated = time.perf_counter()
         scores = [(response == SCORED_BYTE).sum().float() for response in responses]
@@ -72,6 +73,7 @@ def main() -> None:
         finished = time.perf_counter()
         rows.append({
             "iteration": finished - started,
+            "cpu": time.process_time() - cpu_started,
             "generate": generated - started,
             "forward": stats["time/ppo/forward_pass"],
             "train": stats["time/ppo/optimize_step"],
@@ -88,6 +90,7 @@ def main() -> None:
         "steps": args.steps,
         "seconds_per_iteration": round(per_iteration, 3),
         "response_tokens_per_second": round(args.batch * args.response_len / per_iteration, 1),
+        "cpu_seconds_per_iteration": round(statistics.median(row["cpu"] for row in steady), 3),
         "seconds_in": {phase: round(statistics.median(row[phase] for row in steady), 4) for phase in ("generate", "forward", "train")},
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "mean_score_first_last": [round(rows[0]["score"], 3), round(rows[-1]["score"], 3)],
