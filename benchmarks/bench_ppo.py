@@ -18,7 +18,9 @@ shared with other work the CPU time is the steadier figure at one thread) it pri
 reference and value passes, train, tracking = everything after the update: metrics, metrics.jsonl),
 the peak resident memory, an estimate of the FLOPs one iteration needs (`flops_per_iteration`) and
 the FLOP rate achieved, and the floor: those FLOPs at the peak rate of a large matrix multiply
-timed in the same process (`floor_seconds`, `ratio_to_floor`).
+timed in the same process (`floor_seconds`, `ratio_to_floor`), and the same in CPU time
+(`cpu_ratio_to_floor`: CPU seconds per iteration over the CPU seconds the matmul needs for those
+FLOPs), which other work on the machine disturbs far less.
 """
 
 from __future__ import annotations
@@ -92,20 +94,22 @@ def iteration_flops(config, batch: int, prompt: int, response: int, epochs: int)
     }
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
-    """FLOP/s of the fastest of `repeats` square matrix multiplies: the floor's rate."""
+def matmul_peak(device: torch.device, dtype: torch.dtype, repeats: int = 3) -> tuple[float, float]:
+    """(FLOP per wall second, FLOP per CPU second of this process) of the fastest of `repeats`
+    square matrix multiplies: the floor's rates. 2048² is near a CPU's best; a GPU needs 8192²."""
+    size = 8192 if device.type == "cuda" else 2048
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    best = float("inf")
+    wall = cpu = float("inf")
     for _ in range(repeats + 1):  # the first warms up
         if device.type == "cuda":
             torch.cuda.synchronize()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         a @ b
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - started)
-    return 2 * size**3 / best
+        wall, cpu = min(wall, time.perf_counter() - started), min(cpu, time.process_time() - cpu_started)
+    return 2 * size**3 / wall, 2 * size**3 / cpu
 
 
 def profile_table(trainer, rows: int) -> str:
@@ -185,8 +189,9 @@ def main() -> None:
     per_iteration = statistics.median(h["time/iteration"] + h["time/tracking"] for h in steady)
     phases = {phase: statistics.median(h[f"time/{phase}"] for h in steady) for phase in PHASES}
     flops = iteration_flops(model_config(args), args.batch, PROMPT_BYTES, args.response_len, 4)
-    total_flops, peak = sum(flops.values()), max(peaks)
+    total_flops, peak, cpu_peak = sum(flops.values()), max(p[0] for p in peaks), max(p[1] for p in peaks)
     floor = total_flops / peak
+    cpu_per_iteration = statistics.median(h["time/cpu"] for h in steady)
     cuda = device.type == "cuda"
     tokens = {"generate": args.batch * args.response_len, "forward": 2 * args.batch * (PROMPT_BYTES + args.response_len),
               "train": 4 * args.batch * (PROMPT_BYTES + args.response_len)}
@@ -202,7 +207,7 @@ def main() -> None:
         "steps": args.steps,
         "seconds_per_iteration": round(per_iteration, 3),
         "response_tokens_per_second": round(args.batch * args.response_len / per_iteration, 1),
-        "cpu_seconds_per_iteration": round(statistics.median(h["time/cpu"] for h in steady), 3),
+        "cpu_seconds_per_iteration": round(cpu_per_iteration, 3),
         "seconds_in": {phase: round(seconds, 4) for phase, seconds in phases.items()},
         "tokens_per_second_in": {phase: round(tokens[phase] / phases[phase], 1) for phase in tokens},
         "flops_per_iteration": {phase: f"{value:.3e}" for phase, value in flops.items()} | {"total": f"{total_flops:.3e}"},
@@ -211,6 +216,7 @@ def main() -> None:
         "matmul_peak_tflops": round(peak / 1e12, 4),
         "floor_seconds": round(floor, 3),
         "ratio_to_floor": round(per_iteration / floor, 2),
+        "cpu_ratio_to_floor": None if cuda else round(cpu_per_iteration / (total_flops / cpu_peak), 2),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "mean_score_first_last": [round(history[0]["score/mean"], 3), round(history[-1]["score/mean"], 3)],
         "check_logprob_gap": round(statistics.median(h["check/logprob_gap"] for h in steady), 5),
