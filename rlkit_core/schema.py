@@ -5,6 +5,7 @@ Component tables (`[policy]`, `[kl]`, ...) are described by their plugins' own c
 """
 
 import os
+from pathlib import Path
 
 import attrs
 
@@ -137,6 +138,22 @@ def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
                                                              f"policy.dtype = {policy_config.dtype!r}; set policy.dtype = 'float32', "
                                                              "or run.mixed_precision = 'no' for pure low-precision weights"))
     return problems
+
+
+def output_dir_problems(run: RunConfig) -> list[Problem]:
+    """An output_dir that cannot hold a run, found before anything is written: a file in its place
+    or on its way, or a folder this user may not write in."""
+    path = Path(run.output_dir)
+    existing = path
+    while not existing.exists():  # the nearest part of the path that is there ("." at the latest)
+        existing = existing.parent
+    fix = "pick another folder: --set run.output_dir=PATH"
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"cannot be made: {str(existing)!r} on its path is a file"
+        return [Problem("$.run.output_dir", f"{str(path)!r} {where}, not a folder; {fix}")]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [Problem("$.run.output_dir", f"{str(existing)!r} is not writable by this user; {fix}")]
+    return []
 
 
 def launched_processes() -> int:
