@@ -22,6 +22,7 @@ import queue
 import subprocess
 import threading
 import time
+import urllib.parse
 from collections import deque
 from pathlib import Path
 
@@ -125,6 +126,9 @@ class MLflowTracker(Tracker):
         store to (an unknown scheme, a local store in a folder that is not there). Connects to
         nothing and creates nothing."""
         uri = _absolute_sqlite(config.uri)
+        if urllib.parse.urlsplit(uri).password is not None:
+            return ["$.tracker.uri: holds a password, and the recipe is logged with the run; put the credentials in the "
+                    "environment instead (MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN)"], []
         if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).parent.is_dir():
             folder = Path(uri[len("sqlite:///"):]).parent
             return [f"$.tracker.uri: {config.uri!r} puts the store in {str(folder)!r}, which is not a folder; "

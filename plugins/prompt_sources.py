@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 
@@ -95,6 +96,14 @@ class JsonlPrompts(PromptSource):
 class HFDatasetPrompts(PromptSource):
     def __init__(self, config: HFDatasetConfig, context=None):
         self.config = config
+
+    @staticmethod
+    def check(config: HFDatasetConfig, recipe) -> tuple[list[str], list[str]]:
+        """(problems, notes) of `rlkit check` and the start of `rlkit run`: every local data file is
+        there (`datasets` would otherwise fail only after setting up its cache)."""
+        missing = [pattern for pattern in config.data_files if "://" not in pattern and not glob.glob(pattern)]
+        return [f"$.data.data_files: no file matches {pattern!r} (relative paths start at the working directory)"
+                for pattern in missing], []
 
     def load(self):
         try:

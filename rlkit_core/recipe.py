@@ -86,12 +86,26 @@ def _strict(expected: type, words: str):
     return structure
 
 
-def make_converter() -> cattrs.Converter:
+def _scalars() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True)
     converter.register_structure_hook(int, _strict(int, "an integer"))
     converter.register_structure_hook(float, _strict(float, "a number"))
     converter.register_structure_hook(str, _strict(str, "a string"))
     converter.register_structure_hook(bool, _strict(bool, "true or false"))
+    return converter
+
+
+def make_converter() -> cattrs.Converter:
+    """Strict about every value: cattrs alone would read 2.5 as the integer 2 and the string
+    "c_attn" as the list of its letters."""
+    converter, items = _scalars(), _scalars()  # `items` reads a list's or a table's contents once its kind is right
+    for origin, words in ((list, "an array ([...])"), (dict, "a table ({...})")):
+        def structure(value, cls, origin=origin, words=words):
+            if not isinstance(value, origin):
+                raise TypeError(f"expected {words}, got {value!r} ({type(value).__name__})")
+            return items.structure(value, cls)
+
+        converter.register_structure_hook_func(lambda t, origin=origin: typing.get_origin(t) is origin, structure)
     return converter
 
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import attrs
+import torch
 
 from rlkit_core.config import at_least, greater_than, one_of, setting
 from rlkit_core.errors import Problem
@@ -119,7 +120,7 @@ def batch_arithmetic_problems(ppo: PPOConfig, processes: int = 1) -> list[Proble
 def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
     """Combinations of recipe and launch that cannot work, each located, found before anything
     is built. `cuda`: whether this machine has a GPU."""
-    problems = []
+    problems = _device_problems(run.device, cuda)
     for engine in ("FSDP", "DEEPSPEED"):
         if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() in ("1", "true"):
             problems.append(Problem("launch", f"the accelerate config selects {engine}, which rlkit does not support yet (it "
@@ -153,6 +154,18 @@ def output_dir_problems(run: RunConfig) -> list[Problem]:
         return [Problem("$.run.output_dir", f"{str(path)!r} {where}, not a folder; {fix}")]
     if not os.access(existing, os.W_OK | os.X_OK):
         return [Problem("$.run.output_dir", f"{str(existing)!r} is not writable by this user; {fix}")]
+    return []
+
+
+def _device_problems(device: str, cuda: bool) -> list[Problem]:
+    if device == "auto":
+        return []
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        return [Problem("$.run.device", f"{device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'")]
+    if kind == "cuda" and not cuda:
+        return [Problem("$.run.device", f"{device!r} but torch sees no GPU here; use 'auto' or 'cpu'")]
     return []
 
 
