@@ -15,7 +15,7 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, one_of, setting
 from rlkit_core.errors import RecipeError
-from rlkit_core.hf_loading import check_tokenizer, load_problem, settle_pad
+from rlkit_core.hf_loading import LOAD_ERRORS, check_tokenizer, load_problem, settle_pad
 from rlkit_core.interfaces import Policy, PolicyOutput
 from rlkit_core.randomness import switch_off_dropout
 
@@ -73,7 +73,7 @@ class HFPolicy(Policy):
             raise RecipeError([load_problem(config.tokenizer or config.model, where, "a tokenizer", exc)]) from None
         try:
             base = AutoModelForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code)
-        except (OSError, ValueError) as exc:
+        except LOAD_ERRORS as exc:
             raise RecipeError([load_problem(config.model, "$.policy.model", "a causal language model", exc)]) from None
         self.eos_token_ids = end_token_ids(self.tokenizer, base.generation_config, config.end_tokens)
         if settle_pad(self.tokenizer, self.eos_token_ids):

@@ -16,7 +16,7 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, greater_than, setting
 from rlkit_core.errors import RecipeError, RunError
-from rlkit_core.hf_loading import check_tokenizer, load_problem
+from rlkit_core.hf_loading import LOAD_ERRORS, check_tokenizer, load_problem
 from rlkit_core.interfaces import RewardSource
 from rlkit_core.randomness import switch_off_dropout
 
@@ -202,7 +202,7 @@ class RewardModel(RewardSource):
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
             self.model = AutoModelForSequenceClassification.from_pretrained(config.model)
-        except (OSError, ValueError) as exc:
+        except LOAD_ERRORS as exc:
             raise RecipeError([load_problem(config.model, "$.reward.model", "a sequence classifier and its tokenizer", exc)]) from None
         rows = self.model.get_input_embeddings().num_embeddings
         if len(self.tokenizer) > rows:

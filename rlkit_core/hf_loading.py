@@ -10,11 +10,15 @@ and said to be unchecked, instead of failing the check.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from pathlib import Path
 
 
 PAD_TOKEN = "<|rlkit_pad|>"  # the PAD rlkit adds to a tokenizer that has none of its own
+# What transformers raises for a model or tokenizer it cannot load; UnpicklingError: a .bin weights
+# file that holds more than tensors (it is read with weights_only=True, so nothing in it runs).
+LOAD_ERRORS = (OSError, ValueError, pickle.UnpicklingError)
 
 
 def settle_pad(tokenizer, eos_token_ids) -> bool:
@@ -46,6 +50,9 @@ def load_problem(name: str, where: str, what: str, error: Exception | None = Non
     sentence instead of transformers' traceback."""
     if not Path(name).expanduser().exists() and (is_local(name) or not could_be_hub_name(name)):
         return f"{where}: no directory {name!r}; give a local model directory (relative paths start at the working directory) or a hub name"
+    if isinstance(error, pickle.UnpicklingError):
+        return (f"{where}: {name!r} has a pickled weights file that holds more than tensors; rlkit loads pickles only "
+                "as plain tensors (weights_only), so none of its code ran. Use a model saved as safetensors, or one you trust re-saved so")
     reason = f": {str(error).splitlines()[0]}" if error is not None else ""
     if Path(name).expanduser().exists():
         return f"{where}: cannot load {what} from {name!r}{reason}; give a transformers model folder (config.json, weights, tokenizer files)"
