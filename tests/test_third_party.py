@@ -29,9 +29,18 @@ version = "0.0.1"
 
 [project.entry-points.rlkit]
 broken-demo = "rlkit_broken_demo"
+typo-demo = "rlkit_typo_demo"
 
 [tool.setuptools]
-py-modules = ["rlkit_broken_demo"]
+py-modules = ["rlkit_broken_demo", "rlkit_typo_demo"]
+"""
+TYPO_MODULE = """\
+from rlkit_core import hookimpl
+
+
+@hookimpl
+def register_reward(register):  # misspelled: the hook is register_rewards
+    pass
 """
 BROKEN_ERROR = "this plugin needs acme-sdk: pip install acme-sdk"
 
@@ -135,19 +144,24 @@ def test_a_plugin_that_fails_to_import_is_named_and_the_rest_still_work(request,
     source.mkdir()
     (source / "pyproject.toml").write_text(BROKEN_PYPROJECT)
     (source / "rlkit_broken_demo.py").write_text(f"raise ImportError({BROKEN_ERROR!r})\n")
+    (source / "rlkit_typo_demo.py").write_text(TYPO_MODULE)
     install(request, source, "rlkit-broken-demo")
 
     listing = plugins_json(exit_code=1)
     assert listing["broken"]["broken-demo"] == f"import failed: ImportError: {BROKEN_ERROR}"
+    assert listing["broken"]["typo-demo"] == "hook 'register_reward' is not an rlkit hook; did you mean 'register_rewards'?"
     assert {"adaptive", "fixed"} <= component_names(listing, "kl_controller")
-    text = rlkit("plugins")  # the broken plugin heads the listing, and the command fails
+    text = rlkit("plugins")  # the broken plugins head the listing, and the command fails
     assert text.returncode == 1
-    assert text.stdout.startswith("BROKEN PLUGINS: 1 installed plugin(s) failed to load")
-    assert f"  broken-demo: import failed: ImportError: {BROKEN_ERROR}" in text.stdout.splitlines()[:3]
-    assert "RLKIT_PLUGINS=" in text.stdout.splitlines()[2]
-    assert "1 broken plugin(s): broken-demo" in text.stderr
-    left_out = rlkit("plugins", plugins="none")  # how to leave it out: it is not imported, so nothing is broken
-    assert left_out.returncode == 0 and "filtered out by RLKIT_PLUGINS='none' (not imported): broken-demo (rlkit-broken-demo 0.0.1)" in left_out.stdout
+    head = text.stdout.splitlines()[:4]
+    assert head[0] == "BROKEN PLUGINS: 2 installed plugin(s) failed to load; their components are missing below"
+    assert head[1:3] == [f"  broken-demo: import failed: ImportError: {BROKEN_ERROR}",
+                         "  typo-demo: hook 'register_reward' is not an rlkit hook; did you mean 'register_rewards'?"]
+    assert head[3].startswith("  fix or uninstall it, or leave it out: RLKIT_PLUGINS=")
+    assert "2 broken plugin(s): broken-demo, typo-demo" in text.stderr
+    left_out = rlkit("plugins", plugins="none")  # leaving them out: not imported, so nothing is broken
+    assert left_out.returncode == 0
+    assert "filtered out by RLKIT_PLUGINS='none' (not imported): broken-demo (rlkit-broken-demo 0.0.1)" in left_out.stdout
     with pytest.raises(RecipeError) as caught:  # what a recipe that needs a missing reward is told
         load_registry(environ={}).get("reward", "acme", "$.reward.type")
     assert f"plugins that failed to load: broken-demo (import failed: ImportError: {BROKEN_ERROR})" in str(caught.value)
