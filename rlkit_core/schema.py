@@ -165,7 +165,7 @@ def _device_problems(device: str, cuda: bool) -> list[Problem]:
     except (RuntimeError, ValueError):
         return [Problem("$.run.device", f"{device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'")]
     if kind == "cuda" and not cuda:
-        return [Problem("$.run.device", f"{device!r} but torch sees no GPU here; use 'auto' or 'cpu'")]
+        return [Problem("$.run.device", f"{device!r} needs a GPU, and torch sees none here; use 'auto' or 'cpu'")]
     return []
 
 

@@ -4,7 +4,9 @@ Every case must end with exit code 2, a message that names the place and the fix
 and the disk exactly as it was: the working directory, the files the recipe points at, the MLflow
 store and the caches (HOME, XDG_CACHE_HOME and HF_HOME point into the sandbox). Each case runs
 `rlkit check` and `rlkit run` through `rlkit_core.cli.main` in this process (the command's own
-code, without the start-up time); a sample runs the real command in a subprocess as well.
+code, without the start-up time); a sample runs the real command in a subprocess as well, which
+is also where the cache variables fully apply (libraries imported earlier in this process keep
+the values they read then).
 """
 
 from __future__ import annotations
