@@ -348,7 +348,7 @@ def load_recipe(path: str | Path, registry: Registry, overrides: list[str] = ())
     except FileNotFoundError:
         raise RecipeError([f"no recipe at {path}; check the path (recipes ship in the repository's recipes/ folder)"]) from None
     except OSError as exc:
-        raise RecipeError([f"cannot read {path}: {exc.strerror}"]) from None
+        raise RecipeError([f"cannot read {path}: {exc.strerror}; give the path of a TOML recipe file"]) from None
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

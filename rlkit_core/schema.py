@@ -93,7 +93,8 @@ def batch_arithmetic_problems(ppo: PPOConfig, processes: int = 1) -> list[Proble
                                 f"{ppo.samples_per_prompt}; use a multiple of {ppo.samples_per_prompt}"
         ))
     if ppo.minibatch_size > ppo.batch_size:
-        problems.append(Problem("$.ppo.minibatch_size", f"{ppo.minibatch_size} is larger than batch_size={ppo.batch_size}"))
+        problems.append(Problem("$.ppo.minibatch_size", f"{ppo.minibatch_size} is larger than batch_size={ppo.batch_size}; "
+                                                        f"use a divisor of {ppo.batch_size}"))
     elif ppo.batch_size % ppo.minibatch_size:
         problems.append(Problem(
             "$.ppo.minibatch_size", f"{ppo.minibatch_size} does not divide batch_size={ppo.batch_size}; "

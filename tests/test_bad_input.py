@@ -112,7 +112,7 @@ CASES = [
     Case("unknown-device", ("$.run.device: 'gpu' is not a device; use 'auto', 'cpu'",), sets=('run.device="gpu"',)),
     # batch arithmetic and impossible combinations
     Case("minibatch-not-a-divisor", ("$.ppo.minibatch_size: 5 does not divide batch_size=16; pick a divisor such as 4",), sets=("ppo.minibatch_size=5",)),
-    Case("minibatch-above-batch", ("$.ppo.minibatch_size: 32 is larger than batch_size=16",), sets=("ppo.minibatch_size=32",)),
+    Case("minibatch-above-batch", ("$.ppo.minibatch_size: 32 is larger than batch_size=16; use a divisor of 16",), sets=("ppo.minibatch_size=32",)),
     Case("groups-do-not-split", ("$.ppo.batch_size: 15 rollouts do not split into groups of samples_per_prompt=2",),
          sets=("ppo.batch_size=15", "ppo.minibatch_size=5", "ppo.samples_per_prompt=2")),
     Case("micro-batches-do-not-split", ("$.ppo.gradient_accumulation_steps", "pick a divisor such as 2"), sets=("ppo.gradient_accumulation_steps=3",)),
@@ -129,7 +129,7 @@ CASES = [
                                      """--set 'kl={type="fixed", beta=0.1}'"""), sets=("kl.type=fixed",)),
     # missing files and models
     Case("no-recipe-file", ("no recipe at", "check the path"), recipe="nope.toml"),
-    Case("recipe-is-a-folder", ("cannot read",), recipe="model"),
+    Case("recipe-is-a-folder", ("cannot read model: Is a directory; give the path of a TOML recipe file",), recipe="model"),
     Case("model-dir-missing", ("$.policy.model: no directory './missing-model'", "give a local model directory"), sets=('policy.model="./missing-model"',)),
     Case("model-path-not-a-hub-name", ("$.policy.model: no directory 'models/a/b'",), sets=('policy.model="models/a/b"',)),
     Case("model-is-a-file", ("$.policy.model: cannot load a tokenizer from 'prompts.jsonl'", "give a transformers model folder"),
