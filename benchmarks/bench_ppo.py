@@ -14,8 +14,9 @@ Prompts are printable ASCII (one token per byte, like the peer's ids 3..258) bec
 prompt sources carry text; the work per iteration is the same.
 
 Besides the time per iteration (wall clock, and the CPU time of this process: on a machine
-shared with other work the CPU time is the steadier figure at one thread) it prints the time of each phase (generate, score, forward = old,
-reference and value passes, train, tracking = everything after the update: metrics, metrics.jsonl),
+shared with other work the CPU time is the steadier figure at one thread) it prints the time of
+each phase (generate, score, forward = old, reference and value passes, train, tracking =
+everything after the update: metrics, metrics.jsonl),
 the peak resident memory, an estimate of the FLOPs one iteration needs (`flops_per_iteration`) and
 the FLOP rate achieved, and the floor: those FLOPs at the peak rate of a large matrix multiply
 timed in the same process (`floor_seconds`, `ratio_to_floor`), and the same in CPU time

@@ -173,7 +173,8 @@ class HFPolicy(Policy):
     def _logits(self, model, input_ids, attention_mask, position_ids, start: int, **options):
         """(model output, logits at positions `start`..L-1)."""
         keep = {"logits_to_keep": input_ids.shape[1] - start} if self._keeps_logits else {}
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **keep, **options)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    **keep, **options)
         return out, out.logits if keep else out.logits[:, start:]
 
     def forward(self, input_ids, attention_mask, position_ids, start: int = 0) -> PolicyOutput:

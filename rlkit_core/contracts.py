@@ -344,8 +344,10 @@ class PolicyContract(ComponentContract):
         start = inputs[0].shape[1] - 2
         with torch.no_grad():
             full, reference = instance.forward(*inputs).logits, instance.reference_logits(*inputs)
-            tail, reference_tail = instance.forward(*inputs, start=start).logits, instance.reference_logits(*inputs, start=start)
-        assert tail.shape[:2] == (inputs[0].shape[0], 2), f"forward(start={start}) gave logits {tuple(tail.shape)} for inputs {tuple(inputs[0].shape)}"
+            tail = instance.forward(*inputs, start=start).logits
+            reference_tail = instance.reference_logits(*inputs, start=start)
+        assert tail.shape[:2] == (inputs[0].shape[0], 2), (
+            f"forward(start={start}) gave logits {tuple(tail.shape)} for inputs {tuple(inputs[0].shape)}")
         assert torch.allclose(tail, full[:, start:], atol=1e-5), "forward(start=s) must give the logits of positions s.. of forward()"
         assert torch.allclose(reference_tail, reference[:, start:], atol=1e-5), "reference_logits(start=s) must give positions s.. of reference_logits()"
 
