@@ -63,9 +63,9 @@ def end_token_ids(tokenizer, generation_config, end_tokens=()) -> tuple[int, ...
 
 
 def fuse_gelu(model: torch.nn.Module) -> None:
-    """GPT-2's `gelu_new` runs as seven elementwise kernels forward (and more backward), about a
-    fifth of a small model's training time on a CPU; torch's tanh GELU is the same function in one
-    kernel, equal up to float rounding."""
+    """GPT-2's `gelu_new` runs as seven elementwise kernels forward and more backward (13 ms for a
+    [1280, 1024] activation on one CPU core); torch's tanh GELU is the same function in one kernel
+    (3.6 ms), equal up to float rounding."""
     from transformers.activations import NewGELUActivation
 
     for module in list(model.modules()):
