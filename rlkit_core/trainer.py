@@ -21,7 +21,7 @@ from transformers import get_scheduler
 from rlkit_core.assemble import build_components
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.context import BuildContext
-from rlkit_core.distributed import Processes, TrainableModules, combined_by_max, sampling_seed
+from rlkit_core.distributed import Processes, TrainableModules, combined_by_max, engine_problem, sampling_seed
 from rlkit_core.errors import RunError
 from rlkit_core.evaluation import hold_out
 from rlkit_core.functional import (
@@ -60,6 +60,8 @@ class Trainer:
         # process and `accelerate launch` (several) go through the same calls.
         # Components are built on self.device; `prepare` must not move them (run.device = "cuda:1").
         self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision, device_placement=False)
+        if problem := engine_problem(self.accelerator):
+            raise RunError(problem)
         self.processes = Processes(self.accelerator)
         if self.processes.count > 1 and self.device.type == "cuda":
             self.device = self.accelerator.device  # this process's own GPU
@@ -67,6 +69,9 @@ class Trainer:
         self.context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
         self.parts = build_components(recipe, self.context)
         self.policy, self.value_head = self.parts.policy, self.parts.value_head
+        if self.processes.sharded and self.value_head is not None and self.value_head.module() is None:
+            raise RunError(f"the value head {type(self.value_head).__name__} is not one module (ValueHead.module), which FSDP "
+                           "needs to shard it; launch with configs/accelerate/ddp.yaml")
         self.tokenizer = self.policy.tokenizer
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
         self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0
@@ -79,15 +84,21 @@ class Trainer:
         groups = [{"params": list(self.policy.parameters()), "lr": optim.learning_rate}]
         if self.value_head is not None:
             groups.append({"params": list(self.value_head.parameters()), "lr": optim.value_learning_rate or optim.learning_rate})
-        self.parameters = [p for g in groups for p in g["params"]]
         optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps)
         # The schedule stays outside `prepare`: accelerate would step it once per process.
         self.trainable, self.optimizer = self.accelerator.prepare(TrainableModules(self.policy, self.value_head), optimizer)
+        # what the optimiser updates: the same tensors, or under FSDP the shards that replaced them
+        self.parameters = [p for g in optimizer.param_groups for p in g["params"]]
         updates = run.steps * ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
         self.scheduler = get_scheduler(optim.schedule, optimizer, num_warmup_steps=optim.warmup_steps, num_training_steps=updates)
         self.iteration = 0  # iterations completed
         self.last_batch: RolloutBatch | None = None  # the latest scored batch, for sample tables
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
+
+    def full_weights(self):
+        """A block in which the policy and critic can be read whole (under FSDP: gathered in every
+        process, which must all enter it; see `Processes.full_weights`)."""
+        return self.processes.full_weights(self.trainable)
 
     # --- stage 1: rollouts -------------------------------------------------------------------
     def rollout(self, records: list[dict], samples_per_prompt: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
@@ -101,9 +112,10 @@ class Trainer:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
 
         started = time.perf_counter()
-        self.parts.generator.sync_weights(self.policy)
-        with self.accelerator.autocast():
-            generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
+        with self.full_weights():
+            self.parts.generator.sync_weights(self.policy)
+            with self.accelerator.autocast():
+                generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
         generated = time.perf_counter()
         mask = generation.response_mask
         ended = torch.isin(generation.response_ids, torch.tensor(self.policy.eos_token_ids, device=self.device)).any(dim=1)
@@ -150,20 +162,21 @@ class Trainer:
         ppo = self.recipe.ppo
         temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
         pieces = defaultdict(list)
-        for index in torch.arange(len(batch), device=self.device).split(ppo.forward_batch_size or ppo.minibatch_size):
-            part = batch.select(index)
-            sequence = part.sequence()
-            with self.accelerator.autocast():
-                logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
-                ref_logits = self._at_response(self.policy.reference_logits(*sequence), part)
-            ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature, suppressed)
-            full = ppo.kl_estimator == "full"
-            pieces["kl"].append(kl_per_token(logprobs, ref_logprobs, ppo.kl_estimator, logits if full else None,
-                                             ref_logits if full else None, temperature, suppressed))
-            pieces["old_logprobs"].append(logprobs)
-            pieces["ref_logprobs"].append(ref_logprobs)
-            if values is not None:
-                pieces["values"].append(values)
+        with self.full_weights():  # once for every chunk
+            for index in torch.arange(len(batch), device=self.device).split(ppo.forward_batch_size or ppo.minibatch_size):
+                part = batch.select(index)
+                sequence = part.sequence()
+                with self.accelerator.autocast():
+                    logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
+                    ref_logits = self._at_response(self.policy.reference_logits(*sequence), part)
+                ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature, suppressed)
+                full = ppo.kl_estimator == "full"
+                pieces["kl"].append(kl_per_token(logprobs, ref_logprobs, ppo.kl_estimator, logits if full else None,
+                                                 ref_logits if full else None, temperature, suppressed))
+                pieces["old_logprobs"].append(logprobs)
+                pieces["ref_logprobs"].append(ref_logprobs)
+                if values is not None:
+                    pieces["values"].append(values)
         fields = {name: torch.cat(parts) for name, parts in pieces.items()}
         mask = batch.response_mask
         fields["kl"] = torch.where(mask.bool(), fields["kl"], torch.zeros_like(fields["kl"]))
@@ -295,7 +308,8 @@ class Trainer:
 
     def sample_responses(self, records: list[dict], greedy: bool = False) -> list[str]:
         """Responses to `records` without touching the training random stream (for before/after reports)."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.accelerator.autocast():
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.full_weights(), \
+                self.accelerator.autocast():
             prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
             generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)

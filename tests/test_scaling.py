@@ -7,6 +7,7 @@ and the runs are one or two iterations."""
 
 import io
 import json
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -23,14 +24,19 @@ from rlkit_core.run import run_recipe
 from rlkit_core.trainer import Trainer
 
 import distributed_worker
+import fsdp_on_cpu
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-def torchrun(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
+FSDP_ON_CPU = Path(__file__).with_name("fsdp_on_cpu.py")
+
+
+def torchrun(*args: str, processes: int = 2, environment: dict | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **(environment or {})})
+    first_error = done.stderr.find("Traceback")  # a process's own, before the launcher's
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[first_error:first_error + 3000] + done.stderr[-1000:]
     return done
 
 
@@ -55,9 +61,24 @@ def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
 
 
 def test_two_processes_make_one_update_identical_everywhere(two_process_document, tmp_path):
+    assert assert_two_processes_update_as_one(two_process_document, tmp_path, WORKER)["held"] == 1  # DDP: every weight everywhere
+
+
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+def test_two_fsdp_processes_make_the_update_of_one(critic, recipe_document, tiny_reward_model, tmp_path):
+    """FSDP2 shards the policy's blocks, the rest of it and the critic over two processes; the
+    update must still be the one a single process makes on the whole batch."""
+    recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16, "gradient_accumulation_steps": 2})
+    if critic == "separate":
+        recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
+    two = assert_two_processes_update_as_one(recipe_document, tmp_path, FSDP_ON_CPU, "worker", environment=fsdp_on_cpu.FSDP_ENVIRONMENT)
+    assert 0.45 < two["held"] < 0.55  # sharded: each process holds about half (a tensor's odd row goes to the first)
+
+
+def assert_two_processes_update_as_one(document, tmp_path, *launch, environment=None):
     document_path = tmp_path / "document.json"
-    document_path.write_text(json.dumps(two_process_document))
-    torchrun(str(WORKER), str(document_path), str(tmp_path), processes=2)
+    document_path.write_text(json.dumps(document))
+    torchrun(*map(str, launch), str(document_path), str(tmp_path), processes=2, environment=environment)
     distributed_worker.main(str(document_path), str(tmp_path))  # one process: this one
     two = json.loads((tmp_path / "result-2.json").read_text())
     one = json.loads((tmp_path / "result-1.json").read_text())
@@ -69,6 +90,7 @@ def test_two_processes_make_one_update_identical_everywhere(two_process_document
     assert apart < 1e-5, f"two processes updated differently from one on the same global batch (max diff {apart})"
     for name, value in one["metrics"].items():  # every logged training metric is the global one
         assert two["metrics"][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    return two
 
 
 def test_two_process_run_writes_once_and_resumes_exactly(recipe_document, write_recipe, tmp_path):
@@ -97,11 +119,53 @@ def test_two_process_run_writes_once_and_resumes_exactly(recipe_document, write_
     recipe_document["tracker"] = {"type": "none"}
     torchrun(rlkit_script(), "run", write_recipe(recipe_document, "resumed.toml"), "--quiet", "--resume", "auto")
     resumed = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
-
-    def without_timing(table):
-        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in table]
-
     assert without_timing(resumed) == without_timing(rows)
+
+
+def test_two_fsdp_processes_checkpoint_their_shards_and_resume_exactly(recipe_document, write_recipe, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    output_dir = tmp_path / "run"
+    recipe_document["run"].update({"output_dir": str(output_dir), "checkpoint_every": 1})
+    recipe_document["tracker"] = {"type": "mlflow", "uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    fsdp = fsdp_on_cpu.FSDP_ENVIRONMENT
+    torchrun(str(FSDP_ON_CPU), "rlkit", "run", write_recipe(recipe_document), "--quiet", environment=fsdp)
+
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [1, 2]
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        assert db.execute("select count(*) from runs").fetchone()[0] == 1
+    last = output_dir / "checkpoints" / "iter_000002"
+    assert sorted(p.name for p in last.parent.iterdir()) == ["iter_000001", "iter_000002"]
+    assert json.loads((last / "meta.json").read_text())["sharded"] is True
+    shards = sorted(p.name for p in (last / "sharded").rglob("*.distcp"))
+    assert len(shards) == 4  # weights and optimiser state, one file from each process
+    assert "optimizer" not in torch.load(last / "trainer.pt", weights_only=False)  # the optimiser state is in the shards
+    # the final model is whole: every weight loads, equal to the (gathered) weights of the last checkpoint
+    final = AutoModelForCausalLM.from_pretrained(output_dir / "final_model").state_dict()
+    for name, value in load_file(last / "policy.safetensors").items():
+        assert torch.equal(final[name], value), name
+
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(output_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "iter_000002")
+    recipe_document["run"]["output_dir"] = str(resumed_dir)
+    recipe_document["tracker"] = {"type": "none"}
+    torchrun(str(FSDP_ON_CPU), "rlkit", "run", write_recipe(recipe_document, "resumed.toml"), "--quiet", "--resume", "auto",
+             environment=fsdp)
+    resumed = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert without_timing(resumed) == without_timing(rows)
+
+    # a sharded checkpoint cannot be resumed without sharding, nor the other way round
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        subprocess.run([rlkit_script(), "run", write_recipe(recipe_document, "resumed.toml"), "--quiet", "--resume", "auto"],
+                       check=True, capture_output=True, text=True, timeout=300)
+    assert "written under FSDP (configs/accelerate/fsdp.yaml) and this run is launched without sharding" in refused.value.stderr
+
+
+def without_timing(table: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in table]
 
 
 def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(recipe_document, registry, tmp_path):

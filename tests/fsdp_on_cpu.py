@@ -1,0 +1,54 @@
+"""FSDP on CPUs, for tests: `torchrun ... tests/fsdp_on_cpu.py (worker|rlkit) ARGS...`.
+
+accelerate runs FSDP only on GPUs: on CPUs its state settles on MULTI_CPU (DDP) before it looks at
+the FSDP settings, and rlkit refuses that launch (`distributed.engine_problem`). Everything FSDP
+itself needs works on CPUs with gloo (torch's `fully_shard`, the sharded checkpoint through
+torch.distributed.checkpoint), so this launcher stands in for the GPU machine: after accelerate
+has set up its state it selects FSDP there, with the plugin read from the same ACCELERATE_USE_FSDP /
+FSDP_* environment an `accelerate launch --config_file configs/accelerate/fsdp.yaml` sets. From
+then on accelerate's own FSDP code prepares, steps, gathers and checkpoints, and rlkit's code runs
+exactly as it would on GPUs. Then it runs tests/distributed_worker.py (`worker`) or the rlkit CLI.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import accelerate
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+FSDP_ENVIRONMENT = {  # what `accelerate launch` sets from configs/accelerate/fsdp.yaml
+    "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "false", "FSDP_ACTIVATION_CHECKPOINTING": "false",
+}
+
+_original_init = accelerate.Accelerator.__init__
+
+
+def _init_selecting_fsdp(self, *args, **kwargs):
+    _original_init(self, *args, **kwargs)
+    if os.environ.get("ACCELERATE_USE_FSDP") == "true" and self.distributed_type == DistributedType.MULTI_CPU:
+        plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* environment, as accelerate reads it
+        # PartialState's copy too: accelerate re-reads it whenever it builds an AcceleratorState
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+        AcceleratorState._shared_state["fsdp_plugin"] = plugin
+
+
+def main(kind: str, *args: str) -> None:
+    accelerate.Accelerator.__init__ = _init_selecting_fsdp
+    sys.path.insert(0, str(Path(__file__).parent))
+    if kind == "worker":
+        import distributed_worker
+
+        distributed_worker.main(*args)
+    else:
+        from rlkit_core.cli import main as rlkit
+
+        sys.exit(rlkit(list(args)))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
