@@ -191,3 +191,12 @@ def engine_problem(accelerator) -> str | None:
     if accelerator.state.fsdp_plugin.fsdp_version != 2:
         return "rlkit runs FSDP version 2 only (fully_shard); set fsdp_version: 2 as configs/accelerate/fsdp.yaml does"
     return None
+
+
+def critic_problem(value_head) -> str | None:
+    """Why FSDP cannot shard this critic, if it cannot: it needs the one module that computes the
+    values with the parameters (`ValueHead.module`)."""
+    if value_head is None or value_head.module() is not None:
+        return None
+    return (f"the value head {type(value_head).__name__} is not one module (ValueHead.module returns None), which FSDP "
+            "needs to shard it; launch with configs/accelerate/ddp.yaml, or return the module from module()")

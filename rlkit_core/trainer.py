@@ -21,7 +21,14 @@ from transformers import get_scheduler
 from rlkit_core.assemble import build_components
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.context import BuildContext
-from rlkit_core.distributed import Processes, TrainableModules, combined_by_max, engine_problem, sampling_seed
+from rlkit_core.distributed import (
+    Processes,
+    TrainableModules,
+    combined_by_max,
+    critic_problem,
+    engine_problem,
+    sampling_seed,
+)
 from rlkit_core.errors import RunError
 from rlkit_core.evaluation import hold_out
 from rlkit_core.functional import (
@@ -69,9 +76,8 @@ class Trainer:
         self.context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
         self.parts = build_components(recipe, self.context)
         self.policy, self.value_head = self.parts.policy, self.parts.value_head
-        if self.processes.sharded and self.value_head is not None and self.value_head.module() is None:
-            raise RunError(f"the value head {type(self.value_head).__name__} is not one module (ValueHead.module), which FSDP "
-                           "needs to shard it; launch with configs/accelerate/ddp.yaml")
+        if self.processes.sharded and (problem := critic_problem(self.value_head)):
+            raise RunError(problem)
         self.tokenizer = self.policy.tokenizer
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
         self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0

@@ -4,10 +4,11 @@ accelerate runs FSDP only on GPUs: on CPUs its state settles on MULTI_CPU (DDP) 
 the FSDP settings, and rlkit refuses that launch (`distributed.engine_problem`). Everything FSDP
 itself needs works on CPUs with gloo (torch's `fully_shard`, the sharded checkpoint through
 torch.distributed.checkpoint), so this launcher stands in for the GPU machine: after accelerate
-has set up its state it selects FSDP there, with the plugin read from the same ACCELERATE_USE_FSDP /
-FSDP_* environment an `accelerate launch --config_file configs/accelerate/fsdp.yaml` sets. From
-then on accelerate's own FSDP code prepares, steps, gathers and checkpoints, and rlkit's code runs
-exactly as it would on GPUs. Then it runs tests/distributed_worker.py (`worker`) or the rlkit CLI.
+has set up its state it selects FSDP there, with the plugin read from the ACCELERATE_USE_FSDP /
+FSDP_* environment that `accelerate launch --config_file configs/accelerate/fsdp.yaml` sets
+(`launch_environment`). From then on accelerate's own FSDP code prepares, steps, gathers and
+checkpoints, and rlkit's code runs exactly as it would on GPUs. Then it runs
+tests/distributed_worker.py (`worker`) or the rlkit CLI (`rlkit`).
 """
 
 import os
@@ -18,11 +19,18 @@ import accelerate
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-FSDP_ENVIRONMENT = {  # what `accelerate launch` sets from configs/accelerate/fsdp.yaml
-    "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-    "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": "false", "FSDP_ACTIVATION_CHECKPOINTING": "false",
-}
+FSDP_CONFIG = Path(__file__).parents[1] / "configs" / "accelerate" / "fsdp.yaml"
+
+
+def launch_environment(config_file: Path = FSDP_CONFIG) -> dict[str, str]:
+    """The ACCELERATE_* and FSDP_* variables `accelerate launch --config_file config_file` sets,
+    worked out by accelerate's own launcher code."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(config_file), "script.py"]))
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+
 
 _original_init = accelerate.Accelerator.__init__
 

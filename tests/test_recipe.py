@@ -140,8 +140,22 @@ def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_doc
     recipe_document["policy"]["dtype"] = "bfloat16"
     problems = problems_of(recipe_document, registry)
     assert [p.split(":")[0] for p in problems] == ["launch", "launch", "$.run.mixed_precision", "$.run.mixed_precision"]
-    assert "DEEPSPEED" in problems[0] and "--set run.mixed_precision=bf16" in problems[1]
+    assert "DeepSpeed" in problems[0] and "configs/accelerate/fsdp.yaml" in problems[0]
+    assert "--set run.mixed_precision=bf16" in problems[1]
     assert "needs a GPU" in problems[2] and "policy.dtype = 'bfloat16'" in problems[3]
+
+
+def test_what_fsdp_does_not_run_is_refused_before_anything_starts(recipe_document, registry, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch sets from an FSDP config
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    parse_recipe(recipe_document, registry)  # full fine-tuning in float32 with the hf generator runs
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    recipe_document["policy"].update(lora_r=4, dtype="bfloat16")
+    recipe_document["generator"]["type"] = "vllm"
+    problems = problems_of(recipe_document, registry)
+    assert [p.split(":")[0] for p in problems] == ["launch", "$.policy.lora_r", "$.policy.dtype", "$.generator.type"]
+    assert "fsdp_version: 2" in problems[0] and "configs/accelerate/ddp.yaml" in problems[1]
+    assert "run.mixed_precision = 'bf16'" in problems[2] and "'hf' generator" in problems[3]
 
 
 def test_constant_schedule_with_warmup_points_to_the_schedule_that_has_one(recipe_document, registry):

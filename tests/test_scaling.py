@@ -71,7 +71,8 @@ def test_two_fsdp_processes_make_the_update_of_one(critic, recipe_document, tiny
     recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16, "gradient_accumulation_steps": 2})
     if critic == "separate":
         recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
-    two = assert_two_processes_update_as_one(recipe_document, tmp_path, FSDP_ON_CPU, "worker", environment=fsdp_on_cpu.FSDP_ENVIRONMENT)
+    fsdp = fsdp_on_cpu.launch_environment()
+    two = assert_two_processes_update_as_one(recipe_document, tmp_path, FSDP_ON_CPU, "worker", environment=fsdp)
     assert 0.45 < two["held"] < 0.55  # sharded: each process holds about half (a tensor's odd row goes to the first)
 
 
@@ -129,7 +130,7 @@ def test_two_fsdp_processes_checkpoint_their_shards_and_resume_exactly(recipe_do
     output_dir = tmp_path / "run"
     recipe_document["run"].update({"output_dir": str(output_dir), "checkpoint_every": 1})
     recipe_document["tracker"] = {"type": "mlflow", "uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    fsdp = fsdp_on_cpu.FSDP_ENVIRONMENT
+    fsdp = fsdp_on_cpu.launch_environment()
     torchrun(str(FSDP_ON_CPU), "rlkit", "run", write_recipe(recipe_document), "--quiet", environment=fsdp)
 
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -237,13 +238,46 @@ def test_mixed_precision_autocasts_with_float32_weights(recipe_document, precisi
     assert result["logprob_gap"] < 0.1  # the sampler and π_old see the same precision
 
 
-def test_the_shipped_ddp_config_is_one_accelerate_reads():
+@pytest.mark.parametrize("name, engine", [("ddp", "MULTI_GPU"), ("fsdp", "FSDP")])
+def test_the_shipped_configs_are_ones_accelerate_reads(name, engine):
     from accelerate.commands.config.config_args import load_config_from_file
-    from accelerate.utils import DistributedType
 
-    config = load_config_from_file(str(Path(__file__).parents[1] / "configs" / "accelerate" / "ddp.yaml"))
-    assert config.distributed_type == DistributedType.MULTI_GPU
+    config = load_config_from_file(str(Path(__file__).parents[1] / "configs" / "accelerate" / f"{name}.yaml"))
+    assert config.distributed_type.value == engine
     assert config.mixed_precision == "no"  # the recipe's run.mixed_precision decides (see launch_problems)
+    if name == "fsdp":
+        assert config.fsdp_config["fsdp_version"] == 2  # what rlkit runs (see schema.sharding_problems)
+        environment = fsdp_on_cpu.launch_environment()  # what accelerate launch sets from it
+        assert environment["ACCELERATE_USE_FSDP"] == "true" and environment["FSDP_VERSION"] == "2"
+
+
+def test_fsdp_on_cpus_is_refused_at_start_as_accelerate_would_run_ddp(recipe_document, write_recipe):
+    done = subprocess.run([rlkit_script(), "run", write_recipe(recipe_document), "--quiet"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **fsdp_on_cpu.launch_environment()})
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "accelerate runs FSDP on GPUs only and chose NO here" in done.stderr
+    assert not (Path(recipe_document["run"]["output_dir"]) / "metrics.jsonl").exists()
+
+
+def test_fsdp_needs_a_critic_that_is_one_module():
+    from rlkit_core.distributed import critic_problem
+    from rlkit_core.interfaces import ValueHead
+
+    class Parameters(ValueHead):  # a head that is not one module
+        def values(self, *args):
+            return None
+
+        def parameters(self):
+            return []
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    assert critic_problem(None) is None
+    assert "Parameters is not one module" in critic_problem(Parameters())
 
 
 def test_memory_estimate_against_hand_computed_bytes():
