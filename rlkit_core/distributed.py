@@ -15,6 +15,7 @@ import torch
 from accelerate.utils import DistributedType, gather_object
 
 from rlkit_core.batch import RolloutBatch
+from rlkit_core.schema import sharded_launch
 
 SEED_STRIDE = 1_000_003
 
@@ -183,7 +184,7 @@ def engine_problem(accelerator) -> str | None:
     """What is wrong with the engine accelerate set up for this launch, if anything: rlkit
     shards with FSDP2 only, and accelerate runs FSDP only on GPUs (on CPUs it silently falls back
     to DDP, which would not shard anything the user planned to fit by sharding)."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true"):
+    if not sharded_launch():
         return None
     if accelerator.distributed_type != DistributedType.FSDP:
         return (f"the accelerate config selects FSDP, but accelerate runs FSDP on GPUs only and chose "

@@ -141,7 +141,7 @@ def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
 
 def sharding_problems(policy_config, generator_type: str) -> list[Problem]:
     """What rlkit cannot run under FSDP (an `accelerate launch` whose config selects it)."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true"):
+    if not sharded_launch():
         return []
     problems = []
     version = os.environ.get("FSDP_VERSION", "1")
@@ -158,6 +158,11 @@ def sharding_problems(policy_config, generator_type: str) -> list[Problem]:
         problems.append(Problem("$.generator.type", f"{generator_type!r} is not run under FSDP (it reads the weights outside "
                                                     "the engine); use the 'hf' generator, or launch with configs/accelerate/ddp.yaml"))
     return problems
+
+
+def sharded_launch() -> bool:
+    """Whether this launch's accelerate config selects FSDP (`accelerate launch` sets the variable)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
 
 
 def launched_processes() -> int:

@@ -296,6 +296,27 @@ def test_memory_estimate_against_hand_computed_bytes():
     }
     checkpointed = estimate(shape, attrs.evolve(work, checkpointing=True))
     assert checkpointed["update"] == 2 * 2 * 8 * 8 * 4 + 11264 + 2880  # layer inputs, one layer in full, the head
+    # FSDP over 2 processes: half the policy, gradients and AdamW state; the reference copy whole;
+    # the other half gathered for generation and the no-grad passes, one block (of 2) in the update
+    sharded = estimate(shape, attrs.evolve(work, shards=2))
+    assert sharded == {
+        "weights": 2000 + 4000, "gradients": 200, "optimiser": 400,
+        "update": 25408 + 2000, "forward": 4160 + 2000, "generate": 4896 + 2000,
+        "peak": 6600 + 27408,
+    }
+
+
+def test_rlkit_check_plans_for_the_accelerate_config_it_is_given(recipe_document, write_recipe):
+    done = subprocess.run([rlkit_script(), "check", write_recipe(recipe_document), "--accelerate-config",
+                           str(fsdp_on_cpu.FSDP_CONFIG)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "processes           2, each with 8 rollouts" in done.stdout  # the config's num_processes
+    assert "FSDP2: weights, gradients and optimiser state sharded" in done.stdout
+    assert "FSDP over 2 processes" in done.stdout
+    recipe_document["policy"]["lora_r"] = 4
+    done = subprocess.run([rlkit_script(), "check", write_recipe(recipe_document), "--accelerate-config",
+                           str(fsdp_on_cpu.FSDP_CONFIG), "--num-processes", "4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "$.policy.lora_r: LoRA is not run under FSDP" in done.stderr
 
 
 def test_generation_in_chunks_pads_every_chunk_to_the_longest(recipe_document, registry, monkeypatch):
