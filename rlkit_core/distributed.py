@@ -201,3 +201,21 @@ def critic_problem(value_head) -> str | None:
         return None
     return (f"the value head {type(value_head).__name__} is not one module (ValueHead.module returns None), which FSDP "
             "needs to shard it; launch with configs/accelerate/ddp.yaml, or return the module from module()")
+
+
+def fsdp_plugin(mixed_precision: str):
+    """accelerate's FSDP plugin for this launch (None without FSDP: accelerate's defaults stand).
+
+    Under mixed precision accelerate would have FSDP cast the weights it gathers, the prepared
+    module's outputs and the gradient reduction to the low precision. rlkit reads the gathered
+    weights outside that module too (generation, the no-grad passes), and the outputs are the
+    update's log-probs, which the PPO ratio compares with float32 ones; so FSDP casts nothing
+    here, and the forward passes compute in the low precision under accelerate's autocast, as
+    they do without FSDP."""
+    if not sharded_launch():
+        return None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # the rest from the FSDP_* settings accelerate launch passes on
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=MixedPrecisionPolicy() if mixed_precision != "no" else None)

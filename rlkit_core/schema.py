@@ -123,8 +123,9 @@ def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
         problems.append(Problem("launch", "the accelerate config selects DeepSpeed, which rlkit does not run (untested: accelerate "
                                           "runs it on GPUs only); to shard weights, gradients and optimiser state use "
                                           "configs/accelerate/fsdp.yaml (FSDP2, as ZeRO-3), otherwise configs/accelerate/ddp.yaml"))
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", run.mixed_precision)
-    if launched != run.mixed_precision:
+    # 'no' is also what a config file that leaves precision to the recipe (configs/accelerate/) sets
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched not in ("no", run.mixed_precision):
         problems.append(Problem("launch", f"accelerate launch asks for mixed precision {launched!r} but $.run.mixed_precision = "
                                           f"{run.mixed_precision!r}; the recipe decides (it is what the run records): set "
                                           f"--set run.mixed_precision={launched}, or launch without --mixed_precision"))
@@ -148,9 +149,6 @@ def sharding_problems(policy_config, generator_type: str) -> list[Problem]:
     if version != "2":
         problems.append(Problem("launch", f"the accelerate config selects FSDP version {version}; rlkit runs FSDP version 2 "
                                           "(fully_shard) only: set fsdp_version: 2, as configs/accelerate/fsdp.yaml does"))
-    if getattr(policy_config, "lora_r", 0):
-        problems.append(Problem("$.policy.lora_r", "LoRA is not run under FSDP (untested); the adapters are small, so launch "
-                                                   "LoRA with configs/accelerate/ddp.yaml, or set lora_r = 0 to shard full fine-tuning"))
     if getattr(policy_config, "dtype", "float32") != "float32":
         problems.append(Problem("$.policy.dtype", f"{policy_config.dtype!r} weights are not run under FSDP (untested); keep "
                                                   "policy.dtype = 'float32' and set run.mixed_precision = 'bf16' for bf16 compute"))

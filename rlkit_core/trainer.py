@@ -27,6 +27,7 @@ from rlkit_core.distributed import (
     combined_by_max,
     critic_problem,
     engine_problem,
+    fsdp_plugin,
     sampling_seed,
 )
 from rlkit_core.errors import RunError
@@ -66,7 +67,8 @@ class Trainer:
         # accelerate owns the processes, backward, gradient clipping and mixed precision, so one
         # process and `accelerate launch` (several) go through the same calls.
         # Components are built on self.device; `prepare` must not move them (run.device = "cuda:1").
-        self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision, device_placement=False)
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision, device_placement=False,
+                                       fsdp_plugin=fsdp_plugin(run.mixed_precision))
         if problem := engine_problem(self.accelerator):
             raise RunError(problem)
         self.processes = Processes(self.accelerator)
@@ -259,7 +261,8 @@ class Trainer:
         `loss_*` and `loss` as they are (already over the global token count), diagnostics weighted
         by this micro-batch's share of the tokens, so that their sum is the global token mean."""
         ppo = self.recipe.ppo
-        logprobs, values, entropy, _ = self.trainable(self._response_view, micro, micro.sequence(), True)
+        with self.accelerator.autocast():  # accelerate's prepared module autocasts by itself, except under FSDP
+            logprobs, values, entropy, _ = self.trainable(self._response_view, micro, micro.sequence(), True)
         mask = micro.response_mask
         terms = self.parts.loss(micro, LossInputs(logprobs=logprobs, values=values, entropy=entropy), token_count)
         if ppo.kl_penalty == "loss":

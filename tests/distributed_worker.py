@@ -45,6 +45,8 @@ def main(document_path: str, out: str) -> None:
     processes = trainer.processes
 
     start, held = flat_weights(trainer), held_share(trainer)
+    computed_in = set()  # the dtypes the policy's head computed in: sampling, the no-grad passes, the update
+    trainer.policy.model.get_output_embeddings().register_forward_hook(lambda module, args, out: computed_in.add(str(out.dtype)))
     torch.manual_seed(1234)  # the same global batch in every process
     whole, _ = trainer.rollout(trainer.stream.batch(0))
     rows = len(whole) // processes.count
@@ -56,7 +58,8 @@ def main(document_path: str, out: str) -> None:
     trainer.step()
     agreed.append(same_everywhere(trainer))
     if processes.is_main:
-        result = {"start": start.tolist(), "weights": weights.tolist(), "metrics": update_metrics, "agreed": agreed, "held": held}
+        result = {"start": start.tolist(), "weights": weights.tolist(), "metrics": update_metrics, "agreed": agreed, "held": held,
+                  "computed_in": sorted(computed_in)}
         Path(out, f"result-{processes.count}.json").write_text(json.dumps(result))
     processes.exit_together()
 

@@ -35,10 +35,13 @@ def launch_environment(config_file: Path = FSDP_CONFIG) -> dict[str, str]:
 _original_init = accelerate.Accelerator.__init__
 
 
-def _init_selecting_fsdp(self, *args, **kwargs):
-    _original_init(self, *args, **kwargs)
+def _init_selecting_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+    _original_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
     if os.environ.get("ACCELERATE_USE_FSDP") == "true" and self.distributed_type == DistributedType.MULTI_CPU:
-        plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* environment, as accelerate reads it
+        # the caller's plugin, else one from the FSDP_* environment, set up as accelerate's state does on GPUs
+        plugin = fsdp_plugin or FullyShardedDataParallelPlugin()
+        if self.mixed_precision != "no":
+            plugin.set_mixed_precision(self.mixed_precision)
         # PartialState's copy too: accelerate re-reads it whenever it builds an AcceleratorState
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP

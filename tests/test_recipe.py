@@ -133,6 +133,12 @@ def test_batch_arithmetic_over_processes_and_micro_batches(recipe_document, regi
     assert problems_of(recipe_document, registry)[0].startswith("$.ppo.batch_size: its 16 prompts do not split evenly over 32")
 
 
+def test_a_launch_config_that_leaves_precision_to_the_recipe_is_not_a_conflict(recipe_document, registry, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # set by the configs in configs/accelerate/
+    recipe_document["run"]["mixed_precision"] = "bf16"
+    assert parse_recipe(recipe_document, registry).run.mixed_precision == "bf16"
+
+
 def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_document, registry, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate launch --mixed_precision bf16
@@ -148,14 +154,15 @@ def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_doc
 def test_what_fsdp_does_not_run_is_refused_before_anything_starts(recipe_document, registry, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch sets from an FSDP config
     monkeypatch.setenv("FSDP_VERSION", "2")
-    parse_recipe(recipe_document, registry)  # full fine-tuning in float32 with the hf generator runs
+    recipe_document["policy"]["lora_r"] = 4
+    parse_recipe(recipe_document, registry)  # float32 weights, full or LoRA, with the hf generator run
     monkeypatch.setenv("FSDP_VERSION", "1")
-    recipe_document["policy"].update(lora_r=4, dtype="bfloat16")
+    recipe_document["policy"]["dtype"] = "bfloat16"
     recipe_document["generator"]["type"] = "vllm"
     problems = problems_of(recipe_document, registry)
-    assert [p.split(":")[0] for p in problems] == ["launch", "$.policy.lora_r", "$.policy.dtype", "$.generator.type"]
-    assert "fsdp_version: 2" in problems[0] and "configs/accelerate/ddp.yaml" in problems[1]
-    assert "run.mixed_precision = 'bf16'" in problems[2] and "'hf' generator" in problems[3]
+    assert [p.split(":")[0] for p in problems] == ["launch", "$.policy.dtype", "$.generator.type"]
+    assert "fsdp_version: 2" in problems[0] and "run.mixed_precision = 'bf16'" in problems[1]
+    assert "'hf' generator" in problems[2] and "configs/accelerate/ddp.yaml" in problems[2]
 
 
 def test_constant_schedule_with_warmup_points_to_the_schedule_that_has_one(recipe_document, registry):
