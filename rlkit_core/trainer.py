@@ -167,24 +167,27 @@ class Trainer:
     def compare_to_reference(self, batch: RolloutBatch) -> RolloutBatch:
         """Old and reference log-probs, values and the per-token KL (zero on padding), on this
         process's rollouts."""
+        with self.full_weights():  # once for every chunk
+            return self._compare_in_chunks(batch)
+
+    def _compare_in_chunks(self, batch: RolloutBatch) -> RolloutBatch:
         ppo = self.recipe.ppo
         temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
         pieces = defaultdict(list)
-        with self.full_weights():  # once for every chunk
-            for index in torch.arange(len(batch), device=self.device).split(ppo.forward_batch_size or ppo.minibatch_size):
-                part = batch.select(index)
-                sequence = part.sequence()
-                with self.accelerator.autocast():
-                    logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
-                    ref_logits = self._at_response(self.policy.reference_logits(*sequence), part)
-                ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature, suppressed)
-                full = ppo.kl_estimator == "full"
-                pieces["kl"].append(kl_per_token(logprobs, ref_logprobs, ppo.kl_estimator, logits if full else None,
-                                                 ref_logits if full else None, temperature, suppressed))
-                pieces["old_logprobs"].append(logprobs)
-                pieces["ref_logprobs"].append(ref_logprobs)
-                if values is not None:
-                    pieces["values"].append(values)
+        for index in torch.arange(len(batch), device=self.device).split(ppo.forward_batch_size or ppo.minibatch_size):
+            part = batch.select(index)
+            sequence = part.sequence()
+            with self.accelerator.autocast():
+                logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
+                ref_logits = self._at_response(self.policy.reference_logits(*sequence), part)
+            ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature, suppressed)
+            full = ppo.kl_estimator == "full"
+            pieces["kl"].append(kl_per_token(logprobs, ref_logprobs, ppo.kl_estimator, logits if full else None,
+                                             ref_logits if full else None, temperature, suppressed))
+            pieces["old_logprobs"].append(logprobs)
+            pieces["ref_logprobs"].append(ref_logprobs)
+            if values is not None:
+                pieces["values"].append(values)
         fields = {name: torch.cat(parts) for name, parts in pieces.items()}
         mask = batch.response_mask
         fields["kl"] = torch.where(mask.bool(), fields["kl"], torch.zeros_like(fields["kl"]))

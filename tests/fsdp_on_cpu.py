@@ -1,4 +1,4 @@
-"""FSDP on CPUs, for tests: `torchrun ... tests/fsdp_on_cpu.py (worker|rlkit) ARGS...`.
+"""FSDP on CPUs, for tests: `torchrun ... tests/fsdp_on_cpu.py (worker|rlkit|SCRIPT) ARGS...`.
 
 accelerate runs FSDP only on GPUs: on CPUs its state settles on MULTI_CPU (DDP) before it looks at
 the FSDP settings, and rlkit refuses that launch (`distributed.engine_problem`). Everything FSDP
@@ -8,10 +8,11 @@ has set up its state it selects FSDP there, with the plugin read from the ACCELE
 FSDP_* environment that `accelerate launch --config_file configs/accelerate/fsdp.yaml` sets
 (`launch_environment`). From then on accelerate's own FSDP code prepares, steps, gathers and
 checkpoints, and rlkit's code runs exactly as it would on GPUs. Then it runs
-tests/distributed_worker.py (`worker`) or the rlkit CLI (`rlkit`).
+tests/distributed_worker.py (`worker`), the rlkit CLI (`rlkit`) or a script (benchmarks/memory.py).
 """
 
 import os
+import runpy
 import sys
 from pathlib import Path
 
@@ -55,10 +56,13 @@ def main(kind: str, *args: str) -> None:
         import distributed_worker
 
         distributed_worker.main(*args)
-    else:
+    elif kind == "rlkit":
         from rlkit_core.cli import main as rlkit
 
         sys.exit(rlkit(list(args)))
+    else:  # a script, e.g. benchmarks/memory.py
+        sys.argv = [kind, *args]
+        runpy.run_path(kind, run_name="__main__")
 
 
 if __name__ == "__main__":
