@@ -64,14 +64,15 @@ def test_two_processes_make_one_update_identical_everywhere(two_process_document
     assert assert_two_processes_update_as_one(two_process_document, tmp_path, WORKER)["held"] == 1  # DDP: every weight everywhere
 
 
-@pytest.mark.parametrize("variant", ["full", "separate-critic", "lora", "bf16"])
+@pytest.mark.parametrize("variant", ["full", "separate-critic-checkpointing", "lora", "bf16"])
 def test_two_fsdp_processes_make_the_update_of_one(variant, recipe_document, tiny_reward_model, tmp_path):
     """FSDP2 shards the policy's blocks, the rest of it and the critic over two processes; the
     update must still be the one a single process makes on the whole batch (with LoRA the
     reference is the sharded base with the adapters off)."""
     recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16, "gradient_accumulation_steps": 2})
-    if variant == "separate-critic":
+    if variant == "separate-critic-checkpointing":  # and the blocks recomputed inside FSDP's backward
         recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
+        recipe_document["policy"]["gradient_checkpointing"] = True
     if variant == "lora":
         recipe_document["policy"]["lora_r"] = 4
     if variant == "bf16":  # float32 shards and gathered weights, bf16 compute under autocast, as without FSDP
