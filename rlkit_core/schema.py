@@ -149,6 +149,11 @@ def sharding_problems(policy_config, generator_type: str) -> list[Problem]:
     if version != "2":
         problems.append(Problem("launch", f"the accelerate config selects FSDP version {version}; rlkit runs FSDP version 2 "
                                           "(fully_shard) only: set fsdp_version: 2, as configs/accelerate/fsdp.yaml does"))
+    untested = {"FSDP_OFFLOAD_PARAMS": "fsdp_offload_params", "FSDP_ACTIVATION_CHECKPOINTING": "fsdp_activation_checkpointing"}
+    for variable, key in untested.items():
+        if os.environ.get(variable, "false").lower() == "true":
+            problems.append(Problem("launch", f"the accelerate config sets {key}: true, which rlkit does not run (untested); "
+                                              "set it to false (for activation checkpointing use policy.gradient_checkpointing)"))
     if getattr(policy_config, "dtype", "float32") != "float32":
         problems.append(Problem("$.policy.dtype", f"{policy_config.dtype!r} weights are not run under FSDP (untested); keep "
                                                   "policy.dtype = 'float32' and set run.mixed_precision = 'bf16' for bf16 compute"))

@@ -157,12 +157,15 @@ def test_what_fsdp_does_not_run_is_refused_before_anything_starts(recipe_documen
     recipe_document["policy"]["lora_r"] = 4
     parse_recipe(recipe_document, registry)  # float32 weights, full or LoRA, with the hf generator run
     monkeypatch.setenv("FSDP_VERSION", "1")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
     recipe_document["policy"]["dtype"] = "bfloat16"
     recipe_document["generator"]["type"] = "vllm"
     problems = problems_of(recipe_document, registry)
-    assert [p.split(":")[0] for p in problems] == ["launch", "$.policy.dtype", "$.generator.type"]
-    assert "fsdp_version: 2" in problems[0] and "run.mixed_precision = 'bf16'" in problems[1]
-    assert "'hf' generator" in problems[2] and "configs/accelerate/ddp.yaml" in problems[2]
+    assert [p.split(":")[0] for p in problems] == ["launch", "launch", "launch", "$.policy.dtype", "$.generator.type"]
+    assert "fsdp_version: 2" in problems[0] and "fsdp_offload_params: true" in problems[1]
+    assert "policy.gradient_checkpointing" in problems[2] and "run.mixed_precision = 'bf16'" in problems[3]
+    assert "'hf' generator" in problems[4] and "configs/accelerate/ddp.yaml" in problems[4]
 
 
 def test_constant_schedule_with_warmup_points_to_the_schedule_that_has_one(recipe_document, registry):
