@@ -145,11 +145,12 @@ def test_two_fsdp_processes_checkpoint_their_shards_and_resume_exactly(recipe_do
     output_dir = tmp_path / "run"
     recipe_document["run"].update({"output_dir": str(output_dir), "checkpoint_every": 1})
     recipe_document["tracker"] = {"type": "mlflow", "uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    recipe_document["eval"] = {"size": 8, "every": 1, "greedy": False}  # sampled: generation and the no-grad passes
     fsdp = fsdp_on_cpu.launch_environment()
     torchrun(str(FSDP_ON_CPU), "rlkit", "run", write_recipe(recipe_document), "--quiet", environment=fsdp)
 
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["iteration"] for row in rows] == [1, 2]
+    assert [row["iteration"] for row in rows] == [0, 1, 2] and all("eval/kl" in row for row in rows)
     with sqlite3.connect(tmp_path / "mlflow.db") as db:
         assert db.execute("select count(*) from runs").fetchone()[0] == 1
     last = output_dir / "checkpoints" / "iter_000002"
