@@ -1,0 +1,188 @@
+"""Faults at run time, met as a user meets them: real `rlkit run` processes with a reward that
+misbehaves, non-finite steps, signals, SIGKILL inside a checkpoint write, and a full disk."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlkit_core import checkpoint
+
+COMMAND = [sys.executable, "-m", "rlkit_core.cli", "run", "--quiet"]
+ENV = {**os.environ, "RLKIT_PLUGINS": "none"}
+
+# A reward that scores as the suite's usual one, except on the calls that BAD names while the
+# marker file exists (one call per iteration: nothing else calls the reward without an [eval] table).
+REWARD = '''
+import os
+
+calls = 0
+
+
+def fail(good):
+    raise KeyError("reference")
+
+
+BAD = {bad}
+
+
+def score(prompts, responses, letter):
+    global calls
+    calls += 1
+    good = [sum(c.islower() for c in r) / 8 for r in responses]
+    if calls in BAD and os.path.exists({marker!r}):
+        return BAD[calls](good)
+    return good
+'''
+
+# How a reward can break its contract, and what the run says about it.
+MISBEHAVIOURS = {
+    "one too few": ("lambda good: good[:-1]", "returned 15 scores for 16 responses"),
+    "one too many": ("lambda good: good + [0.0]", "returned 17 scores for 16 responses"),
+    "not numbers": ('lambda good: ["high"] * len(good)', "returned ['high', 'high',"),
+    "nan": ('lambda good: good[:-1] + [float("nan")]', "returned a score that is not a finite float32 number (nan) for response 15"),
+    "inf": ('lambda good: [float("-inf")] + good[1:]', "returned a score that is not a finite float32 number (-inf) for response 0"),
+    "raises": ("fail", "raised KeyError: 'reference'"),
+}
+HUGE = "lambda good: [3e38] * len(good)"  # finite scores whose whitened advantages are not
+
+
+def metrics_of(output_dir):
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timing(rows):
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+
+
+def run(recipe, *args, env=ENV):
+    return subprocess.run(COMMAND + [recipe, *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def faulty(recipe_document, write_recipe, tmp_path):
+    """write({call: misbehaviour}, **run settings) -> (recipe path, output_dir, marker file)."""
+    def write(bad=None, name="faulty", **run_settings):
+        marker = tmp_path / f"{name}.broken"
+        marker.touch()
+        reward = tmp_path / f"{name}_reward.py"
+        table = "{" + ", ".join(f"{call}: {code}" for call, code in (bad or {}).items()) + "}"
+        reward.write_text(REWARD.format(bad=table, marker=str(marker)))
+        output_dir = tmp_path / name
+        document = dict(recipe_document, run={**recipe_document["run"], "steps": 3, "output_dir": str(output_dir), **run_settings},
+                        reward={"type": "python", "function": f"{reward}:score"})
+        return write_recipe(document, f"{name}.toml"), output_dir, marker
+
+    return write
+
+
+def test_a_reward_that_raises_stops_the_run_naming_it_what_was_saved_and_the_users_frames(faulty):
+    recipe, output_dir, _ = faulty({2: "fail"})
+    result = run(recipe)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith('rlkit run: reward "python" (function = "') and "failed at iteration 2: " in lines[0]
+    assert "raised KeyError: 'reference'" in lines[0]
+    assert f"saved the state after iteration 1 as {output_dir / 'checkpoints' / 'iter_000001'}" in lines[0]
+    assert f"and the batch as {output_dir / 'bad_batches' / 'iter_000002.json'}" in lines[0]
+    assert "Traceback" not in result.stderr and "rlkit_core" not in result.stderr and "rlkit_plugins" not in result.stderr
+    frames = [line for line in lines[1:] if line.startswith("  File ")]
+    reward_file = Path(recipe).parent / "faulty_reward.py"
+    assert frames == [f'  File "{reward_file}", line 19, in score', f'  File "{reward_file}", line 8, in fail']
+    assert '    raise KeyError("reference")' in lines
+    saved = json.loads((output_dir / "bad_batches" / "iter_000002.json").read_text())
+    assert saved["iteration"] == 2 and len(saved["rows"]) == 16 and saved["problem"].startswith("raised KeyError")
+
+
+def test_every_way_of_breaking_the_reward_contract_is_caught_where_scores_enter_the_trainer(faulty):
+    # one misbehaviour per iteration, 2 to 7, each skipped (stopping takes the same path, tested above)
+    bad = {call: code for call, (code, _) in enumerate(MISBEHAVIOURS.values(), start=2)}
+    recipe, output_dir, _ = faulty(bad, steps=8, on_bad_reward="skip")
+    result = run(recipe)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("rlkit run: warning: reward")]
+    assert len(warnings) == len(MISBEHAVIOURS)
+    for iteration, (warning, (_, problem)) in enumerate(zip(warnings, MISBEHAVIOURS.values()), start=2):
+        assert f"failed at iteration {iteration}: {problem}" in warning and "skipped the batch" in warning
+        assert (output_dir / "bad_batches" / f"iter_{iteration:06d}.json").is_file()
+    rows = metrics_of(output_dir)
+    assert [row["iteration"] for row in rows] == list(range(1, 9))
+    assert [row.get("run/skipped_batches") for row in rows] == [None, 1, 2, 3, 4, 5, 6, 6]
+    assert ["score/mean" in row for row in rows] == [True] + [False] * 6 + [True]
+
+
+def test_rlkit_debug_shows_the_whole_traceback(faulty):
+    recipe, _, _ = faulty({2: "fail"})
+    result = run(recipe, env={**ENV, "RLKIT_DEBUG": "1"})
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "rlkit_core" in result.stderr
+
+
+def test_a_run_stopped_by_its_reward_resumes_as_if_never_stopped(faulty):
+    straight, straight_dir, marker = faulty(name="straight", steps=4)
+    marker.unlink()
+    assert run(straight).returncode == 0
+
+    recipe, output_dir, marker = faulty({3: "fail"}, name="stopped", steps=4)
+    assert run(recipe).returncode == 1
+    assert checkpoint.resolve("auto", output_dir).name == "iter_000002"
+    marker.unlink()  # the reward is fixed
+    result = run(recipe, "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert without_timing(metrics_of(output_dir)) == without_timing(metrics_of(straight_dir))
+
+
+def test_skipping_stops_after_max_skips_in_a_row(faulty):
+    recipe, output_dir, _ = faulty({2: "fail", 3: "fail"}, on_bad_reward="skip", max_skips_in_a_row=2, steps=4)
+    result = run(recipe)
+    assert result.returncode == 1
+    assert "failed at iteration 3 (2 batches in a row; run.max_skips_in_a_row)" in result.stderr
+    assert "saved the state after iteration 2" in result.stderr  # the skipped iteration 2 changed nothing
+
+
+def test_non_finite_steps_are_skipped_and_counted(faulty):
+    # Scores of 3e38 are finite, but the advantages whitened from them are not: every step of
+    # iteration 2 has a non-finite loss.
+    recipe, output_dir, _ = faulty({2: HUGE})
+    result = run(recipe)
+    assert result.returncode == 0, result.stderr
+    rows = metrics_of(output_dir)
+    assert [row["train/nonfinite"] for row in rows] == [0.0, 1.0, 0.0]
+    assert rows[2]["train/loss"] is not None  # the weights were left as they were: training goes on
+
+
+def test_too_many_non_finite_steps_in_a_row_stop_with_the_last_checkpoint_intact(faulty):
+    recipe, output_dir, _ = faulty({2: HUGE}, checkpoint_every=1, max_skips_in_a_row=3)
+    result = run(recipe)
+    assert result.returncode == 1
+    kept = output_dir / "checkpoints" / "iter_000001"
+    assert result.stderr.startswith("rlkit run: 3 optimiser steps in a row had a non-finite loss or gradient, in iteration 2")
+    assert f"the latest checkpoint, {kept}, is intact" in result.stderr
+    assert [c.name for c in checkpoint.complete_checkpoints(output_dir)] == ["iter_000001"]
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_can_simply_be_rerun(faulty):
+    recipe, output_dir, marker = faulty({1: "fail"})
+    failed = run(recipe)
+    assert failed.returncode == 1 and "nothing was trained yet, so no checkpoint" in failed.stderr
+    assert (output_dir / "samples_before.json").exists() and not checkpoint.complete_checkpoints(output_dir)
+    marker.unlink()
+    again = run(recipe)
+    assert again.returncode == 0, again.stderr
+    assert "holds only what a run left before its first checkpoint" in again.stderr
+    assert [row["iteration"] for row in metrics_of(output_dir)] == [1, 2, 3]
+    assert not (output_dir / "bad_batches").exists()  # the earlier run's leftovers were cleared
+
+    marker.touch()
+    assert run(recipe, "--overwrite").returncode == 1
+    marker.unlink()
+    resumed = run(recipe, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "--resume auto: no checkpoint under" in resumed.stderr and "starting from the beginning" in resumed.stderr
+    assert [row["iteration"] for row in metrics_of(output_dir)] == [1, 2, 3]
+
