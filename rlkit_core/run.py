@@ -144,14 +144,13 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
                     saved = saved or checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
                     raise Stopped(f"stopped by {signal.Signals(signal_number).name} after iteration {trainer.iteration}; "
                                   f"saved {saved}; continue with --resume auto", signal_number)
+        final_checkpoint = _finish_outputs(trainer, tracker, run_id, history)
         status = "FINISHED"
     except (KeyboardInterrupt, Stopped):
         status = "KILLED"
         raise
     finally:
         progress.close()
-        if status == "FINISHED":
-            final_checkpoint = _finish_outputs(trainer, tracker, run_id, history)
         tracker.finish(status)
 
     if main:

@@ -186,3 +186,86 @@ def test_a_run_that_failed_before_its_first_checkpoint_can_simply_be_rerun(fault
     assert "--resume auto: no checkpoint under" in resumed.stderr and "starting from the beginning" in resumed.stderr
     assert [row["iteration"] for row in metrics_of(output_dir)] == [1, 2, 3]
 
+
+
+def wait_for(process, condition, what, seconds=240):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
+        time.sleep(0.02)
+
+
+def started(recipe, *args, env=ENV):
+    return subprocess.Popen(COMMAND + [recipe, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_and_ctrl_c_checkpoint_the_iteration_and_exit_with_a_clear_line(faulty):
+    straight, straight_dir, _ = faulty(name="straight", steps=5)
+    assert run(straight).returncode == 0
+
+    for name, number, code in [("term", signal.SIGTERM, 143), ("ctrl_c", signal.SIGINT, 130)]:
+        recipe, output_dir, _ = faulty(name=name, steps=5)
+        process = started(recipe)
+        wait_for(process, lambda: (output_dir / "metrics.jsonl").exists(), "first iteration")
+        process.send_signal(number)
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == code, stderr
+        stopped_after = checkpoint.resolve("auto", output_dir)
+        iteration = int(stopped_after.name[len("iter_"):])
+        assert 1 <= iteration < 5
+        assert f"rlkit run: stopped by {number.name} after iteration {iteration}; saved {stopped_after}; continue with --resume auto" in stderr
+        assert "Traceback" not in stderr
+        resumed = run(recipe, "--resume", "auto")
+        assert resumed.returncode == 0, resumed.stderr
+        assert without_timing(metrics_of(output_dir)) == without_timing(metrics_of(straight_dir))
+
+
+def test_a_second_ctrl_c_stops_at_once(faulty):
+    recipe, output_dir, _ = faulty({2: "lambda good: __import__('time').sleep(60) or good"})  # a slow iteration 2
+    process = started(recipe)
+    wait_for(process, lambda: (output_dir / "metrics.jsonl").exists(), "first iteration")
+    process.send_signal(signal.SIGINT)
+    while "Ctrl-C again stops at once" not in process.stderr.readline():
+        pass
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130
+    assert stderr.strip() == "rlkit: interrupted"
+    assert not checkpoint.complete_checkpoints(output_dir)
+
+
+def test_sigkill_before_the_first_checkpoint_and_inside_a_checkpoint_write_then_resume_auto(faulty):
+    recipe, output_dir, _ = faulty(steps=4, checkpoint_every=1)
+    process = started(recipe)
+    wait_for(process, lambda: (output_dir / "samples_before.json").exists(), "samples before training")
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    assert not checkpoint.complete_checkpoints(output_dir)
+
+    # Resumed, and killed again halfway through writing iteration 2's checkpoint (test-only hook).
+    killed = run(recipe, "--resume", "auto", env={**ENV, "RLKIT_TEST_CHECKPOINT_FAULT": "kill@2"})
+    assert killed.returncode == -signal.SIGKILL
+    assert [c.name for c in checkpoint.complete_checkpoints(output_dir)] == ["iter_000001"]
+    half_written = list((output_dir / "checkpoints").glob(".iter_000002.tmp-*"))
+    assert half_written and (half_written[0] / "policy.safetensors").exists() and not (half_written[0] / "meta.json").exists()
+
+    resumed = run(recipe, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [row["iteration"] for row in metrics_of(output_dir)] == [1, 2, 3, 4]
+    assert [c.name for c in checkpoint.complete_checkpoints(output_dir)] == ["iter_000003", "iter_000004"]
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_exits_1(faulty):
+    recipe, output_dir, _ = faulty(steps=3, checkpoint_every=1)
+    # Test-only hook: the write of iteration 2's checkpoint fails with ENOSPC after its first file.
+    result = run(recipe, env={**ENV, "RLKIT_TEST_CHECKPOINT_FAULT": "enospc@2"})
+    assert result.returncode == 1
+    kept = output_dir / "checkpoints" / "iter_000001"
+    assert result.stderr.splitlines() == [
+        f"rlkit run: writing the checkpoint {output_dir / 'checkpoints' / 'iter_000002'} failed: No space left on device; "
+        f"the latest complete one, {kept}, is intact; free some space (or set run.output_dir elsewhere) and continue with --resume auto"]
+    assert [p.name for p in (output_dir / "checkpoints").iterdir()] == ["iter_000001"]  # nothing half-written left
+    resumed = run(recipe, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [row["iteration"] for row in metrics_of(output_dir)] == [1, 2, 3]
