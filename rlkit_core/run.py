@@ -71,9 +71,9 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
     trainer.processes.wait()
     tracker = trainer.parts.tracker if main else SilentTracker()  # one tracked run per training run
     counts = trainer.prompt_counts
-    if main and (counts["cut"] or counts["skipped"]):
+    if main and (counts["cut"] or counts["skipped"] or counts["empty"]):
         print(f"prompts: {counts['loaded']} loaded, {counts['cut']} cut from the left to {trainer.max_prompt_tokens} tokens, "
-              f"{counts['skipped']} skipped as too long", file=out)
+              f"{counts['skipped']} skipped as too long, {counts['empty']} skipped as empty", file=out)
     run_id = None
     if start:
         meta = checkpoint.load_checkpoint(trainer, start)

@@ -37,7 +37,7 @@ from rlkit_core.functional import (
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.prompt_stream import PromptStream
-from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts
+from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts, within_context
 from rlkit_core.randomness import seeded_generator
 from rlkit_core.recipe import Recipe
 
@@ -71,6 +71,8 @@ class Trainer:
         self.policy, self.value_head = self.parts.policy, self.parts.value_head
         self.tokenizer = self.policy.tokenizer
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
+        context = getattr(getattr(self.policy.model, "config", None), "max_position_embeddings", None)
+        limit = within_context(limit, context, getattr(recipe["generator"].config, "max_new_tokens", 0))
         self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0
         records, self.prompt_counts = prepare_prompts(self.parts.data.load(), self.tokenizer, limit)
         self.eval_records, self.records = hold_out(records, recipe.eval.size, run.seed)

@@ -269,3 +269,50 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_exits
     resumed = run(recipe, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr
     assert [row["iteration"] for row in metrics_of(output_dir)] == [1, 2, 3]
+
+
+def test_empty_prompts_are_skipped_and_prompts_too_long_for_the_context_are_cut(recipe_document, write_recipe, prompt_file, tmp_path):
+    # The tiny policy has 128 positions; with 8 response tokens a prompt may have 120.
+    data = tmp_path / "ragged.jsonl"
+    extra = [{"prompt": "", "letter": "e"}, {"prompt": "ab" * 150, "letter": "e"}]
+    data.write_text(prompt_file.read_text() + "".join(json.dumps(record) + "\n" for record in extra))
+    recipe_document["data"]["path"] = str(data)
+    result = run(write_recipe(recipe_document))
+    assert result.returncode == 0, result.stderr
+    assert "prompts: 66 loaded, 1 cut from the left to 120 tokens, 0 skipped as too long, 1 skipped as empty" in result.stdout
+
+    recipe_document["data"]["max_prompt_tokens"] = 125
+    refused = run(write_recipe(recipe_document, "too_long.toml"))
+    assert refused.returncode == 2
+    assert ("$.data.max_prompt_tokens: 125 prompt tokens and 8 response tokens (generator.max_new_tokens) do not fit in the "
+            "policy's context of 128 positions; set it to 120 or less") in refused.stderr
+
+
+def torchrun(recipe, *args):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(Path(sys.executable).with_name("rlkit")), "run", "--quiet", recipe, *args]
+    return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+ON_PROCESS_1 = "lambda good: ({}) if os.environ['RANK'] == '1' else good"
+
+
+def test_two_processes_stop_together_when_the_reward_fails_on_one(faulty):
+    recipe, output_dir, _ = faulty({2: ON_PROCESS_1.format("fail(good)")})
+    result = torchrun(recipe)
+    assert result.returncode != 0
+    assert 'rlkit run: reward "python"' in result.stderr and "failed at iteration 2: raised KeyError: 'reference'" in result.stderr
+    saved = checkpoint.resolve("auto", output_dir)
+    assert saved.name == "iter_000001" and checkpoint.read_meta(saved)["processes"] == 2
+    assert len(json.loads((output_dir / "bad_batches" / "iter_000002.json").read_text())["rows"]) == 8  # process 1's share
+
+
+def test_two_processes_skip_together_a_bad_batch_and_a_non_finite_step_on_one(faulty):
+    recipe, output_dir, _ = faulty({2: ON_PROCESS_1.format("fail(good)"), 3: ON_PROCESS_1.format("[3e38] * len(good)")},
+                                   steps=4, on_bad_reward="skip")
+    result = torchrun(recipe)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_of(output_dir)
+    assert [row["iteration"] for row in rows] == [1, 2, 3, 4]
+    assert [row.get("run/skipped_batches") for row in rows] == [None, 1, 1, 1]
+    assert [row.get("train/nonfinite") for row in rows] == [0.0, None, 1.0, 0.0]
