@@ -282,8 +282,9 @@ def test_empty_prompts_are_skipped_and_prompts_too_long_for_the_context_are_cut(
     assert "prompts: 66 loaded, 1 cut from the left to 120 tokens, 0 skipped as too long, 1 skipped as empty" in result.stdout
 
     recipe_document["data"]["max_prompt_tokens"] = 125
+    recipe_document["run"]["output_dir"] = str(tmp_path / "refused")
     refused = run(write_recipe(recipe_document, "too_long.toml"))
-    assert refused.returncode == 2
+    assert refused.returncode == 2 and not (tmp_path / "refused").exists()
     assert ("$.data.max_prompt_tokens: 125 prompt tokens and 8 response tokens (generator.max_new_tokens) do not fit in the "
             "policy's context of 128 positions; set it to 120 or less") in refused.stderr
 
