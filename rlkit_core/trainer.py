@@ -23,7 +23,7 @@ from rlkit_core.assemble import build_components
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.context import BuildContext
 from rlkit_core.distributed import Processes, TrainableModules, combined_by_max, sampling_seed
-from rlkit_core.errors import RunError
+from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.evaluation import hold_out
 from rlkit_core.faults import BadReward, NonFiniteSteps, checked_scores, failure_text
 from rlkit_core.functional import (
@@ -129,7 +129,9 @@ class Trainer:
         problem, scores = None, None
         try:
             returned = self.parts.reward.score(prompts, responses, **columns)
-        except Exception as exc:  # someone else's code: whatever it raises is the reward's failure
+        except RecipeError:  # the recipe's fault (a column the data lacks): exit 2 with its located message
+            raise
+        except Exception as exc:  # someone else's code: whatever else it raises is the reward's failure
             problem = {"problem": f"raised {failure_text(exc)}"}
         else:
             try:

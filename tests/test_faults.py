@@ -317,3 +317,10 @@ def test_two_processes_skip_together_a_bad_batch_and_a_non_finite_step_on_one(fa
     assert [row["iteration"] for row in rows] == [1, 2, 3, 4]
     assert [row.get("run/skipped_batches") for row in rows] == [None, 1, 1, 1]
     assert [row.get("train/nonfinite") for row in rows] == [0.0, None, 1.0, 0.0]
+
+
+def test_a_reward_that_finds_the_recipe_wrong_still_exits_2_with_its_located_message(recipe_document, write_recipe):
+    recipe_document["reward"] = {"type": "rouge"}  # reads a `reference` column the data lacks
+    result = run(write_recipe(recipe_document))
+    assert result.returncode == 2
+    assert "$.reward.reference_field: the data has no column 'reference' (columns: letter)" in result.stderr
