@@ -12,10 +12,11 @@ from pathlib import Path
 
 from rlkit_core import __version__, checkpoint
 from rlkit_core.errors import RlkitError, RunError
-from rlkit_core.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, reward_name, save_bad_batch
 from rlkit_core.evaluation import Evaluator
+from rlkit_core.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, reward_name, save_bad_batch
 from rlkit_core.interfaces import SilentTracker
 from rlkit_core.inventory import flatten, inventory_rows
+from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.plot import plot_curves
 from rlkit_core.progress import Progress
 from rlkit_core.recipe import Recipe
@@ -32,27 +33,25 @@ RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "samples_before.json", "final_mod
 
 def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> tuple[list[Path], Path | None, str]:
     """A fresh run must not mix its files with an earlier run's; say how to continue or start over.
-    A folder whose run stopped before its first checkpoint holds nothing to continue, so a plain
-    run, or `--resume auto`, starts over there. Returns (earlier outputs to clear, the checkpoint
-    to start from, a note for the user); only reads, so every process can check."""
+    A folder whose run stopped before it trained an iteration (a reward that failed at once) holds
+    nothing worth keeping, so a plain run starts over there. Returns (earlier outputs to clear, the
+    checkpoint to start from, a note for the user); only reads, so every process can check."""
     folder = Path(output_dir)
-    found = [folder / name for name in RUN_OUTPUTS if (folder / name).exists()]
-    complete = checkpoint.complete_checkpoints(folder)
-    if resume and resume != "auto":
-        return [], checkpoint.resolve(resume, folder), ""
-    if complete and resume:
-        return [], complete[-1], ""
-    if not complete and not (folder / "final_model").exists():
-        if resume:
-            return found, None, f"--resume auto: no checkpoint under {checkpoint.checkpoint_root(folder)} yet; starting from the beginning"
-        leftovers = ", ".join(path.name for path in found)
-        return found, None, f"{folder} holds only what a run left before its first checkpoint ({leftovers}); starting over" if found else ""
     if resume:
-        checkpoint.resolve(resume, folder)  # a finished run whose checkpoints are gone: say so
-    if not overwrite:
-        raise RlkitError(f"{folder} already holds a run ({', '.join(path.name for path in found)}); continue it with --resume auto, "
-                         f"start over with --overwrite, or pick another folder with --set run.output_dir=...")
-    return found, None, ""
+        return [], checkpoint.resolve(resume, folder), ""
+    found = [folder / name for name in RUN_OUTPUTS if (folder / name).exists()]
+    if not found:
+        return [], None, ""
+    names = ", ".join(path.name for path in found)
+    complete = checkpoint.complete_checkpoints(folder)
+    metrics = MetricsLog(folder / "metrics.jsonl").read()
+    if not (complete or (folder / "final_model").exists() or any(row.get("iteration", 0) >= 1 for row in metrics)):
+        return found, None, f"{folder} holds only what a run left before its first iteration ({names}); starting over"
+    if overwrite:
+        return found, None, ""
+    how = "continue it with --resume auto, " if complete else "it left no checkpoint to continue with --resume auto; "
+    raise RlkitError(f"{folder} already holds a run ({names}); {how}start over with --overwrite, "
+                     f"or pick another folder with --set run.output_dir=...")
 
 
 def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, overwrite: bool = False, out=sys.stdout) -> list[dict]:

@@ -166,7 +166,7 @@ def test_too_many_non_finite_steps_in_a_row_stop_with_the_last_checkpoint_intact
     assert [c.name for c in checkpoint.complete_checkpoints(output_dir)] == ["iter_000001"]
 
 
-def test_a_run_that_failed_before_its_first_checkpoint_can_simply_be_rerun(faulty):
+def test_a_run_that_failed_in_its_first_iteration_can_simply_be_rerun(faulty):
     recipe, output_dir, marker = faulty({1: "fail"})
     failed = run(recipe)
     assert failed.returncode == 1 and "nothing was trained yet, so no checkpoint" in failed.stderr
@@ -174,18 +174,24 @@ def test_a_run_that_failed_before_its_first_checkpoint_can_simply_be_rerun(fault
     marker.unlink()
     again = run(recipe)
     assert again.returncode == 0, again.stderr
-    assert "holds only what a run left before its first checkpoint" in again.stderr
+    assert "holds only what a run left before its first iteration (samples_before.json, bad_batches); starting over" in again.stderr
     assert [row["iteration"] for row in metrics_of(output_dir)] == [1, 2, 3]
     assert not (output_dir / "bad_batches").exists()  # the earlier run's leftovers were cleared
 
     marker.touch()
     assert run(recipe, "--overwrite").returncode == 1
-    marker.unlink()
-    resumed = run(recipe, "--resume", "auto")
-    assert resumed.returncode == 0, resumed.stderr
-    assert "--resume auto: no checkpoint under" in resumed.stderr and "starting from the beginning" in resumed.stderr
-    assert [row["iteration"] for row in metrics_of(output_dir)] == [1, 2, 3]
+    refused = run(recipe, "--resume", "auto")  # nothing to resume: say so rather than start over unasked
+    assert refused.returncode == 2 and "--resume auto: no complete checkpoint under" in refused.stderr
+    assert "start without --resume" in refused.stderr
 
+
+def test_a_folder_with_trained_iterations_but_no_checkpoint_needs_overwrite(faulty):
+    recipe, output_dir, _ = faulty({2: HUGE}, max_skips_in_a_row=3)  # stops in iteration 2; checkpoints only at the end
+    assert run(recipe).returncode == 1
+    assert not checkpoint.complete_checkpoints(output_dir)
+    refused = run(recipe)
+    assert refused.returncode == 2
+    assert "it left no checkpoint to continue with --resume auto; start over with --overwrite" in refused.stderr
 
 
 def wait_for(process, condition, what, seconds=240):
@@ -244,8 +250,8 @@ def test_sigkill_before_the_first_checkpoint_and_inside_a_checkpoint_write_then_
     process.wait(timeout=30)
     assert not checkpoint.complete_checkpoints(output_dir)
 
-    # Resumed, and killed again halfway through writing iteration 2's checkpoint (test-only hook).
-    killed = run(recipe, "--resume", "auto", env={**ENV, "RLKIT_TEST_CHECKPOINT_FAULT": "kill@2"})
+    # Run again (nothing to resume), and killed halfway through writing iteration 2's checkpoint (test-only hook).
+    killed = run(recipe, env={**ENV, "RLKIT_TEST_CHECKPOINT_FAULT": "kill@2"})
     assert killed.returncode == -signal.SIGKILL
     assert [c.name for c in checkpoint.complete_checkpoints(output_dir)] == ["iter_000001"]
     half_written = list((output_dir / "checkpoints").glob(".iter_000002.tmp-*"))
