@@ -39,11 +39,12 @@ def test_resident_memory_does_not_grow_with_iterations(recipe_document, write_re
         done, kb = lines_in(output_dir / "metrics.jsonl"), resident_kb(process.pid)
         if kb is not None:
             samples.append((done, kb))
-        time.sleep(0.05)
+        time.sleep(0.02)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr.decode()
 
     steady = [(done, kb) for done, kb in samples if STEPS // 5 <= done < STEPS]  # after the warm-up, before the final outputs
-    assert len({done for done, _ in steady}) > STEPS // 2, "too few samples to fit"
+    sampled = {done for done, _ in steady}  # a loaded machine samples fewer iterations; enough to fit a line
+    assert len(sampled) >= 30 and max(sampled) - min(sampled) >= STEPS // 2, f"too few samples to fit: {sorted(sampled)}"
     slope, _ = statistics.linear_regression([done for done, _ in steady], [kb for _, kb in steady])
     assert slope < ALLOWED_KB_PER_ITERATION, f"resident memory grows by {slope:.1f} KB per iteration"
