@@ -11,6 +11,8 @@ The estimators see the whole rollout batch (over every process), so a prompt's g
 complete. The returns they give back are the rewards-to-go; no critic learns from them.
 """
 
+from abc import abstractmethod
+
 import attrs
 
 from rlkit_core import hookimpl
@@ -39,7 +41,32 @@ class ReMaxConfig:
     pass
 
 
-class GRPO(AdvantageEstimator):
+class CriticFree(AdvantageEstimator):
+    """No values read: the loop builds no critic (`value_head.type = "none"`)."""
+
+    needs_values = False
+
+    def __init__(self, config, context=None):
+        self.config = config
+
+
+class GroupRelative(CriticFree):
+    """Sequence-level advantages: every token of a response gets its reward R_i measured against
+    the rewards of its group (the responses to the same prompt)."""
+
+    needs_groups = True
+
+    @abstractmethod
+    def against_group(self, totals, group_ids):
+        """[B] rewards, [B] group ids -> [B] advantages."""
+
+    def estimate(self, batch):
+        mask = batch.response_mask
+        advantages = self.against_group(sequence_rewards(batch.rewards, mask), batch.group_ids)
+        return per_token(advantages, mask), discounted_returns(batch.rewards, mask, 1.0)
+
+
+class GRPO(GroupRelative):
     """Group-relative advantages (Shao et al. 2024, "DeepSeekMath", outcome supervision): every
     token of response i gets (R_i − mean_g R) / (std_g R + 1e-6) over the responses g to the same
     prompt, std unbiased. `scale_by_std = false` is Dr. GRPO's correction (Liu et al. 2025,
@@ -47,47 +74,26 @@ class GRPO(AdvantageEstimator):
     responses all score nearly alike; Dr. GRPO pairs it with `loss.aggregation =
     "seq-mean-token-sum-norm"`."""
 
-    needs_values = False
-    needs_groups = True
-
-    def __init__(self, config: GRPOConfig, context=None):
-        self.config = config
-
-    def estimate(self, batch):
-        mask = batch.response_mask
-        advantages = group_normalized(sequence_rewards(batch.rewards, mask), batch.group_ids, self.config.scale_by_std)
-        return per_token(advantages, mask), discounted_returns(batch.rewards, mask, 1.0)
+    def against_group(self, totals, group_ids):
+        return group_normalized(totals, group_ids, self.config.scale_by_std)
 
 
-class RLOO(AdvantageEstimator):
+class RLOO(GroupRelative):
     """REINFORCE with a leave-one-out baseline (Ahmadian et al. 2024, "Back to Basics: Revisiting
     REINFORCE Style Optimization for Learning from Human Feedback in LLMs"; Kool et al. 2019):
     every token of response i gets R_i − mean of R_j over the other responses j to the same prompt.
     The baseline does not contain R_i, so the estimate stays unbiased."""
 
-    needs_values = False
-    needs_groups = True
-
-    def __init__(self, config: RLOOConfig, context=None):
-        self.config = config
-
-    def estimate(self, batch):
-        mask = batch.response_mask
-        advantages = leave_one_out(sequence_rewards(batch.rewards, mask), batch.group_ids)
-        return per_token(advantages, mask), discounted_returns(batch.rewards, mask, 1.0)
+    def against_group(self, totals, group_ids):
+        return leave_one_out(totals, group_ids)
 
 
-class ReinforcePlusPlus(AdvantageEstimator):
+class ReinforcePlusPlus(CriticFree):
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
     Language Models"): token t's advantage is its reward-to-go G_t = Σ_{s ≥ t} γ^(s−t) r_s, with
     the per-token KL penalty in r, normalised to mean 0 and std 1 over the counted tokens of the
     whole batch (biased std, as `masked_whiten`). The batch mean is the baseline, so one sample
     per prompt is enough; use `ppo.kl_penalty = "reward"` to get the KL into r."""
-
-    needs_values = False
-
-    def __init__(self, config: ReinforcePlusPlusConfig, context=None):
-        self.config = config
 
     def estimate(self, batch):
         mask = batch.response_mask
@@ -95,7 +101,7 @@ class ReinforcePlusPlus(AdvantageEstimator):
         return masked_whiten(returns, mask), returns
 
 
-class ReMax(AdvantageEstimator):
+class ReMax(CriticFree):
     """REINFORCE with the greedy response as baseline (Li et al. 2023, "ReMax: A Simple, Effective,
     and Efficient Reinforcement Learning Method for Aligning Large Language Models"): token t's
     advantage is its reward-to-go G_t = Σ_{s ≥ t} r_s minus the shaped score of the response the
@@ -103,11 +109,7 @@ class ReMax(AdvantageEstimator):
     and scores that response (one extra greedy generation per prompt, through the generator);
     it is not sampled, so the baseline does not depend on the sample and the estimate stays unbiased."""
 
-    needs_values = False
     needs_baseline_scores = True
-
-    def __init__(self, config: ReMaxConfig, context=None):
-        self.config = config
 
     def estimate(self, batch):
         mask = batch.response_mask
