@@ -210,9 +210,10 @@ def policy_loss(
     """Clipped PPO surrogate over [B, R] inputs -> dict of scalars.
 
     loss = Σ_counted w·max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) / token_count, ratio = exp(logprobs -
-    old_logprobs) in log space, w = `weights` (e.g. `truncated_is_weights`) or 1. token_count is
-    passed in rather than taken from `mask` so that it can be the global count over all accumulation
-    steps and processes: then the summed gradients do not depend on how the batch was split.
+    old_logprobs) in log space, w = `weights` (`truncated_is_weights`, `aggregation_weights`) or 1.
+    token_count is passed in rather than taken from `mask` so that it can be the global count over
+    all accumulation steps and processes (or of responses, with per-response weights): then the
+    summed gradients do not depend on how the batch was split.
     Diagnostics (detached, over counted tokens): clipfrac (clipped branch strictly active),
     approx_kl (k3 of π_θ vs π_old: mean of (ratio - 1) - log ratio), ratio_mean, ratio_max.
     """

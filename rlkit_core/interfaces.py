@@ -146,10 +146,10 @@ class Loss(ABC):
         `loss_*` terms are sums over the minibatch's tokens divided by `token_count`, or, for a loss
         that averages per response (see `aggregation`), by the rollouts of the optimiser step over
         all processes (`recipe.ppo.minibatch_size`): the loop adds them up over micro-batches and
-        processes. Other terms are means over the minibatch's own
-        counted tokens, which the loop combines weighted by token count; a name ending in `_max`
-        is combined by its maximum, and so is `skipped`: one micro-batch or process that asks for
-        it skips the whole optimiser step (the backward passes still run, in every process)."""
+        processes. Other terms are means over the minibatch's own counted tokens, which the loop
+        combines weighted by token count; a name ending in `_max` is combined by its maximum, and
+        so is `skipped`: one micro-batch or process that asks for it skips the whole optimiser step
+        (the backward passes still run, in every process)."""
 
     def aggregation(self, minibatch: RolloutBatch, token_count: float) -> tuple[torch.Tensor | None, float]:
         """(per-token weights or None, divisor): how this loss turns per-token terms into a `loss_*`
