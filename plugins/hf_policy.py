@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 
 import attrs
 import torch
@@ -16,7 +15,7 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, one_of, setting
 from rlkit_core.errors import RecipeError
-from rlkit_core.hf_loading import check_tokenizer, settle_pad
+from rlkit_core.hf_loading import LOAD_ERRORS, check_tokenizer, load_problem, settle_pad
 from rlkit_core.interfaces import Policy, PolicyOutput
 from rlkit_core.randomness import switch_off_dropout
 
@@ -67,12 +66,15 @@ class HFPolicy(Policy):
         from transformers import AutoModelForCausalLM
 
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+        try:
+            self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            where = "$.policy.tokenizer" if config.tokenizer else "$.policy.model"
+            raise RecipeError([load_problem(config.tokenizer or config.model, where, "a tokenizer", exc)]) from None
         try:
             base = AutoModelForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code)
-        except OSError as exc:
-            where = "a local directory" if os.path.sep in config.model or config.model.startswith(".") else "a hub name (needs network)"
-            raise RecipeError([f"$.policy.model: cannot load {config.model!r} as {where}: {exc}"]) from None
+        except LOAD_ERRORS as exc:
+            raise RecipeError([load_problem(config.model, "$.policy.model", "a causal language model", exc)]) from None
         self.eos_token_ids = end_token_ids(self.tokenizer, base.generation_config, config.end_tokens)
         if settle_pad(self.tokenizer, self.eos_token_ids):
             # The added PAD only fills masked positions; it must never be sampled or take

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 
@@ -52,10 +53,27 @@ class JsonlPrompts(PromptSource):
     def __init__(self, config: JsonlConfig, context=None):
         self.config = config
 
+    @staticmethod
+    def check(config: JsonlConfig, recipe) -> tuple[list[str], list[str]]:
+        """(problems, notes) of `rlkit check` and the start of `rlkit run`: the file reads as records
+        with a prompt (reading it is cheap next to a run)."""
+        try:
+            JsonlPrompts(config).load()
+        except RecipeError as exc:
+            return exc.problems, []
+        return [], []
+
     def load(self):
         path = Path(self.config.path)
         if not path.is_file():
-            raise RecipeError([f"$.data.path: no file {str(path)!r}"])
+            raise RecipeError([f"$.data.path: no file {str(path)!r} (relative paths start at the working directory)"])
+        try:
+            return self._records(path)
+        except UnicodeDecodeError as exc:
+            raise RecipeError([f"$.data.path: {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                               "give a .jsonl file: one JSON object a line"]) from None
+
+    def _records(self, path: Path) -> list[dict]:
         records = []
         with path.open(encoding="utf-8") as lines:
             for number, line in enumerate(lines, start=1):
@@ -71,13 +89,21 @@ class JsonlPrompts(PromptSource):
                 if self.config.limit and len(records) == self.config.limit:
                     break
         if not records:
-            raise RecipeError([f"$.data.path: {str(path)!r} holds no records"])
+            raise RecipeError([f"$.data.path: {str(path)!r} holds no records; give a file with one JSON object a line"])
         return records
 
 
 class HFDatasetPrompts(PromptSource):
     def __init__(self, config: HFDatasetConfig, context=None):
         self.config = config
+
+    @staticmethod
+    def check(config: HFDatasetConfig, recipe) -> tuple[list[str], list[str]]:
+        """(problems, notes) of `rlkit check` and the start of `rlkit run`: every local data file is
+        there (`datasets` would otherwise fail only after setting up its cache)."""
+        missing = [pattern for pattern in config.data_files if "://" not in pattern and not glob.glob(pattern)]
+        return [f"$.data.data_files: no file matches {pattern!r} (relative paths start at the working directory)"
+                for pattern in missing], []
 
     def load(self):
         try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import math
@@ -14,7 +16,7 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, greater_than, setting
 from rlkit_core.errors import RecipeError, RunError
-from rlkit_core.hf_loading import check_tokenizer
+from rlkit_core.hf_loading import LOAD_ERRORS, check_tokenizer, load_problem
 from rlkit_core.interfaces import RewardSource
 from rlkit_core.randomness import switch_off_dropout
 
@@ -33,11 +35,16 @@ class RewardModelConfig:
     max_length: int = setting(1024, help="longest prompt + response in tokens; longer inputs keep their end", validator=greater_than(0))
 
 
-def import_function(spec: str, where: str):
-    """`module:function` or `file.py:function` → the callable, or a located RecipeError."""
+def _split_spec(spec: str, where: str) -> tuple[str, str]:
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise RecipeError([f"{where}: expected 'module:function' or 'path/to/file.py:function', got {spec!r}"])
+    return target, name
+
+
+def import_function(spec: str, where: str):
+    """`module:function` or `file.py:function` → the callable, or a located RecipeError."""
+    target, name = _split_spec(spec, where)
     try:
         if target.endswith(".py"):
             path = Path(target)
@@ -56,6 +63,80 @@ def import_function(spec: str, where: str):
     if not callable(function):
         raise RecipeError([f"{where}: {target!r} has no function {name!r}"])
     return function
+
+
+def _signature_problem(spec: str, where: str, accepted: set[str], takes_everything: bool) -> str | None:
+    missing = {"prompts", "responses"} - accepted
+    if missing and not takes_everything:
+        return (f"{where}: {spec} must accept keyword arguments prompts and responses (missing: {', '.join(sorted(missing))}); "
+                "add **columns to receive the data's other columns")
+    return None
+
+
+def _source_file(target: str, where: str) -> Path | None:
+    """The file that defines `target` (a .py path or a dotted module), found without importing it;
+    None when only importing could tell (a module built into Python, a package that extends its path)."""
+    if target.endswith(".py"):
+        if not Path(target).is_file():
+            raise RecipeError([f"{where}: no file {target!r} (relative paths start at the working directory)"])
+        return Path(target)
+    parts = target.split(".")
+    try:
+        spec = importlib.util.find_spec(parts[0])  # a top-level name is found without being imported
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise RecipeError([f"{where}: no module {parts[0]!r} on the Python path; install the package that holds "
+                           f"{target!r}, or name a file: 'path/to/file.py:function'"])
+    for index in range(1, len(parts)):  # look inside packages without running their __init__
+        locations = spec.submodule_search_locations
+        spec = locations and importlib.machinery.PathFinder.find_spec(".".join(parts[:index + 1]), locations)
+        if not spec:
+            return None
+    return Path(spec.origin) if spec.origin and spec.origin.endswith(".py") else None
+
+
+def _bound_otherwise(tree: ast.Module, name: str) -> bool:
+    """Whether the module's top-level code binds `name` other than by a plain def (or may: `import *`)."""
+    for statement in tree.body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
+                return True
+            if isinstance(node, ast.alias) and (node.name == "*" or (node.asname or node.name).split(".")[0] == name):
+                return True
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                return True
+    return False
+
+
+def check_function_statically(spec: str, where: str) -> list[str]:
+    """Notes about what could not be checked; raises a located RecipeError for what is wrong:
+    the file or module, the function, its keyword arguments. Reads the source, runs none of it,
+    so `rlkit check` on a recipe from elsewhere runs no code the recipe names."""
+    target, name = _split_spec(spec, where)
+    path = _source_file(target, where)
+    if path is None:
+        return [f"{where}: {target!r} is not a plain source file; the function is checked when rlkit run imports it"]
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except SyntaxError as exc:
+        raise RecipeError([f"{where}: {str(path)!r} line {exc.lineno}: {exc.msg}; fix the file"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError([f"{where}: cannot read {str(path)!r}: {exc}"]) from None
+    functions = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    if name not in functions:
+        if _bound_otherwise(tree, name):  # made at import time (an import, an assignment, a class): only running it would tell
+            return [f"{where}: {name!r} in {str(path)!r} is not a plain def; its signature is checked when rlkit run imports it"]
+        known = ", ".join(sorted(functions)) or "none"
+        raise RecipeError([f"{where}: {str(path)!r} has no function {name!r} (functions defined there: {known})"])
+    arguments = functions[name].args
+    accepted = {a.arg for a in arguments.args + arguments.kwonlyargs}
+    problem = _signature_problem(spec, where, accepted, arguments.kwarg is not None)
+    if problem:
+        raise RecipeError([problem])
+    return []
 
 
 def checked_scores(scores, count: int, who: str) -> list[float]:
@@ -81,10 +162,25 @@ class PythonReward(RewardSource):
         parameters = inspect.signature(self.function).parameters
         self.takes_everything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         self.accepted = set(parameters)
-        missing = {"prompts", "responses"} - self.accepted
-        if missing and not self.takes_everything:
-            raise RecipeError([f"$.reward.function: {config.function} must accept keyword arguments prompts and responses "
-                               f"(missing: {', '.join(sorted(missing))}); add **columns to receive the data's other columns"])
+        problem = _signature_problem(config.function, "$.reward.function", self.accepted, self.takes_everything)
+        if problem:
+            raise RecipeError([problem])
+
+    @staticmethod
+    def check(config: PythonRewardConfig, recipe) -> tuple[list[str], list[str]]:
+        """(problems, notes) of `rlkit check`: the function exists and takes prompts and responses,
+        read from its source without running it."""
+        try:
+            return [], check_function_statically(config.function, "$.reward.function")
+        except RecipeError as exc:
+            return exc.problems, []
+
+    @staticmethod
+    def imports(config: PythonRewardConfig) -> list[str]:
+        """The code `rlkit run` imports for this reward (listed by `rlkit check`)."""
+        target, _, name = config.function.rpartition(":")
+        what = f"the file {str(Path(target).resolve())!r}" if target.endswith(".py") else f"the module {target!r}"
+        return [f"{what} for its function {name!r} ($.reward.function)"]
 
     def score(self, prompts, responses, **columns):
         if not self.takes_everything:
@@ -106,8 +202,8 @@ class RewardModel(RewardSource):
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
             self.model = AutoModelForSequenceClassification.from_pretrained(config.model)
-        except OSError as exc:
-            raise RecipeError([f"$.reward.model: cannot load {config.model!r}: {exc}"]) from None
+        except LOAD_ERRORS as exc:
+            raise RecipeError([load_problem(config.model, "$.reward.model", "a sequence classifier and its tokenizer", exc)]) from None
         rows = self.model.get_input_embeddings().num_embeddings
         if len(self.tokenizer) > rows:
             raise RecipeError([f"$.reward.tokenizer: {config.tokenizer or config.model!r} has {len(self.tokenizer)} tokens but "

@@ -9,7 +9,7 @@ import torch
 from rlkit_core import hookimpl
 from rlkit_core.config import one_of, setting
 from rlkit_core.errors import RecipeError
-from rlkit_core.hf_loading import PAD_TOKEN, check_tokenizer, vocabulary_mismatch
+from rlkit_core.hf_loading import LOAD_ERRORS, PAD_TOKEN, check_tokenizer, load_problem, vocabulary_mismatch
 from rlkit_core.interfaces import ValueHead
 from rlkit_core.randomness import switch_off_dropout
 
@@ -87,8 +87,8 @@ class SeparateValueHead(ValueHead):
 
         try:
             self.model = AutoModelForSequenceClassification.from_pretrained(config.model, num_labels=1)
-        except OSError as exc:
-            raise RecipeError([f"$.value_head.model: cannot load {config.model!r}: {exc}"]) from None
+        except LOAD_ERRORS as exc:
+            raise RecipeError([load_problem(config.model, "$.value_head.model", "a sequence classifier", exc)]) from None
         try:
             critic_tokenizer = AutoTokenizer.from_pretrained(config.model)
         except (OSError, ValueError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -122,7 +123,11 @@ def load_checkpoint(trainer, path: Path) -> dict:
     trainer.policy.load_state_dict(load_file(path / "policy.safetensors", device=str(trainer.device)))
     if trainer.value_head is not None:
         trainer.value_head.load_state_dict(load_file(path / "value_head.safetensors", device=str(trainer.device)))
-    state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)  # our own file; RNG states must stay on the CPU
+    try:  # tensors and plain values only: a checkpoint from elsewhere runs no code; RNG states stay on the CPU
+        state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise RlkitError(f"--resume {path}: trainer.pt holds more than tensors and plain values, which rlkit never loads "
+                         f"(it could run code): {str(exc).splitlines()[0]}; resume from a checkpoint rlkit wrote") from None
     trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.parts.kl.load_state_dict(state["kl"])

@@ -52,14 +52,18 @@ def _print_fields(fields: list[dict]) -> None:
 
 
 def _cmd_plugins(args) -> int:
+    """Exit 1 when an installed plugin is broken: its components are missing from the listing."""
     from rlkit_core.inventory import core_table_rows, registry_rows
     from rlkit_core.plugins import load_registry
 
     registry = load_registry()
     core, rows = core_table_rows(), registry_rows(registry)
     if args.json:
-        print(json.dumps({"core": core, "components": rows, "broken": registry.broken}, indent=2, default=str))
-        return 0
+        print(json.dumps({"core": core, "components": rows, "broken": registry.broken, "filtered": registry.filtered},
+                         indent=2, default=str))
+        return 1 if registry.broken else 0
+    for line in _plugin_health(registry):
+        print(line)
     print("core tables")
     for table in core:
         print(f"  [{table['table']}]")
@@ -71,9 +75,29 @@ def _cmd_plugins(args) -> int:
             print(f"\n{kind}")
         print(f"  {row['name']:<16} {row['plugin']} ({row['distribution']} {row['version']})")
         _print_fields(row["fields"])
-    for name, why in registry.broken.items():
-        print(f"\nbroken plugin {name!r}: {why}", file=sys.stderr)
+    if registry.broken:  # again at the end, where a long listing leaves the reader
+        print(f"\nrlkit plugins: {len(registry.broken)} broken plugin(s): {', '.join(registry.broken)}; see the top of the listing",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _plugin_health(registry) -> list[str]:
+    """Lines for the top of `rlkit plugins`: broken plugins with their errors and how to leave
+    them out, and installed plugins that RLKIT_PLUGINS filters out."""
+    from rlkit_core.plugins import BUILTIN_DISTRIBUTION
+
+    lines = []
+    if registry.broken:
+        working = sorted({c.plugin for c in registry.all() if c.distribution != BUILTIN_DISTRIBUTION})
+        lines.append(f"BROKEN PLUGINS: {len(registry.broken)} installed plugin(s) failed to load; their components are missing below")
+        lines += [f"  {name}: {why}" for name, why in registry.broken.items()]
+        lines.append(f"  fix or uninstall it, or leave it out: RLKIT_PLUGINS={','.join(working) or 'none'} "
+                     "(a comma-separated list of the plugins to load; 'none': built-ins only)")
+    if registry.filtered:
+        lines.append(f"installed but filtered out by RLKIT_PLUGINS={os.environ.get('RLKIT_PLUGINS', '')!r} (not imported): "
+                     + ", ".join(f"{name} ({dist})" for name, dist in registry.filtered.items()))
+    return lines + [""] if lines else []
 
 
 def _cmd_check(args) -> int:
@@ -91,10 +115,16 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_run(args) -> int:
+    from rlkit_core.errors import RecipeError
+    from rlkit_core.plan import preflight
     from rlkit_core.plugins import load_registry
     from rlkit_core.recipe import load_recipe
     from rlkit_core.run import run_recipe
+
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)
+    problems, _ = preflight(recipe)  # what `rlkit check` would refuse, before anything is built or written
+    if problems:
+        raise RecipeError(problems, recipe.source)
     run_recipe(recipe, quiet=args.quiet, resume=args.resume, overwrite=args.overwrite)  # several processes end inside it
     return 0
 

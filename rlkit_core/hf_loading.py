@@ -10,10 +10,15 @@ and said to be unchecked, instead of failing the check.
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from pathlib import Path
 
 
 PAD_TOKEN = "<|rlkit_pad|>"  # the PAD rlkit adds to a tokenizer that has none of its own
+# What transformers raises for a model or tokenizer it cannot load; UnpicklingError: a .bin weights
+# file that holds more than tensors (it is read with weights_only=True, so nothing in it runs).
+LOAD_ERRORS = (OSError, ValueError, pickle.UnpicklingError)
 
 
 def settle_pad(tokenizer, eos_token_ids) -> bool:
@@ -35,21 +40,42 @@ def is_local(name: str) -> bool:
     return Path(name).exists() or name.startswith((".", "/", "~"))
 
 
+def could_be_hub_name(name: str) -> bool:
+    """`name` or `owner/name` in the hub's letters; anything else can only be a local path."""
+    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None and not name.startswith(".")
+
+
+def load_problem(name: str, where: str, what: str, error: Exception | None = None) -> str:
+    """Why `name` could not be loaded as `what` (a model, a tokenizer), with the fix: a located
+    sentence instead of transformers' traceback."""
+    if not Path(name).expanduser().exists() and (is_local(name) or not could_be_hub_name(name)):
+        return f"{where}: no directory {name!r}; give a local model directory (relative paths start at the working directory) or a hub name"
+    if isinstance(error, pickle.UnpicklingError):
+        return (f"{where}: {name!r} has a pickled weights file that holds more than tensors; rlkit loads pickles only "
+                "as plain tensors (weights_only), so none of its code ran. Use a model saved as safetensors, or one you trust re-saved so")
+    reason = f": {str(error).splitlines()[0]}" if error is not None else ""
+    if Path(name).expanduser().exists():
+        return f"{where}: cannot load {what} from {name!r}{reason}; give a transformers model folder (config.json, weights, tokenizer files)"
+    hub = "HF_HUB_OFFLINE is set, so only the local cache is read" if offline() else "reading the hub needs network"
+    return (f"{where}: {name!r} is not a local directory, and as a hub name {what} did not load ({hub}){reason}; "
+            "give a local model directory or a hub name that exists")
+
+
 def check_tokenizer(name: str, where: str, problems: list[str], notes: list[str], trust_remote_code: bool = False):
     """The tokenizer `name`, or None with a located problem (it cannot be loaded) or a note (a hub
     name that `--offline` leaves unchecked)."""
     from transformers import AutoTokenizer
 
-    if is_local(name) and not Path(name).expanduser().exists():
-        problems.append(f"{where}: no directory {name!r}; give a local model directory or a hub name")
+    if not Path(name).expanduser().exists() and (is_local(name) or not could_be_hub_name(name)):
+        problems.append(load_problem(name, where, "a tokenizer"))
         return None
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        if offline() and not is_local(name):
+        if offline() and not Path(name).expanduser().exists():
             notes.append(f"{where}: {name!r} is a hub name not in the local cache; not checked offline")
         else:
-            problems.append(f"{where}: cannot load a tokenizer from {name!r}: {str(exc).splitlines()[0]}")
+            problems.append(load_problem(name, where, "a tokenizer", exc))
         return None
 
 

@@ -20,18 +20,19 @@ def inventory_rows(recipe: Recipe) -> list[dict[str, str]]:
     return [
         {"table": c.table.replace("[", ".").replace("]", ""), "kind": c.component.kind, "type": c.component.name,
          "plugin": c.component.plugin, "distribution": c.component.distribution, "version": c.component.version}
-        for top in recipe.components.values() for c in _with_nested(top)
+        for top in recipe.components.values() for c in with_nested(top)
     ]
 
 
-def _with_nested(choice: ComponentChoice) -> Iterator[ComponentChoice]:
+def with_nested(choice: ComponentChoice) -> Iterator[ComponentChoice]:
+    """The choice, then every component table nested in it, depth first."""
     yield choice
     for field in attrs.fields(type(choice.config)):
         if nested_spec(field):
             value = getattr(choice.config, field.name)
             for inner in value if isinstance(value, list) else [value]:
                 if inner is not None:
-                    yield from _with_nested(inner)
+                    yield from with_nested(inner)
 
 
 def field_rows(config_class) -> list[dict[str, Any]]:

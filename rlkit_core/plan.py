@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from rlkit_core.errors import RecipeError
-from rlkit_core.inventory import inventory_rows
+from rlkit_core.inventory import inventory_rows, with_nested
 from rlkit_core.memory import Workload, estimate
 from rlkit_core.memory import describe as describe_memory
 from rlkit_core.recipe import Recipe
-from rlkit_core.schema import kl_warnings, launched_processes
+from rlkit_core.schema import kl_warnings, launched_processes, output_dir_problems
 
 
 def describe_plan(recipe: Recipe, prompt_tokens: int = 128) -> str:
@@ -32,15 +32,48 @@ def describe_plan(recipe: Recipe, prompt_tokens: int = 128) -> str:
     memory = memory_estimate(recipe, prompt_tokens)
     if memory:
         lines += ["", f"memory (prompts of {prompt_tokens} tokens; rlkit check --prompt-tokens N):", *[f"  {line}" for line in memory]]
-    problems, notes = component_checks(recipe)
+    lines += ["", "code this recipe runs (besides rlkit's own):", *[f"  {line}" for line in code_it_runs(recipe)]]
+    problems, notes = preflight(recipe)
     if problems:
         raise RecipeError(problems, recipe.source)
-    warnings = kl_warnings(recipe.ppo)
+    warnings = kl_warnings(recipe.ppo) + remote_code_warnings(recipe)
     if warnings:
         lines += ["", "warnings:", *[f"  {line}" for line in warnings]]
     if notes:
         lines += ["", "not checked:", *[f"  {line}" for line in dict.fromkeys(notes)]]
     return "\n".join(lines)
+
+
+def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
+    """(problems, notes) that `rlkit check` reports and `rlkit run` refuses to start with, found
+    before anything is built or written: the output folder, then every component's own check."""
+    problems, notes = component_checks(recipe)
+    problems = [str(p) for p in output_dir_problems(recipe.run)] + problems
+    return list(dict.fromkeys(problems)), notes  # two components may check one model (a critic checks the policy's tokenizer)
+
+
+def code_it_runs(recipe: Recipe) -> list[str]:
+    """The third-party code a run imports: every installed plugin that loaded (RLKIT_PLUGINS
+    chooses them), and the files the recipe names for components that import them (a factory's
+    `imports(config)`, e.g. the `python` reward's function). `rlkit check` imports none of the files."""
+    from rlkit_core.plugins import BUILTIN_DISTRIBUTION
+
+    registry = recipe.registry
+    plugins = sorted({(c.plugin, c.distribution, c.version) for c in registry.all() if c.distribution != BUILTIN_DISTRIBUTION}) if registry else []
+    lines = [f"plugin {name} ({dist} {version})" for name, dist, version in plugins] or ["no third-party plugins loaded"]
+    for top in recipe.components.values():
+        for choice in with_nested(top):
+            imports = getattr(choice.component.factory, "imports", None)
+            lines += [f"[{choice.table}] imports {what}" for what in (imports(choice.config) if imports else [])]
+    return lines
+
+
+def remote_code_warnings(recipe: Recipe) -> list[str]:
+    """A component allowed to run the Python code shipped with its model (transformers' trust_remote_code)."""
+    return [f"$.{choice.table}.trust_remote_code = true: {getattr(choice.config, 'model', 'the model')!r} may run Python code "
+            "that ships with the model, in rlkit check as in rlkit run; keep it only for a model you trust"
+            for top in recipe.components.values() for choice in with_nested(top)
+            if getattr(choice.config, "trust_remote_code", False) is True]
 
 
 def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:

@@ -63,6 +63,7 @@ def load_registry(environ=None, extra_plugins=()) -> Registry:
         dist = ep.dist.name if ep.dist else "unknown"
         version = ep.dist.version if ep.dist else "unknown"
         if dist != BUILTIN_DISTRIBUTION and allowed is not None and ep.name not in allowed:
+            registry.filtered[ep.name] = f"{dist} {version}"  # installed, left out by RLKIT_PLUGINS: never imported
             continue
         try:
             module = ep.load()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import sys
 import typing
 from pathlib import Path
@@ -86,12 +87,26 @@ def _strict(expected: type, words: str):
     return structure
 
 
-def make_converter() -> cattrs.Converter:
+def _scalars() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True)
     converter.register_structure_hook(int, _strict(int, "an integer"))
     converter.register_structure_hook(float, _strict(float, "a number"))
     converter.register_structure_hook(str, _strict(str, "a string"))
     converter.register_structure_hook(bool, _strict(bool, "true or false"))
+    return converter
+
+
+def make_converter() -> cattrs.Converter:
+    """Strict about every value: cattrs alone would read 2.5 as the integer 2 and the string
+    "c_attn" as the list of its letters."""
+    converter, items = _scalars(), _scalars()  # `items` reads a list's or a table's contents once its kind is right
+    for origin, words in ((list, "an array ([...])"), (dict, "a table ({...})")):
+        def structure(value, cls, origin=origin, words=words):
+            if not isinstance(value, origin):
+                raise TypeError(f"expected {words}, got {value!r} ({type(value).__name__})")
+            return items.structure(value, cls)
+
+        converter.register_structure_hook_func(lambda t, origin=origin: typing.get_origin(t) is origin, structure)
     return converter
 
 
@@ -205,6 +220,38 @@ def apply_overrides(document: dict, overrides: list[str]) -> dict:
     return result
 
 
+def retype_problems(before: dict, after: dict, registry: Registry) -> list[Problem]:
+    """`--set kl.type=fixed` keeps the old type's other keys, which the new type may not take: say
+    which keys belong to the old type and give the `--set` that replaces the table whole."""
+    problems = []
+    for table, (kind, default_type) in COMPONENT_TABLES.items():
+        old_table, new_table = before.get(table), after.get(table)
+        if not (isinstance(old_table, dict) and isinstance(new_table, dict)):
+            continue
+        old, new = old_table.get("type", default_type), new_table.get("type", default_type)
+        component = registry.find(kind, new) if isinstance(new, str) else None
+        if old == new or component is None:
+            continue
+        known = {f.name for f in attrs.fields(component.config_class)}
+        stale = [key for key in new_table if key != "type" and key not in known and key in old_table]
+        if stale:
+            kept = ", ".join([f"type={_toml(new)}"] + [f"{key}={_toml(value)}" for key, value in new_table.items()
+                                                       if key in known])
+            problems.append(Problem(f"$.{table}", f"the type changed from {old!r} to {new!r}, but {', '.join(stale)} "
+                                                  f"{'is a setting' if len(stale) == 1 else 'are settings'} of {old!r} that {new!r} does not "
+                                                  f"have; replace the whole table instead: --set '{table}={{{kept}}}'"))
+    return problems
+
+
+def _toml(value) -> str:
+    """A TOML literal for a recipe value (a string, number, boolean, list or table)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}={_toml(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    return json.dumps(value)
+
+
 def parse_recipe(document: dict, registry: Registry, source: str | None = None) -> Recipe:
     problems: list[Problem] = []
     known_tables = [*CORE_TABLES, *COMPONENT_TABLES]
@@ -314,13 +361,16 @@ def load_recipe(path: str | Path, registry: Registry, overrides: list[str] = ())
     except FileNotFoundError:
         raise RecipeError([f"no recipe at {path}; check the path (recipes ship in the repository's recipes/ folder)"]) from None
     except OSError as exc:
-        raise RecipeError([f"cannot read {path}: {exc.strerror}"]) from None
+        raise RecipeError([f"cannot read {path}: {exc.strerror}; give the path of a TOML recipe file"]) from None
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError([f"not valid TOML: {exc}"], str(path)) from None
-    document = apply_overrides(document, list(overrides))
-    recipe = parse_recipe(document, registry, str(path))
+    overridden = apply_overrides(document, list(overrides))
+    problems = retype_problems(document, overridden, registry)
+    if problems:
+        raise RecipeError(problems, str(path))
+    recipe = parse_recipe(overridden, registry, str(path))
     if not recipe.run.name:
         recipe = attrs.evolve(recipe, run=attrs.evolve(recipe.run, name=path.stem))
     return recipe

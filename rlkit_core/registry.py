@@ -31,6 +31,7 @@ class Registry:
     def __init__(self):
         self._components: dict[str, dict[str, Component]] = {kind: {} for kind in KINDS}
         self.broken: dict[str, str] = {}  # plugin name -> why it could not be loaded
+        self.filtered: dict[str, str] = {}  # plugin name -> "distribution version", installed but left out by RLKIT_PLUGINS
 
     def add(self, component: Component) -> None:
         if not attrs.has(component.config_class):
@@ -71,4 +72,8 @@ class Registry:
             message += f"; did you mean {close[0]!r}?"
         if self.broken:
             message += "; plugins that failed to load: " + "; ".join(f"{p} ({why})" for p, why in self.broken.items())
+        if self.filtered:
+            plugins = ", ".join(f"{p} ({dist})" for p, dist in self.filtered.items())
+            message += (f"; installed but filtered out by RLKIT_PLUGINS: {plugins}; if {name!r} comes from one of them, "
+                        "add its name to RLKIT_PLUGINS (or unset RLKIT_PLUGINS to load every installed plugin)")
         return Problem(where, message)

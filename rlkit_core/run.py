@@ -45,6 +45,7 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
     """Train up to `recipe.run.steps` iterations; returns the metrics of every iteration (on the
     main process; the others train alongside it and write nothing)."""
     earlier = claim_output_dir(recipe.run.output_dir, resume, overwrite)
+    resume_from = checkpoint.resolve(resume, recipe.run.output_dir) if resume else None  # a wrong --resume stops the run before it writes
     trainer = Trainer(recipe)
     main = trainer.processes.is_main
     if main:
@@ -60,7 +61,7 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
               f"{counts['skipped']} skipped as too long", file=out)
     run_id = None
     if resume:
-        meta = checkpoint.load_checkpoint(trainer, checkpoint.resolve(resume, recipe.run.output_dir))
+        meta = checkpoint.load_checkpoint(trainer, resume_from)
         run_id = meta["run_id"]
     history = []
     if main:

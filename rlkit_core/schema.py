@@ -5,8 +5,10 @@ Component tables (`[policy]`, `[kl]`, ...) are described by their plugins' own c
 """
 
 import os
+from pathlib import Path
 
 import attrs
+import torch
 
 from rlkit_core.config import at_least, greater_than, one_of, setting
 from rlkit_core.errors import Problem
@@ -93,7 +95,8 @@ def batch_arithmetic_problems(ppo: PPOConfig, processes: int = 1) -> list[Proble
                                 f"{ppo.samples_per_prompt}; use a multiple of {ppo.samples_per_prompt}"
         ))
     if ppo.minibatch_size > ppo.batch_size:
-        problems.append(Problem("$.ppo.minibatch_size", f"{ppo.minibatch_size} is larger than batch_size={ppo.batch_size}"))
+        problems.append(Problem("$.ppo.minibatch_size", f"{ppo.minibatch_size} is larger than batch_size={ppo.batch_size}; "
+                                                        f"use a divisor of {ppo.batch_size}"))
     elif ppo.batch_size % ppo.minibatch_size:
         problems.append(Problem(
             "$.ppo.minibatch_size", f"{ppo.minibatch_size} does not divide batch_size={ppo.batch_size}; "
@@ -142,7 +145,7 @@ def critic_problems(ppo: PPOConfig, advantage, value_head) -> list[Problem]:
 def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
     """Combinations of recipe and launch that cannot work, each located, found before anything
     is built. `cuda`: whether this machine has a GPU."""
-    problems = []
+    problems = _device_problems(run.device, cuda)
     for engine in ("FSDP", "DEEPSPEED"):
         if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() in ("1", "true"):
             problems.append(Problem("launch", f"the accelerate config selects {engine}, which rlkit does not support yet (it "
@@ -161,6 +164,34 @@ def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
                                                              f"policy.dtype = {policy_config.dtype!r}; set policy.dtype = 'float32', "
                                                              "or run.mixed_precision = 'no' for pure low-precision weights"))
     return problems
+
+
+def output_dir_problems(run: RunConfig) -> list[Problem]:
+    """An output_dir that cannot hold a run, found before anything is written: a file in its place
+    or on its way, or a folder this user may not write in."""
+    path = Path(run.output_dir)
+    existing = path
+    while not existing.exists():  # the nearest part of the path that is there ("." at the latest)
+        existing = existing.parent
+    fix = "pick another folder: --set run.output_dir=PATH"
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"cannot be made: {str(existing)!r} on its path is a file"
+        return [Problem("$.run.output_dir", f"{str(path)!r} {where}, not a folder; {fix}")]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [Problem("$.run.output_dir", f"{str(existing)!r} is not writable by this user; {fix}")]
+    return []
+
+
+def _device_problems(device: str, cuda: bool) -> list[Problem]:
+    if device == "auto":
+        return []
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        return [Problem("$.run.device", f"{device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'")]
+    if kind == "cuda" and not cuda:
+        return [Problem("$.run.device", f"{device!r} needs a GPU, and torch sees none here; use 'auto' or 'cpu'")]
+    return []
 
 
 def launched_processes() -> int:

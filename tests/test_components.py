@@ -58,6 +58,31 @@ def test_python_reward_bad_specs_are_located(tmp_path):
         PythonReward(PythonRewardConfig(function=f"{module}:f"))
 
 
+def test_python_reward_check_reads_the_source_and_runs_none_of_it(tmp_path, monkeypatch):
+    """`rlkit check` finds the function in a package without running the package's __init__."""
+    package = tmp_path / "acme_rewards"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    (package / "scores.py").write_text("from json import loads as parsed\n\nmade = parsed\n\n"
+                                       "def good(prompts, responses, **columns):\n    return []\n\n"
+                                       "def narrow(texts):\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def check(name):
+        return PythonReward.check(PythonRewardConfig(function=f"acme_rewards.scores:{name}"), recipe=None)
+
+    assert check("good") == ([], [])
+    problems, _ = check("narrow")
+    assert problems == ["$.reward.function: acme_rewards.scores:narrow must accept keyword arguments prompts and responses "
+                        "(missing: prompts, responses); add **columns to receive the data's other columns"]
+    for made_at_import in ("made", "parsed"):  # only running the module would show their signatures
+        assert check(made_at_import) == ([], [f"$.reward.function: {made_at_import!r} in {str(package / 'scores.py')!r} is not "
+                                              "a plain def; its signature is checked when rlkit run imports it"])
+    problems, _ = check("missing")
+    assert problems == [f"$.reward.function: {str(package / 'scores.py')!r} has no function 'missing' (functions defined there: good, narrow)"]
+    assert not (tmp_path / "ran").exists()
+
+
 def test_reward_results_are_checked():
     assert checked_scores(torch.tensor([1, 2]), 2, "r") == [1.0, 2.0]
     with pytest.raises(RunError, match="returned 1 scores for 2 responses"):

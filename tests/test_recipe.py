@@ -71,7 +71,7 @@ def test_batch_arithmetic(recipe_document, registry):
     recipe_document["ppo"].update(batch_size=10, samples_per_prompt=4, minibatch_size=20)
     assert problems_of(recipe_document, registry) == [
         "$.ppo.batch_size: 10 rollouts do not split into groups of samples_per_prompt=4; use a multiple of 4",
-        "$.ppo.minibatch_size: 20 is larger than batch_size=10",
+        "$.ppo.minibatch_size: 20 is larger than batch_size=10; use a divisor of 10",
     ]
 
 

@@ -29,9 +29,18 @@ version = "0.0.1"
 
 [project.entry-points.rlkit]
 broken-demo = "rlkit_broken_demo"
+typo-demo = "rlkit_typo_demo"
 
 [tool.setuptools]
-py-modules = ["rlkit_broken_demo"]
+py-modules = ["rlkit_broken_demo", "rlkit_typo_demo"]
+"""
+TYPO_MODULE = """\
+from rlkit_core import hookimpl
+
+
+@hookimpl
+def register_reward(register):  # misspelled: the hook is register_rewards
+    pass
 """
 BROKEN_ERROR = "this plugin needs acme-sdk: pip install acme-sdk"
 
@@ -56,9 +65,9 @@ def rlkit(*args, plugins=None):
     return subprocess.run([sys.executable, "-m", "rlkit_core.cli", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
-def plugins_json(plugins=None) -> dict:
+def plugins_json(plugins=None, exit_code=0) -> dict:
     result = rlkit("plugins", "--json", plugins=plugins)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == exit_code, result.stderr
     return json.loads(result.stdout)
 
 
@@ -120,6 +129,8 @@ def test_rlkit_plugins_none_hides_the_example(example_recipe, monkeypatch, capsy
     problems = capsys.readouterr().err
     assert "$.kl.type: unknown kl_controller 'pid'; registered: adaptive, fixed" in problems
     assert "$.reward.type: unknown reward 'weighted-sum'; registered: fact-copied, python, reward-model, rouge" in problems
+    assert ("installed but filtered out by RLKIT_PLUGINS: example-pid-kl (rlkit-example-plugins 0.1.0), example-weighted-sum "
+            "(rlkit-example-plugins 0.1.0); if 'weighted-sum' comes from one of them, add its name to RLKIT_PLUGINS") in problems
 
 
 def test_rlkit_plugins_selects_plugins_by_name(example):
@@ -133,11 +144,24 @@ def test_a_plugin_that_fails_to_import_is_named_and_the_rest_still_work(request,
     source.mkdir()
     (source / "pyproject.toml").write_text(BROKEN_PYPROJECT)
     (source / "rlkit_broken_demo.py").write_text(f"raise ImportError({BROKEN_ERROR!r})\n")
+    (source / "rlkit_typo_demo.py").write_text(TYPO_MODULE)
     install(request, source, "rlkit-broken-demo")
 
-    listing = plugins_json()
+    listing = plugins_json(exit_code=1)
     assert listing["broken"]["broken-demo"] == f"import failed: ImportError: {BROKEN_ERROR}"
+    assert listing["broken"]["typo-demo"] == "hook 'register_reward' is not an rlkit hook; did you mean 'register_rewards'?"
     assert {"adaptive", "fixed"} <= component_names(listing, "kl_controller")
+    text = rlkit("plugins")  # the broken plugins head the listing, and the command fails
+    assert text.returncode == 1
+    head = text.stdout.splitlines()[:4]
+    assert head[0] == "BROKEN PLUGINS: 2 installed plugin(s) failed to load; their components are missing below"
+    assert head[1:3] == [f"  broken-demo: import failed: ImportError: {BROKEN_ERROR}",
+                         "  typo-demo: hook 'register_reward' is not an rlkit hook; did you mean 'register_rewards'?"]
+    assert head[3].startswith("  fix or uninstall it, or leave it out: RLKIT_PLUGINS=")
+    assert "2 broken plugin(s): broken-demo, typo-demo" in text.stderr
+    left_out = rlkit("plugins", plugins="none")  # leaving them out: not imported, so nothing is broken
+    assert left_out.returncode == 0
+    assert "filtered out by RLKIT_PLUGINS='none' (not imported): broken-demo (rlkit-broken-demo 0.0.1)" in left_out.stdout
     with pytest.raises(RecipeError) as caught:  # what a recipe that needs a missing reward is told
         load_registry(environ={}).get("reward", "acme", "$.reward.type")
     assert f"plugins that failed to load: broken-demo (import failed: ImportError: {BROKEN_ERROR})" in str(caught.value)
