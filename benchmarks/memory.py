@@ -6,16 +6,23 @@ peak resident memory from just before the trainer is built; on a GPU, read torch
 instead. Prints one JSON line per case.
 
     python benchmarks/memory.py
+    python benchmarks/memory.py --fsdp    # full fine-tuning under FSDP over 2 processes: one line per process
+
+Under FSDP the run goes through tests/fsdp_on_cpu.py (accelerate selects FSDP on GPUs only; that
+launcher selects accelerate's own FSDP state on CPUs), and each process reports its own peak.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+FSDP_ON_CPU = Path(__file__).parents[1] / "tests" / "fsdp_on_cpu.py"
 
 CASES = [(0, False), (0, True), (8, False), (8, True)]  # (lora_r, gradient_checkpointing)
 PROMPT_TOKENS = RESPONSE_TOKENS = 32
@@ -50,8 +57,12 @@ def one_case(folder: Path, lora_r: int, checkpointing: bool) -> dict:
 
     recipe = parse_recipe(document(folder, lora_r, checkpointing), load_registry(environ={"RLKIT_PLUGINS": "none"}))
     shape = recipe["policy"].component.factory.shape(recipe["policy"].config)
-    work = Workload(micro_batch=BATCH, forward_batch=BATCH, generate_batch=BATCH, prompt_tokens=PROMPT_TOKENS,
-                    response_tokens=RESPONSE_TOKENS, checkpointing=checkpointing, mixed_precision="no")
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    sharded = os.environ.get("ACCELERATE_USE_FSDP") == "true"
+    local = BATCH // processes  # each process's rollouts
+    work = Workload(micro_batch=local, forward_batch=local, generate_batch=local, prompt_tokens=PROMPT_TOKENS,
+                    response_tokens=RESPONSE_TOKENS, checkpointing=checkpointing, mixed_precision="no",
+                    shards=processes if sharded else 1)
     parts = estimate(shape, work)
     before = resident_bytes()
     trainer = Trainer(recipe)
@@ -59,7 +70,8 @@ def one_case(folder: Path, lora_r: int, checkpointing: bool) -> dict:
     trainer.step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     mib = 2**20
-    return {"lora_r": lora_r, "gradient_checkpointing": checkpointing,
+    return {"lora_r": lora_r, "gradient_checkpointing": checkpointing, "processes": processes, "fsdp": sharded,
+            "process": trainer.processes.index,
             # before the first step only the weights are resident (AdamW allocates its state at the first step)
             "estimate_weights_mib": round(parts["weights"] / mib), "measured_after_build_mib": round(built / mib),
             "estimate_peak_mib": round(parts["peak"] / mib), "measured_peak_mib": round(peak / mib),
@@ -86,14 +98,28 @@ def prepare(folder: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) == 4:
-        print(json.dumps(one_case(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1")))
+        result = one_case(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1")
+        print(json.dumps(result), flush=True)
+        if result["processes"] > 1:
+            os._exit(0)  # as `rlkit run` does: tearing down gloo at exit can abort a process
         return
+    fsdp = sys.argv[1:] == ["--fsdp"]
     with tempfile.TemporaryDirectory() as folder:
         prepare(Path(folder))
-        for lora_r, checkpointing in CASES:
-            done = subprocess.run([sys.executable, __file__, folder, str(lora_r), "1" if checkpointing else "0"],
-                                  capture_output=True, text=True, check=True)
-            print(done.stdout.strip().splitlines()[-1], flush=True)
+        for lora_r, checkpointing in [(0, False), (0, True)] if fsdp else CASES:
+            case = [folder, str(lora_r), "1" if checkpointing else "0"]
+            if fsdp:
+                sys.path.insert(0, str(FSDP_ON_CPU.parent))
+                from fsdp_on_cpu import launch_environment
+
+                command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(FSDP_ON_CPU), __file__, *case]
+                done = subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, **launch_environment()})
+            else:
+                done = subprocess.run([sys.executable, __file__, *case], capture_output=True, text=True, check=True)
+            for line in done.stdout.strip().splitlines():
+                if line.startswith("{"):
+                    print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ class SharedValueHead(ValueHead):
     def parameters(self):
         return list(self.head.parameters())
 
+    def module(self):
+        return self.head
+
     def state_dict(self):
         return self.head.state_dict()
 
@@ -131,6 +134,9 @@ class SeparateValueHead(ValueHead):
 
     def parameters(self):
         return list(self.model.parameters())
+
+    def module(self):
+        return self.model
 
     def state_dict(self):
         return self.model.state_dict()

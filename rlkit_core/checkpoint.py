@@ -4,10 +4,16 @@ Layout of `<output_dir>/checkpoints/iter_000012/`:
   policy.safetensors      trainable policy tensors (all weights, or the LoRA adapters)
   value_head.safetensors  critic tensors (absent without a critic)
   trainer.pt              optimiser, schedule, KL controller, RNG states of every process, iteration
-  meta.json               iteration, tracker run id, the recipe document, rlkit version, processes
+  meta.json               iteration, tracker run id, the recipe document, rlkit version, processes,
+                          whether the run was sharded
+  sharded/                under FSDP only: accelerate's `save_state`, every process's shards of the
+                          weights and the optimiser state; trainer.pt then holds no optimiser state
 
 Under several processes every one of them calls `save_checkpoint` (each hands over its RNG state)
-and the main process writes; the weights and optimiser state are the same in every process (DDP).
+and the main process writes; under DDP the weights and optimiser state are the same in every
+process. Under FSDP every process writes its own shards into sharded/, and the main process writes
+the whole weights (gathered) into the .safetensors files as well, so `rlkit export` and a reader
+of the checkpoint see the same layout whatever the engine; resuming reads the shards.
 A checkpoint is written into a hidden temporary folder and renamed into place only when complete,
 so a crash mid-write never leaves one that looks whole; only the latest `keep` are kept.
 """
@@ -28,6 +34,7 @@ from rlkit_core import __version__
 from rlkit_core.errors import RlkitError
 
 PREFIX = "iter_"
+SHARDED = "sharded"
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -51,38 +58,50 @@ def _set_rng_state(state: dict) -> None:
 def save_checkpoint(trainer, run_id: str | None, keep: int) -> Path:
     processes = trainer.processes
     rng_states = processes.gather_objects(_rng_state())
-    root = checkpoint_root(trainer.output_dir)
-    final = root / f"{PREFIX}{trainer.iteration:06d}"
+    final = checkpoint_root(trainer.output_dir) / f"{PREFIX}{trainer.iteration:06d}"
+    temporary = final.parent / f".{final.name}.tmp-{processes.gather_objects(os.getpid())[0]}"  # the main process's id, everywhere
     if processes.is_main:
-        _write_checkpoint(trainer, final, run_id, keep, rng_states)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+    if processes.sharded:
+        processes.wait()
+        trainer.accelerator.save_state(str(temporary / SHARDED))  # every process writes its shards
+    with trainer.full_weights():
+        if processes.is_main:
+            _write_checkpoint(trainer, temporary, final, run_id, keep, rng_states)
     processes.wait()
     return final
 
 
-def _write_checkpoint(trainer, final: Path, run_id: str | None, keep: int, rng_states: list[dict]) -> None:
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    temporary = root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
+def _write_checkpoint(trainer, temporary: Path, final: Path, run_id: str | None, keep: int, rng_states: list[dict]) -> None:
+    sharded = trainer.processes.sharded
     save_file({k: v.contiguous() for k, v in trainer.policy.state_dict().items()}, temporary / "policy.safetensors")
     if trainer.value_head is not None:
-        save_file({k: v.contiguous() for k, v in trainer.value_head.state_dict().items()}, temporary / "value_head.safetensors")
+        save_file({k: v.contiguous() for k, v in _critic_state(trainer).items()}, temporary / "value_head.safetensors")
     torch.save({
         "iteration": trainer.iteration,
-        "optimizer": trainer.optimizer.state_dict(),
+        **({} if sharded else {"optimizer": trainer.optimizer.state_dict()}),
         "scheduler": trainer.scheduler.state_dict(),
         "kl": trainer.parts.kl.state_dict(),
         "rng_by_process": rng_states,
     }, temporary / "trainer.pt")
     meta = {"iteration": trainer.iteration, "run_id": run_id, "rlkit_version": __version__, "recipe": trainer.recipe.document,
-            "processes": len(rng_states)}
+            "processes": len(rng_states), "sharded": sharded}
     (temporary / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
     if final.exists():  # the same iteration written again (a resumed run redoing it): replace it whole
         shutil.rmtree(final)
     os.replace(temporary, final)
     for old in complete_checkpoints(trainer.output_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _critic_state(trainer) -> dict[str, torch.Tensor]:
+    """The critic's tensors. Under FSDP (inside `full_weights`) they are read as the head module's
+    gathered parameters: a module's `state_dict` there would hand back its shards."""
+    if not trainer.processes.sharded:
+        return trainer.value_head.state_dict()
+    return {name: p.detach().clone() for name, p in trainer.value_head.module().named_parameters()}
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -116,19 +135,28 @@ def load_checkpoint(trainer, path: Path) -> dict:
     """Restore `trainer` from `path`; returns the checkpoint's meta (iteration, run id, recipe).
     Every process loads; each takes back its own RNG state."""
     meta = read_meta(path)
+    sharded = trainer.processes.sharded
+    if meta.get("sharded", False) != sharded:
+        engines = {True: "under FSDP (configs/accelerate/fsdp.yaml)", False: "without sharding (one process or DDP)"}
+        raise RlkitError(f"--resume {path}: the checkpoint was written {engines[not sharded]} and this run is launched "
+                         f"{engines[sharded]}; resume the way it was written (the optimiser state is kept the engine's way)")
     written_by, processes = meta.get("processes", 1), trainer.processes.count
     if written_by != processes:
         raise RlkitError(f"--resume {path}: the checkpoint was written by {written_by} processes and this run has "
                          f"{processes}; resume with {written_by} processes (each continues its own random stream)")
-    trainer.policy.load_state_dict(load_file(path / "policy.safetensors", device=str(trainer.device)))
-    if trainer.value_head is not None:
-        trainer.value_head.load_state_dict(load_file(path / "value_head.safetensors", device=str(trainer.device)))
+    if sharded:
+        trainer.accelerator.load_state(str(path / SHARDED))  # every process reads its shards
+    else:
+        trainer.policy.load_state_dict(load_file(path / "policy.safetensors", device=str(trainer.device)))
+        if trainer.value_head is not None:
+            trainer.value_head.load_state_dict(load_file(path / "value_head.safetensors", device=str(trainer.device)))
     try:  # tensors and plain values only: a checkpoint from elsewhere runs no code; RNG states stay on the CPU
         state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise RlkitError(f"--resume {path}: trainer.pt holds more than tensors and plain values, which rlkit never loads "
                          f"(it could run code): {str(exc).splitlines()[0]}; resume from a checkpoint rlkit wrote") from None
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    if not sharded:
+        trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.parts.kl.load_state_dict(state["kl"])
     by_process = state["rng_by_process"] if "rng_by_process" in state else [state["rng"]]  # "rng": rlkit 0.1.0

@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="download nothing: hub models and tokenizers not in the local cache are reported as unchecked")
     check.add_argument("--num-processes", type=int, metavar="N",
                        help="check for a launch of N processes (default: this launch's WORLD_SIZE, else 1)")
+    check.add_argument("--accelerate-config", metavar="FILE",
+                       help="check for `accelerate launch --config_file FILE` (e.g. configs/accelerate/fsdp.yaml): its engine "
+                            "and, without --num-processes, its num_processes")
     check.add_argument("--prompt-tokens", type=int, default=128, metavar="N", help="prompt length the memory estimate assumes")
 
     export = commands.add_parser("export", help="write a checkpoint's policy as a plain transformers model directory")
@@ -100,6 +103,23 @@ def _plugin_health(registry) -> list[str]:
     return lines + [""] if lines else []
 
 
+def accelerate_launch_environment(config_file: str) -> dict[str, str]:
+    """The variables `accelerate launch --config_file config_file` sets that rlkit's checks read."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        config = load_config_from_file(config_file)
+    except (OSError, ValueError, TypeError) as exc:
+        raise RlkitError(f"--accelerate-config {config_file}: not an accelerate config file ({exc})") from None
+    engine = config.distributed_type.value
+    environment = {"WORLD_SIZE": str(config.num_processes), "ACCELERATE_MIXED_PRECISION": str(config.mixed_precision)}
+    if engine == "FSDP":
+        environment.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION=str((config.fsdp_config or {}).get("fsdp_version", 1)))
+    if engine == "DEEPSPEED":
+        environment["ACCELERATE_USE_DEEPSPEED"] = "true"
+    return environment
+
+
 def _cmd_check(args) -> int:
     if args.offline:
         os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub when it is first imported, below
@@ -107,6 +127,8 @@ def _cmd_check(args) -> int:
     from rlkit_core.plugins import load_registry
     from rlkit_core.recipe import load_recipe
 
+    if args.accelerate_config:
+        os.environ.update(accelerate_launch_environment(args.accelerate_config))
     if args.num_processes:
         os.environ["WORLD_SIZE"] = str(args.num_processes)  # what accelerate launch would set
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)

@@ -413,6 +413,15 @@ class ValueHeadContract(ComponentContract):
             after, _ = self.values(instance, policy)
         assert torch.allclose(after, before), "load_state_dict did not restore the values"
 
+    def test_module_holds_the_parameters(self, instance):
+        """A head that names its module (`ValueHead.module`, needed under FSDP) trains exactly that
+        module's parameters."""
+        module = instance.module()
+        if module is None:
+            pytest.skip("no module: the head runs with one process and under DDP only")
+        assert {id(p) for p in module.parameters() if p.requires_grad} == {id(p) for p in instance.parameters()}, \
+            "module() must hold exactly the parameters that parameters() trains"
+
 
 class GeneratorContract(ComponentContract):
     """Responses padded after the first EOS, a mask that counts up to and including it, and

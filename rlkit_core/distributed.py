@@ -7,13 +7,15 @@ single-process results do not depend on this module at all.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 
 from rlkit_core.batch import RolloutBatch
+from rlkit_core.schema import sharded_launch
 
 SEED_STRIDE = 1_000_003
 
@@ -35,13 +37,18 @@ class TrainableModules(torch.nn.Module):
 
     DDP synchronises gradients only for a forward pass that goes through its wrapper; the loop's
     forward pass reads both the policy and the critic, so it runs inside `forward` here. The
-    critic is held by its parameters, since a value head need not be a module.
+    critic is held as its module (FSDP must reach the module that computes with the parameters
+    it shards), or by its parameters when a value head is not one module (DDP needs no more).
     """
 
     def __init__(self, policy, value_head):
         super().__init__()
         self.policy_model = policy.model
-        self.critic = torch.nn.ParameterList(value_head.parameters() if value_head is not None else [])
+        critic = value_head.module() if value_head is not None else None
+        self.critic = critic if critic is not None else torch.nn.ParameterList(value_head.parameters() if value_head else [])
+        # FSDP shards each transformer block as its own unit: accelerate finds the block classes
+        # by this name on the module it prepares.
+        self._no_split_modules = list(getattr(policy.model, "_no_split_modules", None) or [])
 
     def forward(self, view, *args):
         """`view(*args)`, inside the wrapper's forward (and its autocast under mixed precision)."""
@@ -56,6 +63,36 @@ class Processes:
         self.count = accelerator.num_processes
         self.index = accelerator.process_index
         self.is_main = accelerator.is_main_process
+        self.sharded = accelerator.distributed_type == DistributedType.FSDP
+
+    @contextlib.contextmanager
+    def full_weights(self, trainable: torch.nn.Module):
+        """Inside: every weight of `trainable` whole in every process, as plain tensors.
+
+        Under FSDP each process holds a shard of each weight, and the engine gathers a unit's
+        weights only inside the prepared module's own forward pass. Generation, the no-grad
+        forward passes and saving read the policy directly, so they run inside this block: every
+        unit is gathered once on entry (a collective: every process enters, in the same order)
+        and stays whole, however many forward passes run inside, until it is sharded again on
+        exit. Without sharding this does nothing."""
+        if not self.sharded:
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        with torch.no_grad():
+            trainable(_nothing)  # FSDP sets itself up in its root's first forward pass; this one computes nothing
+        units = [module for module in trainable.modules() if isinstance(module, FSDPModule)]  # the root first
+        resharding = [_reshards_after_forward(unit) for unit in units]
+        for unit in units:
+            unit.unshard()
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit, reshards in zip(units, resharding):
+                unit.set_reshard_after_forward(reshards, recurse=False)
+                unit.reshard()
 
     def share(self, items: list) -> list:
         """This process's contiguous share of a global list; shares in process order make up the list."""
@@ -131,3 +168,54 @@ class Processes:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _reshards_after_forward(unit) -> bool:
+    """Whether an FSDP unit frees its gathered weights after each forward pass (accelerate sets
+    this per unit; torch keeps it only inside the unit's parameter groups)."""
+    return any(group.post_forward_mesh_info is not None for group in unit._get_fsdp_state()._fsdp_param_groups)
+
+
+def engine_problem(accelerator) -> str | None:
+    """What is wrong with the engine accelerate set up for this launch, if anything: rlkit
+    shards with FSDP2 only, and accelerate runs FSDP only on GPUs (on CPUs it silently falls back
+    to DDP, which would not shard anything the user planned to fit by sharding)."""
+    if not sharded_launch():
+        return None
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return (f"the accelerate config selects FSDP, but accelerate runs FSDP on GPUs only and chose "
+                f"{accelerator.distributed_type.value} here; on CPUs launch with configs/accelerate/ddp.yaml or torchrun")
+    if accelerator.state.fsdp_plugin.fsdp_version != 2:
+        return "rlkit runs FSDP version 2 only (fully_shard); set fsdp_version: 2 as configs/accelerate/fsdp.yaml does"
+    return None
+
+
+def critic_problem(value_head) -> str | None:
+    """Why FSDP cannot shard this critic, if it cannot: it needs the one module that computes the
+    values with the parameters (`ValueHead.module`)."""
+    if value_head is None or value_head.module() is not None:
+        return None
+    return (f"the value head {type(value_head).__name__} is not one module (ValueHead.module returns None), which FSDP "
+            "needs to shard it; launch with configs/accelerate/ddp.yaml, or return the module from module()")
+
+
+def fsdp_plugin(mixed_precision: str):
+    """accelerate's FSDP plugin for this launch (None without FSDP: accelerate's defaults stand).
+
+    Under mixed precision accelerate would have FSDP cast the weights it gathers, the prepared
+    module's outputs and the gradient reduction to the low precision. rlkit reads the gathered
+    weights outside that module too (generation, the no-grad passes), and the outputs are the
+    update's log-probs, which the PPO ratio compares with float32 ones; so FSDP casts nothing
+    here, and the forward passes compute in the low precision under accelerate's autocast, as
+    they do without FSDP."""
+    if not sharded_launch():
+        return None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # the rest from the FSDP_* settings accelerate launch passes on
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=MixedPrecisionPolicy() if mixed_precision != "no" else None)

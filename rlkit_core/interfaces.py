@@ -83,6 +83,14 @@ class ValueHead(ABC):
     def train(self, mode: bool = True) -> None:
         """Switch dropout-free training or evaluation mode; heads without modes ignore it."""
 
+    def module(self) -> torch.nn.Module | None:
+        """The module that holds `parameters()` and computes `values` with them, or None.
+
+        FSDP replaces a module's parameters with shards of its own, so under FSDP the head must be
+        one module that trains inside the policy's engine; a head that returns None runs with one
+        process and under DDP only (rlkit refuses it under FSDP)."""
+        return None
+
 
 class RewardSource(ABC):
     """Scores (prompt, response) pairs: a learned model or a rule."""

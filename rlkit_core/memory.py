@@ -37,6 +37,7 @@ class Workload:
     response_tokens: int
     checkpointing: bool
     mixed_precision: str  # "no", "bf16" or "fp16"
+    shards: int = 1  # processes FSDP splits the policy over (1: not sharded)
 
 
 def estimate(shape: ModelShape, work: Workload) -> dict[str, int]:
@@ -44,9 +45,13 @@ def estimate(shape: ModelShape, work: Workload) -> dict[str, int]:
     s = shape
     tokens = work.prompt_tokens + work.response_tokens
     act = 2 if work.mixed_precision != "no" else s.weight_bytes  # bytes per activation value
-    weights = s.parameters * s.weight_bytes * (2 if s.reference_copy else 1)
-    gradients = s.trainable * s.weight_bytes
-    optimiser = 2 * s.trainable * s.weight_bytes  # AdamW's two moments, in the weights' dtype
+    policy = s.parameters * s.weight_bytes
+    n = work.shards
+    weights = policy // n + (policy if s.reference_copy else 0)
+    gradients = s.trainable * s.weight_bytes // n
+    optimiser = 2 * s.trainable * s.weight_bytes // n  # AdamW's two moments, in the weights' dtype
+    gathered = policy - policy // n  # the rest of the policy, gathered for generation and the no-grad passes
+    block = policy // s.layers if n > 1 else 0  # about one block gathered at a time in the update
 
     def per_layer(rows: int) -> int:  # saved for backward by one layer, Korthikanti et al. scaled to `act` bytes
         return rows * tokens * s.hidden * (34 + 5 * s.heads * tokens // s.hidden) * act // 2
@@ -60,18 +65,22 @@ def estimate(shape: ModelShape, work: Workload) -> dict[str, int]:
     forward = 2 * f * tokens * s.vocab * act + 2 * f * work.response_tokens * s.vocab * 4  # policy and reference
     g = work.generate_batch
     generate = 2 * s.layers * g * tokens * s.hidden * act + g * work.response_tokens * s.vocab * 4  # KV cache, step logits
-    stages = {"update": stored + head, "forward": forward, "generate": generate}
+    stages = {"update": stored + head + block, "forward": forward + gathered, "generate": generate + gathered}
     return {"weights": weights, "gradients": gradients, "optimiser": optimiser, **stages,
             "peak": weights + gradients + optimiser + max(stages.values())}
 
 
-def describe(parts: dict[str, int]) -> list[str]:
+def describe(parts: dict[str, int], shards: int = 1) -> list[str]:
     """The estimate as plan lines, in MiB."""
     largest = max(("update", "forward", "generate"), key=parts.get)
-    return [
+    lines = [
         f"about {parts['peak'] / MiB:,.0f} MiB per process at the peak ({largest} stage), before framework overhead:",
         f"  weights {parts['weights'] / MiB:,.0f}, gradients {parts['gradients'] / MiB:,.0f}, "
         f"optimiser state {parts['optimiser'] / MiB:,.0f} MiB",
         f"  working memory: update {parts['update'] / MiB:,.0f} (one micro-batch), "
         f"forward {parts['forward'] / MiB:,.0f}, generate {parts['generate'] / MiB:,.0f} MiB",
     ]
+    if shards > 1:
+        lines.append(f"  FSDP over {shards} processes: this process's shards of the policy, its gradients and optimiser "
+                     "state (a reference copy is whole); forward and generate hold the whole policy gathered, update one block")
+    return lines

@@ -7,7 +7,7 @@ from rlkit_core.inventory import inventory_rows, with_nested
 from rlkit_core.memory import Workload, estimate
 from rlkit_core.memory import describe as describe_memory
 from rlkit_core.recipe import Recipe
-from rlkit_core.schema import kl_warnings, launched_processes, output_dir_problems
+from rlkit_core.schema import kl_warnings, launched_processes, output_dir_problems, sharded_launch
 
 
 def describe_plan(recipe: Recipe, prompt_tokens: int = 128) -> str:
@@ -90,6 +90,10 @@ def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:
     return problems, notes
 
 
+ENGINES = {False: "DDP: every process holds the whole model and optimiser state",
+           True: "FSDP2: weights, gradients and optimiser state sharded over the processes"}
+
+
 def _per_process(recipe: Recipe) -> list[str]:
     """How the global batch splits over processes and micro-batches (the recipe's sizes are global)."""
     ppo, processes = recipe.ppo, launched_processes()
@@ -100,6 +104,7 @@ def _per_process(recipe: Recipe) -> list[str]:
         f"  micro-batches       {ppo.gradient_accumulation_steps} of {per_process // ppo.gradient_accumulation_steps} rollouts "
         f"per process and optimiser step; forward passes in chunks of {ppo.forward_batch_size or ppo.minibatch_size}",
         f"  precision           mixed_precision = {recipe.run.mixed_precision!r}",
+        f"  engine              {ENGINES[sharded_launch()] if processes > 1 else 'one process'}",
     ]
 
 
@@ -125,5 +130,6 @@ def memory_estimate(recipe: Recipe, prompt_tokens: int) -> list[str]:
         response_tokens=getattr(generator, "max_new_tokens", 0),
         checkpointing=getattr(recipe["policy"].config, "gradient_checkpointing", False),
         mixed_precision=recipe.run.mixed_precision,
+        shards=processes if sharded_launch() else 1,
     )
-    return describe_memory(estimate(shape, work))
+    return describe_memory(estimate(shape, work), work.shards)

@@ -39,6 +39,7 @@ from rlkit_core.schema import (
     launch_problems,
     launched_processes,
     schedule_problems,
+    sharding_problems,
 )
 
 if sys.version_info >= (3, 11):
@@ -287,6 +288,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         problems += critic_problems(core["ppo"], components["advantage"], components["value_head"])
     if core["run"] is not None and components.get("policy") is not None:
         problems += launch_problems(core["run"], components["policy"].config, torch.cuda.is_available())
+        if components.get("generator") is not None:
+            problems += sharding_problems(components["policy"].config, components["generator"].component.name)
     eval_metrics, found = _eval_metrics(core["eval"], registry)
     problems += found
     if problems:

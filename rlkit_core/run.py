@@ -12,6 +12,7 @@ from pathlib import Path
 from rlkit_core import __version__, checkpoint
 from rlkit_core.errors import RlkitError
 from rlkit_core.evaluation import Evaluator
+from rlkit_core.export import export_checkpoint
 from rlkit_core.interfaces import SilentTracker
 from rlkit_core.inventory import flatten, inventory_rows
 from rlkit_core.plot import plot_curves
@@ -82,7 +83,7 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
             trainer.metrics_log.append(0, before)
         tracker.log_metrics(before, step=0)
         history.append({"iteration": 0, **before})
-    samples_before = _samples_before(trainer) if main else []
+    samples_before = _samples_before(trainer)
 
     progress = Progress(recipe.run.steps, start=trainer.iteration, quiet=quiet or not main)
     status, final_checkpoint = "FAILED", None
@@ -114,8 +115,8 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
             final_checkpoint = _finish_outputs(trainer, tracker, run_id, history)
         tracker.finish(status)
 
+    after = trainer.sample_responses(_sample_records(trainer), greedy=True)  # every process: FSDP gathers the weights
     if main:
-        after = trainer.sample_responses(_sample_records(trainer), greedy=True)
         samples = [{**before, "after": a} for before, a in zip(samples_before, after)]
         print_report(history, samples, trainer.metrics_log.path, final_checkpoint, tracker, out=out)
     trainer.processes.exit_together()  # with several processes, this process ends here
@@ -131,15 +132,17 @@ def _sample_records(trainer) -> list[dict]:
 
 def _samples_before(trainer) -> list[dict]:
     """Responses of the starting policy to the sample prompts, kept on disk so a resumed run can
-    still show what the policy said before any training."""
+    still show what the policy said before any training. Every process generates them (under
+    FSDP generation needs them all); the main process writes them."""
     path = Path(trainer.output_dir) / "samples_before.json"
-    if path.exists():
+    if trainer.processes.gather_objects(path.exists())[0]:
         return json.loads(path.read_text())
     records = _sample_records(trainer)
     responses = trainer.sample_responses(records, greedy=True)
     samples = [{"prompt": r["prompt"], "before": b} for r, b in zip(records, responses)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(samples, indent=2))
+    if trainer.processes.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(samples, indent=2))
     return samples
 
 
@@ -155,7 +158,11 @@ def _finish_outputs(trainer, tracker, run_id, history) -> Path:
     if not trainer.processes.is_main:
         return final_checkpoint
     model_dir = Path(trainer.output_dir) / "final_model"
-    trainer.policy.save_pretrained(str(model_dir), merge_adapters=True)
+    if trainer.processes.sharded:  # the model holds shards; the checkpoint holds the gathered weights
+        shutil.rmtree(model_dir, ignore_errors=True)
+        export_checkpoint(str(final_checkpoint), str(model_dir), trainer.recipe.registry, merge_lora=True)
+    else:
+        trainer.policy.save_pretrained(str(model_dir), merge_adapters=True)
     tracker.log_model(str(model_dir))
     tracker.log_artifact(str(trainer.metrics_log.path))
     curves = plot_curves(history, Path(trainer.output_dir) / "curves.png")

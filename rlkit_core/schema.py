@@ -146,12 +146,13 @@ def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
     """Combinations of recipe and launch that cannot work, each located, found before anything
     is built. `cuda`: whether this machine has a GPU."""
     problems = _device_problems(run.device, cuda)
-    for engine in ("FSDP", "DEEPSPEED"):
-        if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() in ("1", "true"):
-            problems.append(Problem("launch", f"the accelerate config selects {engine}, which rlkit does not support yet (it "
-                                              "shards the weights that generation reads); launch with configs/accelerate/ddp.yaml"))
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", run.mixed_precision)
-    if launched != run.mixed_precision:
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        problems.append(Problem("launch", "the accelerate config selects DeepSpeed, which rlkit does not run (untested: accelerate "
+                                          "runs it on GPUs only); to shard weights, gradients and optimiser state use "
+                                          "configs/accelerate/fsdp.yaml (FSDP2, as ZeRO-3), otherwise configs/accelerate/ddp.yaml"))
+    # 'no' is also what a config file that leaves precision to the recipe (configs/accelerate/) sets
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched not in ("no", run.mixed_precision):
         problems.append(Problem("launch", f"accelerate launch asks for mixed precision {launched!r} but $.run.mixed_precision = "
                                           f"{run.mixed_precision!r}; the recipe decides (it is what the run records): set "
                                           f"--set run.mixed_precision={launched}, or launch without --mixed_precision"))
@@ -164,6 +165,34 @@ def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
                                                              f"policy.dtype = {policy_config.dtype!r}; set policy.dtype = 'float32', "
                                                              "or run.mixed_precision = 'no' for pure low-precision weights"))
     return problems
+
+
+def sharding_problems(policy_config, generator_type: str) -> list[Problem]:
+    """What rlkit cannot run under FSDP (an `accelerate launch` whose config selects it)."""
+    if not sharded_launch():
+        return []
+    problems = []
+    version = os.environ.get("FSDP_VERSION", "1")
+    if version != "2":
+        problems.append(Problem("launch", f"the accelerate config selects FSDP version {version}; rlkit runs FSDP version 2 "
+                                          "(fully_shard) only: set fsdp_version: 2, as configs/accelerate/fsdp.yaml does"))
+    untested = {"FSDP_OFFLOAD_PARAMS": "fsdp_offload_params", "FSDP_ACTIVATION_CHECKPOINTING": "fsdp_activation_checkpointing"}
+    for variable, key in untested.items():
+        if os.environ.get(variable, "false").lower() == "true":
+            problems.append(Problem("launch", f"the accelerate config sets {key}: true, which rlkit does not run (untested); "
+                                              "set it to false (for activation checkpointing use policy.gradient_checkpointing)"))
+    if getattr(policy_config, "dtype", "float32") != "float32":
+        problems.append(Problem("$.policy.dtype", f"{policy_config.dtype!r} weights are not run under FSDP (untested); keep "
+                                                  "policy.dtype = 'float32' and set run.mixed_precision = 'bf16' for bf16 compute"))
+    if generator_type != "hf":
+        problems.append(Problem("$.generator.type", f"{generator_type!r} is not run under FSDP (it reads the weights outside "
+                                                    "the engine); use the 'hf' generator, or launch with configs/accelerate/ddp.yaml"))
+    return problems
+
+
+def sharded_launch() -> bool:
+    """Whether this launch's accelerate config selects FSDP (`accelerate launch` sets the variable)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
 
 
 def output_dir_problems(run: RunConfig) -> list[Problem]:

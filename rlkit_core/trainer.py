@@ -21,7 +21,15 @@ from transformers import get_scheduler
 from rlkit_core.assemble import build_components
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.context import BuildContext
-from rlkit_core.distributed import Processes, TrainableModules, combined_by_max, sampling_seed
+from rlkit_core.distributed import (
+    Processes,
+    TrainableModules,
+    combined_by_max,
+    critic_problem,
+    engine_problem,
+    fsdp_plugin,
+    sampling_seed,
+)
 from rlkit_core.errors import RunError
 from rlkit_core.evaluation import hold_out
 from rlkit_core.functional import (
@@ -59,7 +67,10 @@ class Trainer:
         # accelerate owns the processes, backward, gradient clipping and mixed precision, so one
         # process and `accelerate launch` (several) go through the same calls.
         # Components are built on self.device; `prepare` must not move them (run.device = "cuda:1").
-        self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision, device_placement=False)
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision, device_placement=False,
+                                       fsdp_plugin=fsdp_plugin(run.mixed_precision))
+        if problem := engine_problem(self.accelerator):
+            raise RunError(problem)
         self.processes = Processes(self.accelerator)
         if self.processes.count > 1 and self.device.type == "cuda":
             self.device = self.accelerator.device  # this process's own GPU
@@ -67,6 +78,8 @@ class Trainer:
         self.context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
         self.parts = build_components(recipe, self.context)
         self.policy, self.value_head = self.parts.policy, self.parts.value_head
+        if self.processes.sharded and (problem := critic_problem(self.value_head)):
+            raise RunError(problem)
         self.tokenizer = self.policy.tokenizer
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
         self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0
@@ -79,15 +92,21 @@ class Trainer:
         groups = [{"params": list(self.policy.parameters()), "lr": optim.learning_rate}]
         if self.value_head is not None:
             groups.append({"params": list(self.value_head.parameters()), "lr": optim.value_learning_rate or optim.learning_rate})
-        self.parameters = [p for g in groups for p in g["params"]]
         optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps)
         # The schedule stays outside `prepare`: accelerate would step it once per process.
         self.trainable, self.optimizer = self.accelerator.prepare(TrainableModules(self.policy, self.value_head), optimizer)
+        # what the optimiser updates: the same tensors, or under FSDP the shards that replaced them
+        self.parameters = [p for g in optimizer.param_groups for p in g["params"]]
         updates = run.steps * ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
         self.scheduler = get_scheduler(optim.schedule, optimizer, num_warmup_steps=optim.warmup_steps, num_training_steps=updates)
         self.iteration = 0  # iterations completed
         self.last_batch: RolloutBatch | None = None  # the latest scored batch, for sample tables
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
+
+    def full_weights(self):
+        """A block in which the policy and critic can be read whole (under FSDP: gathered in every
+        process, which must all enter it; see `Processes.full_weights`)."""
+        return self.processes.full_weights(self.trainable)
 
     # --- stage 1: rollouts -------------------------------------------------------------------
     def rollout(self, records: list[dict], samples_per_prompt: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
@@ -101,9 +120,10 @@ class Trainer:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
 
         started = time.perf_counter()
-        self.parts.generator.sync_weights(self.policy)
-        with self.accelerator.autocast():
-            generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
+        with self.full_weights():
+            self.parts.generator.sync_weights(self.policy)
+            with self.accelerator.autocast():
+                generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
         generated = time.perf_counter()
         mask = generation.response_mask
         ended = torch.isin(generation.response_ids, torch.tensor(self.policy.eos_token_ids, device=self.device)).any(dim=1)
@@ -147,6 +167,10 @@ class Trainer:
     def compare_to_reference(self, batch: RolloutBatch) -> RolloutBatch:
         """Old and reference log-probs, values and the per-token KL (zero on padding), on this
         process's rollouts."""
+        with self.full_weights():  # once for every chunk
+            return self._compare_in_chunks(batch)
+
+    def _compare_in_chunks(self, batch: RolloutBatch) -> RolloutBatch:
         ppo = self.recipe.ppo
         temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
         pieces = defaultdict(list)
@@ -253,7 +277,8 @@ class Trainer:
         `loss_*` and `loss` as they are (already over the global token count), diagnostics weighted
         by this micro-batch's share of the tokens, so that their sum is the global token mean."""
         ppo = self.recipe.ppo
-        logprobs, values, entropy, _ = self.trainable(self._response_view, micro, micro.sequence(), True)
+        with self.accelerator.autocast():  # accelerate's prepared module autocasts by itself, except under FSDP
+            logprobs, values, entropy, _ = self.trainable(self._response_view, micro, micro.sequence(), True)
         mask = micro.response_mask
         terms = self.parts.loss(micro, LossInputs(logprobs=logprobs, values=values, entropy=entropy), token_count)
         if ppo.kl_penalty == "loss":
@@ -313,7 +338,8 @@ class Trainer:
 
     def sample_responses(self, records: list[dict], greedy: bool = False) -> list[str]:
         """Responses to `records` without touching the training random stream (for before/after reports)."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.accelerator.autocast():
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.full_weights(), \
+                self.accelerator.autocast():
             prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
             generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
         return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)

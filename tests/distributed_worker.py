@@ -1,4 +1,5 @@
-"""Run by tests/test_distributed.py, as one process or under `torchrun --nproc_per_node 2`:
+"""Run by tests/test_scaling.py, as one process or under `torchrun --nproc_per_node 2` (under FSDP
+through tests/fsdp_on_cpu.py):
 
 1. every process draws the same global rollout batch (same seed everywhere), keeps its share,
    and trains on it once: the weights must be identical on every process and equal those of one
@@ -21,7 +22,16 @@ from rlkit_core.trainer import Trainer
 
 
 def flat_weights(trainer) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in trainer.parameters])
+    """Every trained weight, whole (under FSDP a process holds shards; they are gathered here)."""
+    with trainer.full_weights():
+        critic = trainer.value_head.parameters() if trainer.value_head is not None else []
+        return torch.cat([p.detach().flatten().clone() for p in [*trainer.policy.parameters(), *critic]])
+
+
+def held_share(trainer) -> float:
+    """The fraction of the trained weights this process holds: 1, or under FSDP its shards' share."""
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in trainer.parameters)
+    return held / len(flat_weights(trainer))
 
 
 def same_everywhere(trainer) -> bool:
@@ -34,7 +44,9 @@ def main(document_path: str, out: str) -> None:
     trainer = Trainer(parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"})))
     processes = trainer.processes
 
-    start = flat_weights(trainer)
+    start, held = flat_weights(trainer), held_share(trainer)
+    computed_in = set()  # the dtypes the policy's head computed in: sampling, the no-grad passes, the update
+    trainer.policy.model.get_output_embeddings().register_forward_hook(lambda module, args, out: computed_in.add(str(out.dtype)))
     torch.manual_seed(1234)  # the same global batch in every process
     whole, _ = trainer.rollout(trainer.stream.batch(0))
     rows = len(whole) // processes.count
@@ -46,7 +58,8 @@ def main(document_path: str, out: str) -> None:
     trainer.step()
     agreed.append(same_everywhere(trainer))
     if processes.is_main:
-        result = {"start": start.tolist(), "weights": weights.tolist(), "metrics": update_metrics, "agreed": agreed}
+        result = {"start": start.tolist(), "weights": weights.tolist(), "metrics": update_metrics, "agreed": agreed, "held": held,
+                  "computed_in": sorted(computed_in)}
         Path(out, f"result-{processes.count}.json").write_text(json.dumps(result))
     processes.exit_together()
 

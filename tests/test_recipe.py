@@ -133,6 +133,12 @@ def test_batch_arithmetic_over_processes_and_micro_batches(recipe_document, regi
     assert problems_of(recipe_document, registry)[0].startswith("$.ppo.batch_size: its 16 prompts do not split evenly over 32")
 
 
+def test_a_launch_config_that_leaves_precision_to_the_recipe_is_not_a_conflict(recipe_document, registry, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # set by the configs in configs/accelerate/
+    recipe_document["run"]["mixed_precision"] = "bf16"
+    assert parse_recipe(recipe_document, registry).run.mixed_precision == "bf16"
+
+
 def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_document, registry, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate launch --mixed_precision bf16
@@ -140,8 +146,26 @@ def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_doc
     recipe_document["policy"]["dtype"] = "bfloat16"
     problems = problems_of(recipe_document, registry)
     assert [p.split(":")[0] for p in problems] == ["launch", "launch", "$.run.mixed_precision", "$.run.mixed_precision"]
-    assert "DEEPSPEED" in problems[0] and "--set run.mixed_precision=bf16" in problems[1]
+    assert "DeepSpeed" in problems[0] and "configs/accelerate/fsdp.yaml" in problems[0]
+    assert "--set run.mixed_precision=bf16" in problems[1]
     assert "needs a GPU" in problems[2] and "policy.dtype = 'bfloat16'" in problems[3]
+
+
+def test_what_fsdp_does_not_run_is_refused_before_anything_starts(recipe_document, registry, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch sets from an FSDP config
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    recipe_document["policy"]["lora_r"] = 4
+    parse_recipe(recipe_document, registry)  # float32 weights, full or LoRA, with the hf generator run
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
+    recipe_document["policy"]["dtype"] = "bfloat16"
+    recipe_document["generator"]["type"] = "vllm"
+    problems = problems_of(recipe_document, registry)
+    assert [p.split(":")[0] for p in problems] == ["launch", "launch", "launch", "$.policy.dtype", "$.generator.type"]
+    assert "fsdp_version: 2" in problems[0] and "fsdp_offload_params: true" in problems[1]
+    assert "policy.gradient_checkpointing" in problems[2] and "run.mixed_precision = 'bf16'" in problems[3]
+    assert "'hf' generator" in problems[4] and "configs/accelerate/ddp.yaml" in problems[4]
 
 
 def test_constant_schedule_with_warmup_points_to_the_schedule_that_has_one(recipe_document, registry):
