@@ -221,6 +221,21 @@ class Trainer:
         fields["kl"] = torch.where(mask.bool(), fields["kl"], torch.zeros_like(fields["kl"]))
         return batch.with_(**fields)
 
+    def _shaped(self, scores: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
+        """Scores as the rewards take them: less the missing-EOS penalty, clipped."""
+        ppo = self.recipe.ppo
+        scores = scores - ppo.missing_eos_penalty * (~ended).float()
+        if ppo.score_clip:
+            scores = scores.clamp(-ppo.score_clip, ppo.score_clip)
+        return scores
+
+    def greedy_baseline(self, records: list[dict], batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
+        """`batch` with `baseline_scores`: the shaped score of the greedy response to each of `records`
+        (ReMax's baseline), given to every sample of that prompt."""
+        greedy, timing = self.rollout(records, samples_per_prompt=1, greedy=True)
+        baseline = self._shaped(greedy.scores, greedy.ended).repeat_interleave(self.recipe.ppo.samples_per_prompt)
+        return batch.with_(baseline_scores=baseline), {"time/baseline": timing["time/generate"] + timing["time/score"]}
+
     @torch.no_grad()
     def evaluate(self, batch: RolloutBatch) -> RolloutBatch:
         """Old and reference log-probs, values, per-token KL and rewards, advantages and returns.
@@ -230,9 +245,7 @@ class Trainer:
         ppo = self.recipe.ppo
         batch = self.compare_to_reference(batch)
         mask = batch.response_mask
-        scores = batch.scores - ppo.missing_eos_penalty * (~batch.ended).float()
-        if ppo.score_clip:
-            scores = scores.clamp(-ppo.score_clip, ppo.score_clip)
+        scores = self._shaped(batch.scores, batch.ended)
         beta = self.parts.kl.beta
         rewards = -beta * batch.kl if ppo.kl_penalty == "reward" else torch.zeros_like(batch.kl)
         last = mask.sum(dim=1).long() - 1  # the last counted token: the EOS when there is one
@@ -314,7 +327,8 @@ class Trainer:
         terms = self.parts.loss(micro, LossInputs(logprobs=logprobs, values=values, entropy=entropy), token_count)
         if ppo.kl_penalty == "loss":
             kl = kl_per_token(logprobs, micro.ref_logprobs, ppo.kl_estimator)
-            terms["loss_kl"] = self.parts.kl.beta * masked_sum(kl, mask) / token_count
+            weights, divisor = self.parts.loss.aggregation(micro, token_count)  # as the loss aggregates its own terms
+            terms["loss_kl"] = self.parts.kl.beta * masked_sum(kl if weights is None else weights * kl, mask) / divisor
         total = sum(value for name, value in terms.items() if name.startswith("loss_"))
         # DDP averages gradients over processes; the loss is a share of a global sum, so undo the mean.
         self.accelerator.backward(total * self.processes.count)
@@ -329,7 +343,11 @@ class Trainer:
         """Run iteration `self.iteration + 1` and return its metrics: over the global batch, with
         the timings of this process."""
         started = time.perf_counter()
-        batch, metrics = self.rollout(self.processes.share(self.stream.batch(self.iteration)))
+        records = self.processes.share(self.stream.batch(self.iteration))
+        batch, metrics = self.rollout(records)
+        if self.parts.advantage.needs_baseline_scores:
+            batch, timing = self.greedy_baseline(records, batch)
+            metrics.update(timing)
         forward_started = time.perf_counter()
         batch = self.evaluate(batch)
         train_started = time.perf_counter()
