@@ -27,6 +27,8 @@ class RunConfig:
     sample_every: int = setting(10, help="log a table of sample prompts and responses every N iterations", validator=at_least(1))
     threads: int = setting(0, help="CPU threads for torch (0: torch's default)", validator=at_least(0))
     mixed_precision: str = setting("no", help="accelerate's autocast: 'no', 'bf16' or 'fp16' (fp32 master weights; fp16 scales the loss)", validator=one_of("no", "bf16", "fp16"))
+    on_bad_reward: str = setting("stop", help="a reward that raises or returns other than one finite number per response: 'stop' (checkpoint the last good state) or 'skip' (drop the batch, count it)", validator=one_of("stop", "skip"))
+    max_skips_in_a_row: int = setting(10, help="stop after this many skipped batches, or optimiser steps with a non-finite loss or gradient, in a row", validator=greater_than(0))
 
 
 @attrs.frozen

@@ -10,6 +10,7 @@ every stage's own logic lives in a component or in `rlkit_core.functional`.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -30,8 +31,9 @@ from rlkit_core.distributed import (
     fsdp_plugin,
     sampling_seed,
 )
-from rlkit_core.errors import RunError
+from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.evaluation import hold_out
+from rlkit_core.faults import BadReward, NonFiniteSteps, checked_scores, failure_text
 from rlkit_core.functional import (
     entropy_from_logits,
     explained_variance,
@@ -43,7 +45,7 @@ from rlkit_core.functional import (
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.prompt_stream import PromptStream
-from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts
+from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts, within_context
 from rlkit_core.randomness import seeded_generator
 from rlkit_core.recipe import Recipe
 
@@ -82,6 +84,8 @@ class Trainer:
             raise RunError(problem)
         self.tokenizer = self.policy.tokenizer
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
+        context = getattr(getattr(self.policy.model, "config", None), "max_position_embeddings", None)
+        limit = within_context(limit, context, getattr(recipe["generator"].config, "max_new_tokens", 0))
         self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0
         records, self.prompt_counts = prepare_prompts(self.parts.data.load(), self.tokenizer, limit)
         self.eval_records, self.records = hold_out(records, recipe.eval.size, run.seed)
@@ -102,6 +106,7 @@ class Trainer:
         self.iteration = 0  # iterations completed
         self.last_batch: RolloutBatch | None = None  # the latest scored batch, for sample tables
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
+        self.nonfinite_in_a_row = 0  # optimiser steps with a non-finite loss or gradient, the latest ones
 
     def full_weights(self):
         """A block in which the policy and critic can be read whole (under FSDP: gathered in every
@@ -128,7 +133,7 @@ class Trainer:
         mask = generation.response_mask
         ended = torch.isin(generation.response_ids, torch.tensor(self.policy.eos_token_ids, device=self.device)).any(dim=1)
         responses = self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
-        scores = self.parts.reward.score(prompts, responses, **columns)
+        scores = self._score(prompts, responses, columns)
         scored = time.perf_counter()
         batch = RolloutBatch(
             prompts=prompts, columns=columns, group_ids=group_ids, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
@@ -136,6 +141,29 @@ class Trainer:
             responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=self.device),
         )
         return batch, {"time/generate": generated - started, "time/score": scored - generated, **self.parts.generator.metrics()}
+
+    def _score(self, prompts: list[str], responses: list[str], columns: dict) -> list[float]:
+        """The reward's scores, checked here, where every reward source passes. A reward that
+        raises or breaks its contract on any process is a `BadReward` on every process, so that
+        all of them stop or skip together."""
+        problem, scores = None, None
+        try:
+            returned = self.parts.reward.score(prompts, responses, **columns)
+        except RecipeError:  # the recipe's fault (a column the data lacks): exit 2 with its located message
+            raise
+        except Exception as exc:  # someone else's code: whatever else it raises is the reward's failure
+            problem = {"problem": f"raised {failure_text(exc)}"}
+        else:
+            try:
+                scores = checked_scores(returned, len(responses))
+            except ValueError as exc:
+                problem = {"problem": str(exc), "returned": returned if isinstance(returned, (list, tuple)) else repr(returned)}
+        if problem:
+            problem["rows"] = [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]
+        problems = [p for p in self.processes.gather_objects(problem) if p]
+        if problems:
+            raise BadReward(problems[0].pop("problem"), problems[0])
+        return scores
 
     # --- stage 2: what the rollout policy, the reference and the critic say -------------------
     @staticmethod
@@ -259,18 +287,34 @@ class Trainer:
                 terms = self.processes.combine_terms(step_terms)
                 grad_norm = 0.0
                 # Every process took part in the backward passes (DDP needs them all); all skip or none does.
-                if not float(terms.get("skipped", 0.0)):
+                # The loss is summed over processes and the gradient norm is of the all-reduced
+                # gradients, so a non-finite value on one process is non-finite on every one.
+                nonfinite = not math.isfinite(float(terms["loss"]))
+                if not float(terms.get("skipped", 0.0)) and not nonfinite:
                     grad_norm = self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
-                    self.optimizer.step()
+                    nonfinite = not math.isfinite(float(grad_norm))
+                    if not nonfinite or self.recipe.run.mixed_precision == "fp16":
+                        self.optimizer.step()  # under fp16 the loss scaler skips an overflowed step itself and lowers its scale
+                self._count_nonfinite(nonfinite)
                 self.scheduler.step()
                 for name, value in terms.items():
                     sums[f"train/{name}"] += float(value)
                 sums["train/grad_norm"] += float(grad_norm)
+                sums["train/nonfinite"] += float(nonfinite)
                 count += 1
         self.trainable.eval()
         metrics = {name: value / count for name, value in sums.items()}
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
+
+    def _count_nonfinite(self, nonfinite: bool) -> None:
+        """A step with a non-finite loss or gradient leaves the weights alone; `run.max_skips_in_a_row`
+        of them in a row stop the run, before a broken state could be checkpointed."""
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
+        limit = self.recipe.run.max_skips_in_a_row
+        if self.nonfinite_in_a_row >= limit:
+            raise NonFiniteSteps(f"{limit} optimiser steps in a row had a non-finite loss or gradient, in iteration "
+                                 f"{self.iteration + 1}; the weights were left as they were before them")
 
     def _micro_step(self, micro: RolloutBatch, token_count: torch.Tensor) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch; returns its share of the step's terms (detached):
@@ -335,6 +379,11 @@ class Trainer:
             metrics["train/explained_variance"] = float(explained_variance(batch.values, batch.returns, mask))
         self.last_batch = batch
         return metrics
+
+    def skip_iteration(self) -> None:
+        """Count iteration `self.iteration + 1` as done without training on its batch (a reward
+        failed on it and the recipe says skip): no optimiser step, no KL update."""
+        self.iteration += 1
 
     def sample_responses(self, records: list[dict], greedy: bool = False) -> list[str]:
         """Responses to `records` without touching the training random stream (for before/after reports)."""
