@@ -4,8 +4,17 @@ import attrs
 import torch
 
 from rlkit_core import hookimpl
-from rlkit_core.config import at_least, greater_than, setting
-from rlkit_core.functional import masked_mean, masked_sum, policy_loss, truncated_is_weights, value_loss
+from rlkit_core.config import at_least, greater_than, one_of, setting
+from rlkit_core.errors import RecipeError
+from rlkit_core.functional import (
+    AGGREGATIONS,
+    aggregation_weights,
+    masked_mean,
+    masked_sum,
+    policy_loss,
+    truncated_is_weights,
+    value_loss,
+)
 from rlkit_core.interfaces import Loss
 
 
@@ -17,24 +26,41 @@ class PPOClipConfig:
     entropy_coef: float = setting(0.0, help="weight c_e of the entropy bonus (usually 0 for language models)", validator=at_least(0))
     ratio_threshold: float = setting(10.0, help="skip a minibatch whose mean ratio π_θ/π_old exceeds this (0: never); a guard against one destructive step", validator=at_least(0))
     tis_cap: float = setting(0.0, help="truncated importance sampling: weight each token by min(π_old/π_sampler, cap) (0: off; e.g. 2 with the vllm generator)", validator=at_least(0))
+    aggregation: str = setting("token-mean", help="how per-token terms make the loss: token-mean, seq-mean-token-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO)", validator=one_of(*AGGREGATIONS))
+    token_sum_norm: float = setting(0.0, help="the constant seq-mean-token-sum-norm divides each response's token sum by (0: the generator's max_new_tokens)", validator=at_least(0))
 
 
 class PPOClip(Loss):
     """The clipped surrogate of PPO_REFERENCE.md, optionally reweighted for a sampler that is not
     the learner (`tis_cap`). A minibatch whose mean ratio exploded (the policy moved far from the one that sampled it,
     usually after one bad step) is reported as `skipped` and the loop leaves the weights alone:
-    the clipped objective bounds each token's push but not the damage of following it."""
+    the clipped objective bounds each token's push but not the damage of following it.
 
-    def __init__(self, config: PPOClipConfig, context=None):
+    Every `loss_*` term (policy, value, entropy, and the loop's β·KL) aggregates as `aggregation`
+    says (`rlkit_core.functional.aggregation_weights`); the per-response forms divide by the
+    rollouts of an optimiser step, `ppo.minibatch_size`, which is the same whatever the split."""
+
+    def __init__(self, config: PPOClipConfig, context):
         self.config = config
         self.entropy_in_loss = config.entropy_coef > 0
+        self.responses_per_step = context.recipe.ppo.minibatch_size
+        self.norm = config.token_sum_norm or getattr(context.recipe["generator"].config, "max_new_tokens", 0)
+        if config.aggregation == "seq-mean-token-sum-norm" and not self.norm:
+            raise RecipeError(["$.loss.token_sum_norm: the generator has no max_new_tokens to divide by; set "
+                               "token_sum_norm to the longest response in tokens"])
+
+    def aggregation(self, minibatch, token_count):
+        weights = aggregation_weights(minibatch.response_mask, self.config.aggregation, self.norm)
+        return (None, token_count) if weights is None else (weights, self.responses_per_step)
 
     def __call__(self, minibatch, current, token_count):
         mask = minibatch.response_mask
-        weights = None
+        weights, divisor = self.aggregation(minibatch, token_count)
+        policy_weights, tis = weights, None
         if self.config.tis_cap:
-            weights = truncated_is_weights(minibatch.old_logprobs, minibatch.sampled_logprobs, mask, self.config.tis_cap)
-        pg = policy_loss(current.logprobs, minibatch.old_logprobs, minibatch.advantages, mask, self.config.clip, token_count, weights)
+            tis = truncated_is_weights(minibatch.old_logprobs, minibatch.sampled_logprobs, mask, self.config.tis_cap)
+            policy_weights = tis if weights is None else weights * tis
+        pg = policy_loss(current.logprobs, minibatch.old_logprobs, minibatch.advantages, mask, self.config.clip, divisor, policy_weights)
         terms = {
             "loss_policy": pg["loss"],
             "clipfrac": pg["clipfrac"],
@@ -43,17 +69,18 @@ class PPOClip(Loss):
             "ratio_max": pg["ratio_max"],
             "entropy": masked_mean(current.entropy, mask).detach(),
         }
-        if weights is not None:
-            terms["tis_weight_mean"] = masked_mean(weights, mask)
-            terms["tis_capped_frac"] = masked_mean((weights >= self.config.tis_cap).float(), mask)
+        if tis is not None:
+            terms["tis_weight_mean"] = masked_mean(tis, mask)
+            terms["tis_capped_frac"] = masked_mean((tis >= self.config.tis_cap).float(), mask)
         if current.values is not None:
-            vf = value_loss(current.values, minibatch.values, minibatch.returns, mask, self.config.value_clip, token_count)
+            vf = value_loss(current.values, minibatch.values, minibatch.returns, mask, self.config.value_clip, divisor, weights)
             terms["loss_value"] = self.config.vf_coef * vf["loss"]
             # diagnostics are means over the minibatch's own tokens (see `Loss`)
             terms["value_loss"] = value_loss(current.values, minibatch.values, minibatch.returns, mask, self.config.value_clip, mask.sum())["loss"].detach()
             terms["value_clipfrac"] = vf["clipfrac"]
         if self.config.entropy_coef:
-            terms["loss_entropy"] = -self.config.entropy_coef * masked_sum(current.entropy, mask) / token_count
+            entropy = current.entropy if weights is None else weights * current.entropy
+            terms["loss_entropy"] = -self.config.entropy_coef * masked_sum(entropy, mask) / divisor
         threshold = self.config.ratio_threshold or float("inf")
         terms["skipped"] = (pg["ratio_mean"] > threshold).float()  # a tensor: the loop reads it once per step
         return terms

@@ -7,7 +7,6 @@ import importlib
 import importlib.machinery
 import importlib.util
 import inspect
-import math
 from pathlib import Path
 
 import attrs
@@ -15,7 +14,7 @@ import torch
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, greater_than, setting
-from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.errors import RecipeError
 from rlkit_core.hf_loading import LOAD_ERRORS, check_tokenizer, load_problem
 from rlkit_core.interfaces import RewardSource
 from rlkit_core.randomness import switch_off_dropout
@@ -139,22 +138,6 @@ def check_function_statically(spec: str, where: str) -> list[str]:
     return []
 
 
-def checked_scores(scores, count: int, who: str) -> list[float]:
-    """A reward must return one finite number per response; say so plainly when it does not."""
-    if isinstance(scores, torch.Tensor):
-        scores = scores.tolist()
-    try:
-        values = [float(s) for s in scores]
-    except (TypeError, ValueError):
-        raise RunError(f"{who} must return a list of numbers, got {type(scores).__name__}") from None
-    if len(values) != count:
-        raise RunError(f"{who} returned {len(values)} scores for {count} responses")
-    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-    if bad:
-        raise RunError(f"{who} returned a non-finite score ({values[bad[0]]}) for response {bad[0]}")
-    return values
-
-
 class PythonReward(RewardSource):
     def __init__(self, config: PythonRewardConfig, context=None):
         self.name = config.function
@@ -185,7 +168,7 @@ class PythonReward(RewardSource):
     def score(self, prompts, responses, **columns):
         if not self.takes_everything:
             columns = {k: v for k, v in columns.items() if k in self.accepted}
-        return checked_scores(self.function(prompts=prompts, responses=responses, **columns), len(responses), self.name)
+        return self.function(prompts=prompts, responses=responses, **columns)  # the trainer checks what comes back
 
 
 class RewardModel(RewardSource):
@@ -242,7 +225,7 @@ class RewardModel(RewardSource):
             enc = self.tokenizer.pad({"input_ids": rows[start:start + self.config.batch_size]}, return_tensors="pt").to(self.device)
             logits = self.model(**enc).logits
             scores += logits[:, self.config.label_index].float().tolist()
-        return checked_scores(scores, len(rows), self.config.model)
+        return scores
 
 
 @hookimpl

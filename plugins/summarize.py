@@ -19,7 +19,6 @@ from rlkit_core.progress import Progress
 from rlkit_core.prompts import PromptLengthLimit
 from rlkit_plugins import summarize_task
 from rlkit_plugins.hf_policy import DTYPES, HFPolicy, HFPolicyConfig
-from rlkit_plugins.rewards import checked_scores
 
 
 def default_cache_dir() -> str:
@@ -77,9 +76,8 @@ class Rouge(RewardSource):
 
     def score(self, prompts, responses, **columns):
         references = references_in(columns, self.config.reference_field, "$.reward.reference_field")
-        scores = [summarize_task.summary_reward(r, ref, rouge_l_weight=self.config.rouge_l_weight)
-                  + self.config.fact_bonus * summarize_task.fact_copied(r, ref) for r, ref in zip(responses, references)]
-        return checked_scores(scores, len(responses), "rouge")
+        return [summarize_task.summary_reward(r, ref, rouge_l_weight=self.config.rouge_l_weight)
+                + self.config.fact_bonus * summarize_task.fact_copied(r, ref) for r, ref in zip(responses, references)]
 
 
 @attrs.frozen

@@ -1,4 +1,5 @@
-"""Value heads: `shared` (a scalar head on the policy's trunk) and `separate` (a model of its own)."""
+"""Value heads: `shared` (a scalar head on the policy's trunk), `separate` (a model of its own) and
+`none` (no critic, for the critic-free advantage estimators)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from rlkit_core.randomness import switch_off_dropout
 
 @attrs.frozen
 class SharedValueConfig:
+    pass
+
+
+@attrs.frozen
+class NoValueConfig:
     pass
 
 
@@ -139,7 +145,15 @@ class SeparateValueHead(ValueHead):
         self.model.load_state_dict(state)
 
 
+def no_critic(config: NoValueConfig, context):
+    """`none` is the absence of a critic: the loop builds no value head for an estimator that needs
+    no values, and a recipe that pairs `none` with one that does is refused when it is read."""
+    raise RecipeError(["$.value_head.type: 'none' builds no critic; it goes with a critic-free advantage estimator "
+                       "(grpo, rloo, reinforce++, remax)"])
+
+
 @hookimpl
 def register_value_heads(register):
     register("shared", SharedValueHead, SharedValueConfig)
     register("separate", SeparateValueHead, SeparateValueConfig)
+    register("none", no_critic, NoValueConfig)

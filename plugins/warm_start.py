@@ -115,14 +115,28 @@ def build_warm_start(
     ``sft_steps`` then constant, gradient norm clipped at 1.0, ``batch_size`` examples per step drawn
     without replacement from ``make_corpus(corpus_size, seed)`` (reshuffled each epoch).
     ``progress`` (an ``rlkit_core.progress.Progress``) shows the step, loss and time left.
+
+    Builders of one ``out_dir`` take turns through a lock file beside it, so the processes of a
+    multi-process launch (or two runs started together) build it once and the others reuse it.
     """
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from filelock import FileLock
 
     out = Path(out_dir)
     settings = _settings(
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, sft_steps=sft_steps,
         batch_size=batch_size, lr=lr, seed=seed, corpus_size=corpus_size,
     )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(out.parent / f".{out.name}.lock"):
+        return _build(out, settings, progress)
+
+
+def _build(out: Path, settings: dict, progress) -> Path:
+    """`build_warm_start`'s work, with the lock held."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    n_layer, n_embd, n_head, sft_steps, batch_size, lr, seed, corpus_size = (settings[k] for k in (
+        "n_layer", "n_embd", "n_head", "sft_steps", "batch_size", "lr", "seed", "corpus_size"))
     if out.exists():
         existing = _existing_settings(out)
         if existing is None:
@@ -173,7 +187,6 @@ def build_warm_start(
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.bos_token_id = EOS_ID
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         model.save_pretrained(tmp)

@@ -42,6 +42,7 @@ class RolloutBatch:
     responses: list[str] | None = None  # B decoded responses, cut at the first EOS
     ended: torch.Tensor | None = None  # [B] bool: the response contains an EOS
     scores: torch.Tensor | None = None  # [B] float: the reward source's score
+    baseline_scores: torch.Tensor | None = None  # [B] float: the shaped score of a greedy response to the same prompt (ReMax)
     old_logprobs: torch.Tensor | None = None  # [B, R] log π_old with the training code path
     ref_logprobs: torch.Tensor | None = None  # [B, R] log π_ref
     values: torch.Tensor | None = None  # [B, R] V(s_t) before the update

@@ -20,18 +20,20 @@ so a crash mid-write never leaves one that looks whole; only the latest `keep` a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import random
 import shutil
+import signal
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from rlkit_core import __version__
-from rlkit_core.errors import RlkitError
+from rlkit_core.errors import RlkitError, RunError
 
 PREFIX = "iter_"
 SHARDED = "sharded"
@@ -41,7 +43,7 @@ def checkpoint_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -55,9 +57,12 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(trainer, run_id: str | None, keep: int) -> Path:
+def save_checkpoint(trainer, run_id: str | None, keep: int, rng: dict | None = None) -> Path:
+    """Checkpoint the trainer as it is, with this process's random state as it is (or `rng`, one
+    taken earlier by `rng_state`). A failed write (a full disk) leaves the earlier checkpoints as they were
+    and stops the run with exit code 1 on every process."""
     processes = trainer.processes
-    rng_states = processes.gather_objects(_rng_state())
+    rng_states = processes.gather_objects(rng or rng_state())
     final = checkpoint_root(trainer.output_dir) / f"{PREFIX}{trainer.iteration:06d}"
     temporary = final.parent / f".{final.name}.tmp-{processes.gather_objects(os.getpid())[0]}"  # the main process's id, everywhere
     if processes.is_main:
@@ -67,16 +72,27 @@ def save_checkpoint(trainer, run_id: str | None, keep: int) -> Path:
     if processes.sharded:
         processes.wait()
         trainer.accelerator.save_state(str(temporary / SHARDED))  # every process writes its shards
+    problem = None
     with trainer.full_weights():
         if processes.is_main:
-            _write_checkpoint(trainer, temporary, final, run_id, keep, rng_states)
-    processes.wait()
+            try:
+                _write_checkpoint(trainer, temporary, final, run_id, keep, rng_states)
+            except OSError as exc:
+                shutil.rmtree(temporary, ignore_errors=True)
+                earlier = complete_checkpoints(trainer.output_dir)
+                kept = f"the latest complete one, {earlier[-1]}, is intact" if earlier else "there is no earlier one"
+                problem = (f"writing the checkpoint {final} failed: {exc.strerror or exc}; {kept}; free some space (or set "
+                           "run.output_dir elsewhere) and continue with --resume auto")
+    problems = [p for p in processes.gather_objects(problem) if p]  # also: every process waits for the write
+    if problems:
+        raise RunError(problems[0])
     return final
 
 
 def _write_checkpoint(trainer, temporary: Path, final: Path, run_id: str | None, keep: int, rng_states: list[dict]) -> None:
     sharded = trainer.processes.sharded
     save_file({k: v.contiguous() for k, v in trainer.policy.state_dict().items()}, temporary / "policy.safetensors")
+    _test_fault(trainer.iteration)
     if trainer.value_head is not None:
         save_file({k: v.contiguous() for k, v in _critic_state(trainer).items()}, temporary / "value_head.safetensors")
     torch.save({
@@ -94,6 +110,19 @@ def _write_checkpoint(trainer, temporary: Path, final: Path, run_id: str | None,
     os.replace(temporary, final)
     for old in complete_checkpoints(trainer.output_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _test_fault(iteration: int) -> None:
+    """Test-only: `RLKIT_TEST_CHECKPOINT_FAULT=kill@N` (or `enospc@N`) makes the write of iteration
+    N's checkpoint SIGKILL its own process (or fail with ENOSPC) halfway, after the first file, so
+    that tests can land inside the write deterministically. Unset in real runs."""
+    fault, _, at = os.environ.get("RLKIT_TEST_CHECKPOINT_FAULT", "").partition("@")
+    if not fault or int(at) != iteration:
+        return
+    if fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def _critic_state(trainer) -> dict[str, torch.Tensor]:

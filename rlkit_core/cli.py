@@ -1,7 +1,8 @@
 """The `rlkit` command: run, check, export, plugins.
 
 Exit codes: 0 success; 2 bad input (recipe, arguments), printed without a traceback; 1 failure
-at run time.
+at run time; 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM). RLKIT_DEBUG=1 prints the
+traceback of rlkit's own errors too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 from rlkit_core.errors import RlkitError
 
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except RlkitError as exc:
+        if os.environ.get("RLKIT_DEBUG"):
+            traceback.print_exception(exc)
         print(f"rlkit {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

@@ -87,8 +87,8 @@ def fields_help(config_class, prefix: str = ""):
     rows = []
     for f in attrs.fields(config_class):
         required = f.default is attrs.NOTHING
-        if isinstance(f.default, attrs.Factory):
-            default = f.default.factory()
+        if isinstance(f.default, attrs.Factory):  # one that reads other fields: its value when they keep their defaults
+            default = getattr(config_class(), f.name) if f.default.takes_self else f.default.factory()
         else:
             default = None if required else f.default
         nested = nested_spec(f)

@@ -81,9 +81,10 @@ class ComponentContract:
     @pytest.fixture
     def recipe_document(self, registered, component_config, tiny_model, tmp_path) -> dict[str, Any]:
         """The recipe a run of this component reads: its table, and small built-in parts in the
-        tables a recipe must have."""
+        tables a recipe must have (two samples per prompt for an estimator that compares them)."""
         document = {
             "run": {"steps": 10, "output_dir": str(tmp_path / "run")},
+            "ppo": {"samples_per_prompt": 2 if getattr(registered.factory, "needs_groups", False) else 1},
             "policy": {"type": "hf", "model": str(tiny_model)},
             "reward": {"type": "rouge"},
             "data": {"type": "toy-summaries", "size": 16},
@@ -250,6 +251,15 @@ class AdvantageEstimatorContract(ComponentContract):
             assert torch.isfinite(tensor[counted]).all(), f"{name} is not finite on counted tokens"
             assert (tensor[~counted] == 0).all(), f"{name} must be 0 on padding"
 
+    def test_the_order_of_the_rollouts_does_not_matter(self, instance):
+        """Groups are found by `group_ids`, not by position: the loop may gather rollouts in any order."""
+        batch = rollout_batch(with_values=instance.needs_values)
+        order = torch.tensor([3, 0, 5, 1, 4, 2])
+        advantages, returns = instance.estimate(batch)
+        shuffled_advantages, shuffled_returns = instance.estimate(batch.select(order))
+        assert torch.allclose(shuffled_advantages, advantages[order], atol=1e-6), "advantages depend on the rollouts' order"
+        assert torch.allclose(shuffled_returns, returns[order], atol=1e-6), "returns depend on the rollouts' order"
+
     def test_leaves_the_batch_unchanged(self, instance):
         batch = rollout_batch(with_values=instance.needs_values)
         before = {name: value.clone() for name, value in attrs.asdict(batch, recurse=False).items() if isinstance(value, torch.Tensor)}
@@ -296,14 +306,22 @@ class LossContract(ComponentContract):
         assert (grad[~counted] == 0).all(), "padding must get no gradient"
         assert grad[counted].abs().sum() > 0, "the loss must depend on the counted tokens' log-probs"
 
-    def test_loss_terms_average_over_token_count(self, instance):
-        once, _, batch = self.terms(instance)
+    def test_loss_terms_add_up_over_any_split(self, instance):
+        """The loop runs a minibatch as micro-batches in several processes and adds their `loss_*`
+        terms, all given the step's global token count: the sum must be the whole minibatch's term."""
+        batch = rollout_batch()
+        current = self.current(batch, with_values=True)
         count = float(batch.response_mask.sum())
-        twice, _, _ = self.terms(instance, token_count=2 * count)
-        for name in once:
+        whole = instance(batch, current, count)
+        parts = [torch.tensor([0, 4]), torch.tensor([1, 2, 5]), torch.tensor([3])]
+        split = [instance(batch.select(rows), LossInputs(*(value[rows] for value in attrs.astuple(current, recurse=False))), count)
+                 for rows in parts]
+        for name, value in whole.items():
             if name.startswith("loss_"):
-                assert torch.allclose(twice[name], once[name] / 2, rtol=1e-5, atol=1e-7), (
-                    f"{name} does not scale with 1/token_count; results would depend on how the batch is split")
+                added = sum(part[name] for part in split)
+                assert torch.allclose(added, value, rtol=1e-5, atol=1e-7), (
+                    f"{name}: the parts add up to {float(added)}, the whole minibatch gives {float(value)}; divide sums "
+                    "by the token_count given (or another count of the whole step), not by the minibatch's own size")
 
 
 # --- model kinds -------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from rlkit_core.errors import RecipeError
+from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.faults import checked_scores
 from rlkit_core.functional import masked_sum
 from rlkit_core.recipe import ComponentChoice
 
@@ -69,8 +70,16 @@ class Evaluator:
                     compared = trainer.compare_to_reference(batch)
                     values["eval/kl"] = masked_sum(compared.kl, compared.response_mask, dim=1)
                 for name, reward in self.metrics.items():
-                    values[f"eval/{name}"] = torch.tensor(reward.score(batch.prompts, batch.responses, **batch.columns))
+                    values[f"eval/{name}"] = torch.tensor(_metric_scores(name, reward, batch))
                 for name, per_response in values.items():
                     sums[name] = sums.get(name, 0.0) + float(per_response.sum())
                 count += len(batch)
         return {name: total / count for name, total in sums.items()}
+
+
+def _metric_scores(name: str, reward, batch) -> list[float]:
+    """An extra metric's scores, checked as the trainer checks the run's reward."""
+    try:
+        return checked_scores(reward.score(batch.prompts, batch.responses, **batch.columns), len(batch))
+    except ValueError as exc:
+        raise RunError(f"eval.metrics {name!r} {exc}") from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "full")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def response_mask(response_ids: torch.Tensor, eos_token_ids) -> torch.Tensor:
@@ -156,6 +157,47 @@ def gae(
     return advantages, advantages + values
 
 
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """[B, R] rewards-to-go G_t = Σ_{s ≥ t} γ^(s-t) r_s over counted tokens, zero on padding.
+
+    The Monte-Carlo return is GAE with no critic (V = 0) and λ = 1, so it is computed by `gae`.
+    """
+    return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0]
+
+
+def sequence_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] per-token rewards -> [B] each response's total: its score plus any per-token KL penalty."""
+    return masked_sum(rewards, mask, dim=1)
+
+
+def per_token(sequence_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] one value per response -> [B, R] that value on every counted token, zero on padding."""
+    spread = sequence_values.unsqueeze(1).expand(mask.shape)
+    return torch.where(mask.bool(), spread, torch.zeros_like(spread))
+
+
+def aggregation_weights(mask: torch.Tensor, mode: str, norm: float = 1.0) -> torch.Tensor | None:
+    """Per-token weights w that make a loss term Σ_counted w·ℓ / n aggregate as `mode` says:
+
+    - "token-mean": every token alike, w = 1 (returns None) and n = the tokens of the step;
+    - "seq-mean-token-mean": each response's token mean, then the mean over responses (GRPO,
+      Shao et al. 2024): w = 1/|y_i| and n = the responses of the step;
+    - "seq-mean-token-sum-norm": each response's token sum over a constant, then the mean over
+      responses (Dr. GRPO, Liu et al. 2025: no 1/|y_i|, so no length bias): w = 1/norm, n = the responses.
+
+    Each form is a sum of per-token terms over global counts, so it adds up over any split of the
+    step into micro-batches and processes. [B, R] mask -> [B, R] weights (or None).
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+    if mode == "token-mean":
+        return None
+    if mode == "seq-mean-token-sum-norm":
+        return torch.full(mask.shape, 1.0 / norm, device=mask.device)
+    lengths = mask.bool().sum(dim=1, keepdim=True).clamp(min=1)
+    return (1.0 / lengths).expand(mask.shape).float()
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -168,9 +210,10 @@ def policy_loss(
     """Clipped PPO surrogate over [B, R] inputs -> dict of scalars.
 
     loss = Σ_counted w·max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) / token_count, ratio = exp(logprobs -
-    old_logprobs) in log space, w = `weights` (e.g. `truncated_is_weights`) or 1. token_count is
-    passed in rather than taken from `mask` so that it can be the global count over all accumulation
-    steps and processes: then the summed gradients do not depend on how the batch was split.
+    old_logprobs) in log space, w = `weights` (`truncated_is_weights`, `aggregation_weights`) or 1.
+    token_count is passed in rather than taken from `mask` so that it can be the global count over
+    all accumulation steps and processes (or of responses, with per-response weights): then the
+    summed gradients do not depend on how the batch was split.
     Diagnostics (detached, over counted tokens): clipfrac (clipped branch strictly active),
     approx_kl (k3 of π_θ vs π_old: mean of (ratio - 1) - log ratio), ratio_mean, ratio_max.
     """
@@ -215,13 +258,15 @@ def value_loss(
     mask: torch.Tensor,
     clip: float,
     token_count: int | torch.Tensor,
+    weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Clipped value loss over [B, R] inputs -> dict of scalars.
 
-    loss = ½ Σ_counted max((V - R)², (V_clip - R)²) / token_count, V_clip = V_old + clip(V - V_old,
+    loss = ½ Σ_counted w·max((V - R)², (V_clip - R)²) / token_count, V_clip = V_old + clip(V - V_old,
     -ε_v, ε_v): the pessimistic max keeps the critic from moving far from V_old in one update.
-    token_count is the global count, as in `policy_loss`. clipfrac (detached): fraction of counted
-    tokens where the clipped error is strictly larger, i.e. the one that sets the loss.
+    token_count is the global count and w the per-token `weights` (or 1), as in `policy_loss`.
+    clipfrac (detached): fraction of counted tokens where the clipped error is strictly larger,
+    i.e. the one that sets the loss.
     """
     counted = mask.bool()
     # Padded values become 0 first: a garbage value there would turn a zero gradient into nan.
@@ -229,8 +274,9 @@ def value_loss(
     values_clipped = old_values + (values - old_values).clamp(-clip, clip)
     unclipped = (values - returns) ** 2
     clipped = (values_clipped - returns) ** 2
+    per_token = torch.maximum(unclipped, clipped)
     return {
-        "loss": 0.5 * masked_sum(torch.maximum(unclipped, clipped), counted) / token_count,
+        "loss": 0.5 * masked_sum(per_token if weights is None else weights * per_token, counted) / token_count,
         "clipfrac": masked_mean((clipped.detach() > unclipped.detach()).float(), counted),
     }
 

@@ -125,7 +125,9 @@ class KLController(ABC):
 class AdvantageEstimator(ABC):
     """Advantages and value targets from a scored batch."""
 
-    needs_values: bool = True  # critic-free estimators set False and the loop skips the critic
+    needs_values: bool = True  # critic-free estimators set False: value_head.type = "none", no critic is built
+    needs_groups: bool = False  # True: compares the samples of each prompt (batch.group_ids), so ppo.samples_per_prompt ≥ 2
+    needs_baseline_scores: bool = False  # True: reads batch.baseline_scores, the loop's score of a greedy response per prompt
 
     @abstractmethod
     def estimate(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,11 +155,20 @@ class Loss(ABC):
         """`token_count` is the number of counted tokens the loss is averaged over (the global
         count of the optimiser step), so that results do not depend on how the batch was split.
 
-        `loss_*` terms are sums over the minibatch's tokens divided by `token_count`: the loop adds
-        them up over micro-batches and processes. Other terms are means over the minibatch's own
-        counted tokens, which the loop combines weighted by token count; a name ending in `_max`
-        is combined by its maximum, and so is `skipped`: one micro-batch or process that asks for
-        it skips the whole optimiser step (the backward passes still run, in every process)."""
+        `loss_*` terms are sums over the minibatch's tokens divided by `token_count`, or, for a loss
+        that averages per response (see `aggregation`), by the rollouts of the optimiser step over
+        all processes (`recipe.ppo.minibatch_size`): the loop adds them up over micro-batches and
+        processes. Other terms are means over the minibatch's own counted tokens, which the loop
+        combines weighted by token count; a name ending in `_max` is combined by its maximum, and
+        so is `skipped`: one micro-batch or process that asks for it skips the whole optimiser step
+        (the backward passes still run, in every process)."""
+
+    def aggregation(self, minibatch: RolloutBatch, token_count: float) -> tuple[torch.Tensor | None, float]:
+        """(per-token weights or None, divisor): how this loss turns per-token terms into a `loss_*`
+        term, Σ_counted w·x / divisor (`rlkit_core.functional.aggregation_weights`). The loop uses it
+        for the terms it adds itself (β·KL with `ppo.kl_penalty = "loss"`). Default: the mean over
+        the step's tokens."""
+        return None, token_count
 
 
 class Generator(ABC):

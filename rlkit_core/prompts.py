@@ -3,8 +3,9 @@
 A record carries either a `prompt` string or `messages` (a list of {"role", "content"} dicts). A
 conversation is rendered with the policy's chat template, ending in the assistant's turn
 (`add_generation_prompt`); the rendered text becomes the record's `prompt`, and `messages` stays a
-column, so a reward sees both. Prompts longer than the data table's `max_prompt_tokens` are cut
-from the left, skipped, or refused, as its `truncate` says, and the run reports how many.
+column, so a reward sees both. Prompts longer than the data table's `max_prompt_tokens` (or than
+the policy's context leaves room for beside the longest response) are cut from the left, skipped,
+or refused, as its `truncate` says; empty prompts are skipped; the run reports how many of each.
 """
 
 from __future__ import annotations
@@ -49,15 +50,34 @@ def prompt_token_ids(tokenizer, record: dict) -> list[int]:
     return ids
 
 
+def within_context(limit: PromptLengthLimit | None, context: int | None, new_tokens: int) -> PromptLengthLimit | None:
+    """The data's length limit, tightened so that a prompt and its longest response fit in the
+    policy's context (`context` positions); a longer one would fail deep inside the model mid-run."""
+    if not context or not new_tokens:
+        return limit
+    room = context - new_tokens
+    if room < 1:
+        raise RecipeError([f"$.generator.max_new_tokens: {new_tokens} leaves no room for a prompt in the policy's context "
+                           f"of {context} positions; lower it"])
+    limit = limit or PromptLengthLimit()
+    if limit.max_prompt_tokens > room:
+        raise RecipeError([f"$.data.max_prompt_tokens: {limit.max_prompt_tokens} prompt tokens and {new_tokens} response tokens "
+                           f"(generator.max_new_tokens) do not fit in the policy's context of {context} positions; set it to {room} or less"])
+    return limit if limit.max_prompt_tokens else attrs.evolve(limit, max_prompt_tokens=room)
+
+
 def prepare_prompts(records: list[dict], tokenizer, limit: PromptLengthLimit | None) -> tuple[list[dict], dict[str, int]]:
     """Records with rendered `prompt` text, within the length limit; and counts for the report
-    (loaded, cut, skipped)."""
-    prepared, cut, skipped = [], 0, 0
+    (loaded, cut, skipped, empty: a prompt of no tokens gives the policy nothing to continue)."""
+    prepared, cut, skipped, empty = [], 0, 0, 0
     max_tokens = limit.max_prompt_tokens if limit else 0
     for index, record in enumerate(records):
         record = {**record, "prompt": render(tokenizer, record, f"$.data: record {index}")}
-        length = len(prompt_token_ids(tokenizer, record)) if max_tokens else 0
-        if length > max_tokens:
+        length = len(prompt_token_ids(tokenizer, record))
+        if not length:
+            empty += 1
+            continue
+        if max_tokens and length > max_tokens:
             if limit.truncate == "error":
                 raise RecipeError([f"$.data.max_prompt_tokens: record {index} has {length} prompt tokens, over the limit "
                                    f"of {max_tokens}; raise the limit, or set data.truncate = 'left' or 'skip'"])
@@ -66,10 +86,12 @@ def prepare_prompts(records: list[dict], tokenizer, limit: PromptLengthLimit | N
                 continue
             cut += 1
         prepared.append(record)
+    if not prepared and empty == len(records):
+        raise RecipeError([f"$.data: every one of the {len(records)} prompts is empty"])
     if not prepared:
-        raise RecipeError([f"$.data.max_prompt_tokens: every one of the {len(records)} prompts is longer than "
+        raise RecipeError([f"$.data.max_prompt_tokens: every one of the {len(records)} prompts is empty or longer than "
                            f"{max_tokens} tokens; raise the limit or set data.truncate = 'left'"])
-    return prepared, {"loaded": len(records), "cut": cut, "skipped": skipped}
+    return prepared, {"loaded": len(records), "cut": cut, "skipped": skipped, "empty": empty}
 
 
 def encode_prompts(tokenizer, records: list[dict], device, max_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

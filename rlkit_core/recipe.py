@@ -34,6 +34,7 @@ from rlkit_core.schema import (
     PPOConfig,
     RunConfig,
     batch_arithmetic_problems,
+    critic_problems,
     kl_problems,
     launch_problems,
     launched_processes,
@@ -273,6 +274,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
     components = {}
     for table, (kind, default_type) in COMPONENT_TABLES.items():
         data = document.get(table)
+        if table == "value_head" and data is None:
+            default_type = _default_critic(document, registry)
         if data is None and default_type is None:
             names = ", ".join(registry.names(kind)) or "(none registered)"
             problems.append(Problem(f"$.{table}", f"this table is required; add [{table}] with type = one of {names}"))
@@ -281,6 +284,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
                                                         registry, default_type)
         problems += found
 
+    if core["ppo"] is not None and components.get("advantage") is not None and components.get("value_head") is not None:
+        problems += critic_problems(core["ppo"], components["advantage"], components["value_head"])
     if core["run"] is not None and components.get("policy") is not None:
         problems += launch_problems(core["run"], components["policy"].config, torch.cuda.is_available())
         if components.get("generator") is not None:
@@ -291,6 +296,14 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         raise RecipeError(problems, source)
     return Recipe(core["run"], core["ppo"], core["optim"], components, document, source, core["eval"], eval_metrics,
                   registry)
+
+
+def _default_critic(document: dict, registry: Registry) -> str:
+    """The value head of a recipe without [value_head]: a critic only when the advantage estimator needs values."""
+    advantage = document.get("advantage")
+    name = advantage.get("type", "gae") if isinstance(advantage, dict) else "gae"
+    estimator = registry.find("advantage_estimator", name) if isinstance(name, str) else None
+    return "none" if estimator is not None and not getattr(estimator.factory, "needs_values", True) else "shared"
 
 
 def _eval_metrics(config: EvalConfig | None, registry: Registry) -> tuple[tuple[Component, ...], list[str]]:

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
 from rlkit_core import __version__, checkpoint
-from rlkit_core.errors import RlkitError
+from rlkit_core.errors import RlkitError, RunError
 from rlkit_core.evaluation import Evaluator
 from rlkit_core.export import export_checkpoint
+from rlkit_core.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, reward_name, save_bad_batch
 from rlkit_core.interfaces import SilentTracker
 from rlkit_core.inventory import flatten, inventory_rows
+from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.plot import plot_curves
 from rlkit_core.progress import Progress
 from rlkit_core.recipe import Recipe
@@ -26,43 +29,54 @@ SAMPLE_COUNT = 5
 SAMPLES_SHOWN = 4
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "samples_before.json", "final_model", "curves.png")
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "samples_before.json", "final_model", "curves.png", "bad_batches")
 
 
-def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> list[Path]:
+def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> tuple[list[Path], Path | None, str]:
     """A fresh run must not mix its files with an earlier run's; say how to continue or start over.
-    Returns the earlier outputs that --overwrite clears (only reads, so every process can check)."""
+    A folder whose run stopped before it trained an iteration (a reward that failed at once) holds
+    nothing worth keeping, so a plain run starts over there. Returns (earlier outputs to clear, the
+    checkpoint to start from, a note for the user); only reads, so every process can check."""
     folder = Path(output_dir)
-    found = [name for name in RUN_OUTPUTS if (folder / name).exists()]
-    if not found or resume:
-        return []
-    if not overwrite:
-        raise RlkitError(f"{folder} already holds a run ({', '.join(found)}); continue it with --resume auto, "
-                         f"start over with --overwrite, or pick another folder with --set run.output_dir=...")
-    return [folder / name for name in found]
+    if resume:
+        return [], checkpoint.resolve(resume, folder), ""
+    found = [folder / name for name in RUN_OUTPUTS if (folder / name).exists()]
+    if not found:
+        return [], None, ""
+    names = ", ".join(path.name for path in found)
+    complete = checkpoint.complete_checkpoints(folder)
+    metrics = MetricsLog(folder / "metrics.jsonl").read()
+    if not (complete or (folder / "final_model").exists() or any(row.get("iteration", 0) >= 1 for row in metrics)):
+        return found, None, f"{folder} holds only what a run left before its first iteration ({names}); starting over"
+    if overwrite:
+        return found, None, ""
+    how = "continue it with --resume auto, " if complete else "it left no checkpoint to continue with --resume auto; "
+    raise RlkitError(f"{folder} already holds a run ({names}); {how}start over with --overwrite, "
+                     f"or pick another folder with --set run.output_dir=...")
 
 
 def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, overwrite: bool = False, out=sys.stdout) -> list[dict]:
     """Train up to `recipe.run.steps` iterations; returns the metrics of every iteration (on the
     main process; the others train alongside it and write nothing)."""
-    earlier = claim_output_dir(recipe.run.output_dir, resume, overwrite)
-    resume_from = checkpoint.resolve(resume, recipe.run.output_dir) if resume else None  # a wrong --resume stops the run before it writes
+    earlier, start, note = claim_output_dir(recipe.run.output_dir, resume, overwrite)
     trainer = Trainer(recipe)
     main = trainer.processes.is_main
     if main:
         for warning in kl_warnings(recipe.ppo):
             print(f"rlkit run: warning: {warning}", file=sys.stderr)
+        if note:
+            print(f"rlkit run: {note}", file=sys.stderr)
         for path in earlier:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     trainer.processes.wait()
     tracker = trainer.parts.tracker if main else SilentTracker()  # one tracked run per training run
     counts = trainer.prompt_counts
-    if main and (counts["cut"] or counts["skipped"]):
+    if main and (counts["cut"] or counts["skipped"] or counts["empty"]):
         print(f"prompts: {counts['loaded']} loaded, {counts['cut']} cut from the left to {trainer.max_prompt_tokens} tokens, "
-              f"{counts['skipped']} skipped as too long", file=out)
+              f"{counts['skipped']} skipped as too long, {counts['empty']} skipped as empty", file=out)
     run_id = None
-    if resume:
-        meta = checkpoint.load_checkpoint(trainer, resume_from)
+    if start:
+        meta = checkpoint.load_checkpoint(trainer, start)
         run_id = meta["run_id"]
     history = []
     if main:
@@ -74,11 +88,11 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
     params = {**flatten(recipe.document), **{f"prompts.{name}": value for name, value in counts.items()},
               "processes": trainer.processes.count}
     run_id = tracker.start(run_name=recipe.run.name, params=params, tags=tags, resume_id=run_id)
-    if recipe.source and not resume:
+    if recipe.source and not start:
         tracker.log_artifact(recipe.source, "recipe")
     evaluator = Evaluator(trainer)  # every process evaluates the same held-out set; the main one writes
     if evaluator.enabled and trainer.iteration == 0:
-        before = evaluator()
+        before = _evaluate(evaluator)
         if main:
             trainer.metrics_log.append(0, before)
         tracker.log_metrics(before, step=0)
@@ -87,32 +101,56 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
 
     progress = Progress(recipe.run.steps, start=trainer.iteration, quiet=quiet or not main)
     status, final_checkpoint = "FAILED", None
+    skipped = max((row.get("run/skipped_batches", 0) for row in history), default=0)
+    skips_in_a_row = 0
     try:
-        while trainer.iteration < recipe.run.steps:
-            metrics = trainer.step()
-            if evaluator.due(trainer.iteration):
-                metrics.update(evaluator())
-            started = time.perf_counter()
-            if main:
-                trainer.metrics_log.append(trainer.iteration, metrics)
-            tracker.log_metrics(metrics, step=trainer.iteration)
-            if trainer.iteration % recipe.run.sample_every == 0 or trainer.iteration == recipe.run.steps:
-                tracker.log_samples(_sample_rows(trainer.last_batch), step=trainer.iteration)
-            metrics["time/tracking"] = time.perf_counter() - started
-            history.append({"iteration": trainer.iteration, **metrics})
-            progress.update(trainer.iteration, metrics)
-            every = recipe.run.checkpoint_every
-            if every and trainer.iteration % every == 0 and trainer.iteration < recipe.run.steps:
-                saved = checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
-                tracker.log_checkpoint(str(saved), trainer.iteration)
+        with StopRequests(trainer.processes) as stop:
+            while trainer.iteration < recipe.run.steps:
+                before = checkpoint.rng_state()  # to checkpoint the state before this iteration if its reward fails
+                try:
+                    metrics = trainer.step()
+                    skips_in_a_row = 0
+                except BadReward as fault:
+                    skips_in_a_row += 1
+                    if recipe.run.on_bad_reward == "stop" or skips_in_a_row >= recipe.run.max_skips_in_a_row:
+                        raise _reward_failed(trainer, fault, run_id, before, skips_in_a_row) from None
+                    metrics = _skip_batch(trainer, fault)
+                    skipped += 1
+                except NonFiniteSteps as fault:
+                    raise RunError(f"{fault}; {_latest_checkpoint(trainer)}; lower optim.learning_rate or look at the "
+                                   "reward's scale (score/mean), then continue with --resume auto") from None
+                if skipped:
+                    metrics["run/skipped_batches"] = skipped
+                if evaluator.due(trainer.iteration):
+                    metrics.update(_evaluate(evaluator))
+                started = time.perf_counter()
+                if main:
+                    trainer.metrics_log.append(trainer.iteration, metrics)
+                tracker.log_metrics(metrics, step=trainer.iteration)
+                trained = "score/mean" in metrics
+                if trained and (trainer.iteration % recipe.run.sample_every == 0 or trainer.iteration == recipe.run.steps):
+                    tracker.log_samples(_sample_rows(trainer.last_batch), step=trainer.iteration)
+                metrics["time/tracking"] = time.perf_counter() - started
+                history.append({"iteration": trainer.iteration, **metrics})
+                if trained:
+                    progress.update(trainer.iteration, metrics)
+                every = recipe.run.checkpoint_every
+                saved = None
+                if every and trainer.iteration % every == 0 and trainer.iteration < recipe.run.steps:
+                    saved = checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
+                    tracker.log_checkpoint(str(saved), trainer.iteration)
+                signal_number = stop.requested() if trainer.iteration < recipe.run.steps else None
+                if signal_number:
+                    saved = saved or checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
+                    raise Stopped(f"stopped by {signal.Signals(signal_number).name} after iteration {trainer.iteration}; "
+                                  f"saved {saved}; continue with --resume auto", signal_number)
+        final_checkpoint = _finish_outputs(trainer, tracker, run_id, history)
         status = "FINISHED"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stopped):
         status = "KILLED"
         raise
     finally:
         progress.close()
-        if status == "FINISHED":
-            final_checkpoint = _finish_outputs(trainer, tracker, run_id, history)
         tracker.finish(status)
 
     after = trainer.sample_responses(_sample_records(trainer), greedy=True)  # every process: FSDP gathers the weights
@@ -121,6 +159,58 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
         print_report(history, samples, trainer.metrics_log.path, final_checkpoint, tracker, out=out)
     trainer.processes.exit_together()  # with several processes, this process ends here
     return history
+
+
+def _latest_checkpoint(trainer) -> str:
+    found = checkpoint.complete_checkpoints(trainer.output_dir)
+    if not found:
+        return "no checkpoint was written before it (run.checkpoint_every sets how often one is)"
+    return f"the latest checkpoint, {found[-1]}, is intact"
+
+
+def _reward_failed(trainer, fault: BadReward, run_id, rng_before: dict, in_a_row: int) -> RunError:
+    """The error that ends a run whose reward failed at iteration `trainer.iteration + 1`: which
+    reward, where, and what was saved: the state before the iteration (nothing in it changed
+    but the random stream, which is rewound) and the batch."""
+    failed_at, last_good = trainer.iteration + 1, trainer.iteration
+    saved = "nothing was trained yet, so no checkpoint"
+    if last_good:
+        found = checkpoint.complete_checkpoints(trainer.output_dir)
+        path = found[-1] if found and checkpoint.read_meta(found[-1])["iteration"] == last_good else \
+            checkpoint.save_checkpoint(trainer, run_id, trainer.recipe.run.keep_checkpoints, rng=rng_before)
+        saved = f"saved the state after iteration {last_good} as {path}"
+    reward = reward_name(trainer.recipe)
+    if trainer.processes.is_main:
+        saved += f" and the batch as {save_bad_batch(trainer.output_dir, failed_at, reward, fault)}"
+    problem, _, frames = fault.problem.partition("\n")
+    skips = f" ({in_a_row} batches in a row; run.max_skips_in_a_row)" if in_a_row > 1 else ""
+    advice = "continue with --resume auto once the reward is fixed"
+    if trainer.recipe.run.on_bad_reward == "stop":
+        advice += ', or set run.on_bad_reward = "skip" to drop such batches'
+    return RunError(f"{reward} failed at iteration {failed_at}{skips}: {problem}; {saved}; {advice}" + (f"\n{frames}" if frames else ""))
+
+
+def _evaluate(evaluator) -> dict[str, float]:
+    """The held-out evaluation; its reward failing ends the run (no batch to drop)."""
+    try:
+        return evaluator()
+    except BadReward as fault:
+        trainer = evaluator.trainer
+        problem, _, frames = fault.problem.partition("\n")
+        raise RunError(f"{reward_name(trainer.recipe)} failed in the held-out evaluation after iteration {trainer.iteration}: "
+                       f"{problem}; {_latest_checkpoint(trainer)}" + (f"\n{frames}" if frames else "")) from None
+
+
+def _skip_batch(trainer, fault: BadReward) -> dict[str, float]:
+    """run.on_bad_reward = "skip": the iteration passes without training; say so and keep the batch."""
+    trainer.skip_iteration()
+    reward = reward_name(trainer.recipe)
+    if trainer.processes.is_main:
+        path = save_bad_batch(trainer.output_dir, trainer.iteration, reward, fault)
+        problem = fault.problem.partition("\n")[0]
+        print(f"rlkit run: warning: {reward} failed at iteration {trainer.iteration}: {problem}; skipped the batch "
+              f"(saved as {path})", file=sys.stderr)
+    return {}
 
 
 def _sample_records(trainer) -> list[dict]:

@@ -27,6 +27,8 @@ class RunConfig:
     sample_every: int = setting(10, help="log a table of sample prompts and responses every N iterations", validator=at_least(1))
     threads: int = setting(0, help="CPU threads for torch (0: torch's default)", validator=at_least(0))
     mixed_precision: str = setting("no", help="accelerate's autocast: 'no', 'bf16' or 'fp16' (fp32 master weights; fp16 scales the loss)", validator=one_of("no", "bf16", "fp16"))
+    on_bad_reward: str = setting("stop", help="a reward that raises or returns other than one finite number per response: 'stop' (checkpoint the last good state) or 'skip' (drop the batch, count it)", validator=one_of("stop", "skip"))
+    max_skips_in_a_row: int = setting(10, help="stop after this many skipped batches, or optimiser steps with a non-finite loss or gradient, in a row", validator=greater_than(0))
 
 
 @attrs.frozen
@@ -37,8 +39,10 @@ class PPOConfig:
     gradient_accumulation_steps: int = setting(1, help="micro-batches per optimiser step in each process (same update, less memory)", validator=greater_than(0))
     forward_batch_size: int = setting(0, help="rollouts per no-grad forward pass of the rollout stage (0: minibatch_size)", validator=at_least(0))
     epochs: int = setting(4, help="passes over the rollout batch per iteration", validator=greater_than(0))
-    kl_estimator: str = setting("k1", help="per-token KL estimator: k1, k2, k3 or full (the logged KL uses the same)", validator=one_of(*KL_ESTIMATORS))
     kl_penalty: str = setting("reward", help="'reward': −β·KL in the per-token rewards; 'loss': β·KL added to the loss", validator=one_of("reward", "loss"))
+    kl_estimator: str = setting(attrs.Factory(lambda ppo: "k3" if ppo.kl_penalty == "loss" else "k1", takes_self=True),
+                                help="per-token KL estimator: k1, k2, k3 or full (the logged KL uses the same); default k1, k3 with kl_penalty = 'loss'",
+                                validator=one_of(*KL_ESTIMATORS))
     score_clip: float = setting(0.0, help="clip scores to ±score_clip (0: no clipping)", validator=at_least(0))
     missing_eos_penalty: float = setting(0.0, help="subtracted from the score of a response that never emitted EOS", validator=at_least(0))
 
@@ -72,7 +76,7 @@ CORE_TABLES = {"run": RunConfig, "ppo": PPOConfig, "optim": OptimConfig, "eval":
 # table -> (component kind, type used when the table is absent; None: the table is required)
 COMPONENT_TABLES = {
     "policy": ("policy", None),
-    "value_head": ("value_head", "shared"),
+    "value_head": ("value_head", "shared"),  # "none" when the advantage estimator needs no values
     "generator": ("generator", "hf"),
     "reward": ("reward", None),
     "kl": ("kl_controller", "adaptive"),
@@ -115,6 +119,28 @@ def batch_arithmetic_problems(ppo: PPOConfig, processes: int = 1) -> list[Proble
                                 f"the {per_process} rollouts of a minibatch in each of {processes} processes do not split into "
                                 f"{ppo.gradient_accumulation_steps} micro-batches; pick a divisor such as "
                                 f"{_largest_divisor_at_most(per_process, ppo.gradient_accumulation_steps)}"))
+    return problems
+
+
+def critic_problems(ppo: PPOConfig, advantage, value_head) -> list[Problem]:
+    """An advantage estimator and the rest of the recipe that do not go together, each located:
+    a critic-free estimator with a critic (trained for nothing) or with one sample per prompt when
+    it compares a prompt's samples; `value_head.type = "none"` with an estimator that needs values.
+    `advantage` and `value_head` are the checked component tables."""
+    estimator, critic = advantage.component, value_head.component.name
+    needs_values = getattr(estimator.factory, "needs_values", True)
+    problems = []
+    if needs_values and critic == "none":
+        problems.append(Problem("$.value_head.type", f"'none' builds no critic, but advantage estimator {estimator.name!r} needs "
+                                                     "values; use 'shared' or 'separate', or a critic-free estimator such as 'grpo'"))
+    elif not needs_values and critic != "none":
+        problems.append(Problem("$.value_head.type", f"advantage estimator {estimator.name!r} uses no critic, so the {critic!r} "
+                                                     "critic would cost memory and time for nothing; set value_head.type = 'none' "
+                                                     "or leave [value_head] out"))
+    if getattr(estimator.factory, "needs_groups", False) and ppo.samples_per_prompt < 2:
+        problems.append(Problem("$.ppo.samples_per_prompt", f"advantage estimator {estimator.name!r} compares the responses to "
+                                                            f"each prompt, so it needs at least 2, got {ppo.samples_per_prompt}; "
+                                                            "4 to 16 are usual"))
     return problems
 
 

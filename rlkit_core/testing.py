@@ -48,6 +48,7 @@ def rollout_batch(with_values: bool = True, seed: int = 0) -> RolloutBatch:
         rewards=per_token(),
         advantages=per_token(),
         returns=per_token(),
+        baseline_scores=torch.randn(batch_size, generator=generator),
     )
 
 

@@ -10,6 +10,7 @@ every stage's own logic lives in a component or in `rlkit_core.functional`.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -30,8 +31,9 @@ from rlkit_core.distributed import (
     fsdp_plugin,
     sampling_seed,
 )
-from rlkit_core.errors import RunError
+from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.evaluation import hold_out
+from rlkit_core.faults import BadReward, NonFiniteSteps, checked_scores, failure_text
 from rlkit_core.functional import (
     entropy_from_logits,
     explained_variance,
@@ -43,7 +45,7 @@ from rlkit_core.functional import (
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.prompt_stream import PromptStream
-from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts
+from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts, within_context
 from rlkit_core.randomness import seeded_generator
 from rlkit_core.recipe import Recipe
 
@@ -82,6 +84,8 @@ class Trainer:
             raise RunError(problem)
         self.tokenizer = self.policy.tokenizer
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
+        context = getattr(getattr(self.policy.model, "config", None), "max_position_embeddings", None)
+        limit = within_context(limit, context, getattr(recipe["generator"].config, "max_new_tokens", 0))
         self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0
         records, self.prompt_counts = prepare_prompts(self.parts.data.load(), self.tokenizer, limit)
         self.eval_records, self.records = hold_out(records, recipe.eval.size, run.seed)
@@ -105,6 +109,7 @@ class Trainer:
         self.iteration = 0  # iterations completed
         self.last_batch: RolloutBatch | None = None  # the latest scored batch, for sample tables
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
+        self.nonfinite_in_a_row = 0  # optimiser steps with a non-finite loss or gradient, the latest ones
 
     def full_weights(self):
         """A block in which the policy and critic can be read whole (under FSDP: gathered in every
@@ -131,7 +136,7 @@ class Trainer:
         mask = generation.response_mask
         ended = torch.isin(generation.response_ids, torch.tensor(self.policy.eos_token_ids, device=self.device)).any(dim=1)
         responses = self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
-        scores = self.parts.reward.score(prompts, responses, **columns)
+        scores = self._score(prompts, responses, columns)
         scored = time.perf_counter()
         batch = RolloutBatch(
             prompts=prompts, columns=columns, group_ids=group_ids, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
@@ -139,6 +144,29 @@ class Trainer:
             responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=self.device),
         )
         return batch, {"time/generate": generated - started, "time/score": scored - generated, **self.parts.generator.metrics()}
+
+    def _score(self, prompts: list[str], responses: list[str], columns: dict) -> list[float]:
+        """The reward's scores, checked here, where every reward source passes. A reward that
+        raises or breaks its contract on any process is a `BadReward` on every process, so that
+        all of them stop or skip together."""
+        problem, scores = None, None
+        try:
+            returned = self.parts.reward.score(prompts, responses, **columns)
+        except RecipeError:  # the recipe's fault (a column the data lacks): exit 2 with its located message
+            raise
+        except Exception as exc:  # someone else's code: whatever else it raises is the reward's failure
+            problem = {"problem": f"raised {failure_text(exc)}"}
+        else:
+            try:
+                scores = checked_scores(returned, len(responses))
+            except ValueError as exc:
+                problem = {"problem": str(exc), "returned": returned if isinstance(returned, (list, tuple)) else repr(returned)}
+        if problem:
+            problem["rows"] = [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]
+        problems = [p for p in self.processes.gather_objects(problem) if p]
+        if problems:
+            raise BadReward(problems[0].pop("problem"), problems[0])
+        return scores
 
     # --- stage 2: what the rollout policy, the reference and the critic say -------------------
     @staticmethod
@@ -196,6 +224,21 @@ class Trainer:
         fields["kl"] = torch.where(mask.bool(), fields["kl"], torch.zeros_like(fields["kl"]))
         return batch.with_(**fields)
 
+    def _shaped(self, scores: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
+        """Scores as the rewards take them: less the missing-EOS penalty, clipped."""
+        ppo = self.recipe.ppo
+        scores = scores - ppo.missing_eos_penalty * (~ended).float()
+        if ppo.score_clip:
+            scores = scores.clamp(-ppo.score_clip, ppo.score_clip)
+        return scores
+
+    def greedy_baseline(self, records: list[dict], batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
+        """`batch` with `baseline_scores`: the shaped score of the greedy response to each of `records`
+        (ReMax's baseline), given to every sample of that prompt."""
+        greedy, timing = self.rollout(records, samples_per_prompt=1, greedy=True)
+        baseline = self._shaped(greedy.scores, greedy.ended).repeat_interleave(self.recipe.ppo.samples_per_prompt)
+        return batch.with_(baseline_scores=baseline), {"time/baseline": timing["time/generate"] + timing["time/score"]}
+
     @torch.no_grad()
     def evaluate(self, batch: RolloutBatch) -> RolloutBatch:
         """Old and reference log-probs, values, per-token KL and rewards, advantages and returns.
@@ -205,9 +248,7 @@ class Trainer:
         ppo = self.recipe.ppo
         batch = self.compare_to_reference(batch)
         mask = batch.response_mask
-        scores = batch.scores - ppo.missing_eos_penalty * (~batch.ended).float()
-        if ppo.score_clip:
-            scores = scores.clamp(-ppo.score_clip, ppo.score_clip)
+        scores = self._shaped(batch.scores, batch.ended)
         beta = self.parts.kl.beta
         rewards = -beta * batch.kl if ppo.kl_penalty == "reward" else torch.zeros_like(batch.kl)
         last = mask.sum(dim=1).long() - 1  # the last counted token: the EOS when there is one
@@ -249,19 +290,35 @@ class Trainer:
                 terms = self.processes.combine_terms(step_terms)
                 grad_norm = 0.0
                 # Every process took part in the backward passes (DDP needs them all); all skip or none does.
-                if not float(terms.get("skipped", 0.0)):
+                # The loss is summed over processes and the gradient norm is of the all-reduced
+                # gradients, so a non-finite value on one process is non-finite on every one.
+                nonfinite = not math.isfinite(float(terms["loss"]))
+                if not float(terms.get("skipped", 0.0)) and not nonfinite:
                     grad_norm = self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
-                    self.optimizer.step()
+                    nonfinite = not math.isfinite(float(grad_norm))
+                    if not nonfinite or self.recipe.run.mixed_precision == "fp16":
+                        self.optimizer.step()  # under fp16 the loss scaler skips an overflowed step itself and lowers its scale
+                self._count_nonfinite(nonfinite)
                 self.scheduler.step()
                 for name, value in terms.items():
                     per_step[f"train/{name}"].append(value)
                 per_step["train/grad_norm"].append(torch.tensor(float(grad_norm)))  # under FSDP a sharded tensor
+                per_step["train/nonfinite"].append(torch.tensor(float(nonfinite)))
                 count += 1
         self.trainable.eval()
         read = iter(torch.stack([v.to(self.device, torch.float64) for values in per_step.values() for v in values]).tolist())
         metrics = {name: sum(next(read) for _ in values) / count for name, values in per_step.items()}
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
+
+    def _count_nonfinite(self, nonfinite: bool) -> None:
+        """A step with a non-finite loss or gradient leaves the weights alone; `run.max_skips_in_a_row`
+        of them in a row stop the run, before a broken state could be checkpointed."""
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
+        limit = self.recipe.run.max_skips_in_a_row
+        if self.nonfinite_in_a_row >= limit:
+            raise NonFiniteSteps(f"{limit} optimiser steps in a row had a non-finite loss or gradient, in iteration "
+                                 f"{self.iteration + 1}; the weights were left as they were before them")
 
     def _micro_step(self, micro: RolloutBatch, token_count: torch.Tensor) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch; returns its share of the step's terms (detached):
@@ -274,7 +331,8 @@ class Trainer:
         terms = self.parts.loss(micro, LossInputs(logprobs=logprobs, values=values, entropy=entropy), token_count)
         if ppo.kl_penalty == "loss":
             kl = kl_per_token(logprobs, micro.ref_logprobs, ppo.kl_estimator)
-            terms["loss_kl"] = self.parts.kl.beta * masked_sum(kl, mask) / token_count
+            weights, divisor = self.parts.loss.aggregation(micro, token_count)  # as the loss aggregates its own terms
+            terms["loss_kl"] = self.parts.kl.beta * masked_sum(kl if weights is None else weights * kl, mask) / divisor
         total = sum(value for name, value in terms.items() if name.startswith("loss_"))
         # DDP averages gradients over processes; the loss is a share of a global sum, so undo the mean.
         self.accelerator.backward(total * self.processes.count)
@@ -289,7 +347,11 @@ class Trainer:
         """Run iteration `self.iteration + 1` and return its metrics: over the global batch, with
         the timings of this process."""
         started = time.perf_counter()
-        batch, metrics = self.rollout(self.processes.share(self.stream.batch(self.iteration)))
+        records = self.processes.share(self.stream.batch(self.iteration))
+        batch, metrics = self.rollout(records)
+        if self.parts.advantage.needs_baseline_scores:
+            batch, timing = self.greedy_baseline(records, batch)
+            metrics.update(timing)
         forward_started = time.perf_counter()
         batch = self.evaluate(batch)
         train_started = time.perf_counter()
@@ -321,6 +383,11 @@ class Trainer:
             metrics["train/explained_variance"] = float(explained_variance(batch.values, batch.returns, mask))
         self.last_batch = batch
         return metrics
+
+    def skip_iteration(self) -> None:
+        """Count iteration `self.iteration + 1` as done without training on its batch (a reward
+        failed on it and the recipe says skip): no optimiser step, no KL update."""
+        self.iteration += 1
 
     def sample_responses(self, records: list[dict], greedy: bool = False) -> list[str]:
         """Responses to `records` without touching the training random stream (for before/after reports)."""

@@ -5,12 +5,13 @@ import json
 import pytest
 import torch
 
-from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.errors import RecipeError
+from rlkit_core.faults import checked_scores
 from rlkit_core.functional import response_mask
 from rlkit_core.prompts import encode_prompts
 from rlkit_plugins.hf_policy import load_tokenizer
 from rlkit_plugins.prompt_sources import JsonlConfig, JsonlPrompts
-from rlkit_plugins.rewards import PythonReward, PythonRewardConfig, checked_scores
+from rlkit_plugins.rewards import PythonReward, PythonRewardConfig
 
 
 def test_response_mask_counts_up_to_and_including_the_first_eos():
@@ -84,13 +85,17 @@ def test_python_reward_check_reads_the_source_and_runs_none_of_it(tmp_path, monk
 
 
 def test_reward_results_are_checked():
-    assert checked_scores(torch.tensor([1, 2]), 2, "r") == [1.0, 2.0]
-    with pytest.raises(RunError, match="returned 1 scores for 2 responses"):
-        checked_scores([1.0], 2, "r")
-    with pytest.raises(RunError, match="non-finite score"):
-        checked_scores([1.0, float("nan")], 2, "r")
-    with pytest.raises(RunError, match="must return a list of numbers"):
-        checked_scores(["high", "low"], 2, "r")
+    assert checked_scores(torch.tensor([1, 2]), 2) == [1.0, 2.0]
+    with pytest.raises(ValueError, match="returned 1 scores for 2 responses"):
+        checked_scores([1.0], 2)
+    with pytest.raises(ValueError, match=r"not a finite float32 number \(nan\) for response 1"):
+        checked_scores([1.0, float("nan")], 2)
+    with pytest.raises(ValueError, match=r"not a finite float32 number \(1e\+300\)"):
+        checked_scores([1e300, 0.0], 2)  # finite in Python, inf once it is a float32 tensor
+    with pytest.raises(ValueError, match="returned \\['high', 'low'\\], not a list of numbers"):
+        checked_scores(["high", "low"], 2)
+    with pytest.raises(ValueError, match="returned None, not a list of numbers"):
+        checked_scores(None, 2)
 
 
 def test_jsonl_errors_name_the_line(tmp_path):

@@ -45,9 +45,41 @@ class TestGAEWithoutWhitening(AdvantageEstimatorContract):
     config = {"gamma": 0.99, "lam": 0.9, "whiten": False}
 
 
+class TestGRPO(AdvantageEstimatorContract):
+    component = "grpo"
+
+
+class TestDrGRPO(AdvantageEstimatorContract):
+    component = "grpo"
+    config = {"scale_by_std": False}
+
+
+class TestRLOO(AdvantageEstimatorContract):
+    component = "rloo"
+
+
+class TestReinforcePlusPlus(AdvantageEstimatorContract):
+    component = "reinforce++"
+    config = {"gamma": 0.9}
+
+
+class TestReMax(AdvantageEstimatorContract):
+    component = "remax"
+
+
 class TestPPOClip(LossContract):
     component = "ppo-clip"
     config = {"entropy_coef": 0.01}
+
+
+class TestPPOClipSequenceMean(LossContract):
+    component = "ppo-clip"
+    config = {"entropy_coef": 0.01, "aggregation": "seq-mean-token-mean", "tis_cap": 2.0}
+
+
+class TestPPOClipTokenSumNorm(LossContract):
+    component = "ppo-clip"
+    config = {"entropy_coef": 0.01, "aggregation": "seq-mean-token-sum-norm"}
 
 
 class TestPythonReward(RewardContract):

@@ -260,7 +260,7 @@ def test_reward_model_with_a_tokenizer_too_big_for_it_is_refused(gpt2_classifier
 def test_long_prompts_are_cut_or_skipped_and_counted(recipe_document, registry, chat_lm, chat_prompts, truncate, kept, cut, skipped):
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm)},
                                             data={"path": str(chat_prompts), "max_prompt_tokens": 70, "truncate": truncate}), registry))
-    assert trainer.prompt_counts == {"loaded": 16, "cut": cut, "skipped": skipped}
+    assert trainer.prompt_counts == {"loaded": 16, "cut": cut, "skipped": skipped, "empty": 0}
     assert len(trainer.records) == kept
     batch, _ = trainer.rollout(trainer.stream.batch(0))
     assert batch.prompt_ids.shape[1] <= 70

@@ -44,10 +44,15 @@ def rlkit_script() -> str:
     return str(Path(sys.executable).with_name("rlkit"))
 
 
-@pytest.fixture(params=["full", "lora-separate-critic-accumulating", "padless-gpt2-separate-critic"])
+@pytest.fixture(params=["full", "lora-separate-critic-accumulating", "padless-gpt2-separate-critic",
+                        "grpo-sequence-mean-kl-loss-accumulating"])
 def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
     # one minibatch per epoch: one process's minibatch of 16 is two processes' minibatches of 8
     recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16})
+    if request.param == "grpo-sequence-mean-kl-loss-accumulating":  # groups over processes; per-response averages of the loss and KL
+        recipe_document["ppo"].update({"samples_per_prompt": 4, "gradient_accumulation_steps": 2, "kl_penalty": "loss"})
+        recipe_document["advantage"] = {"type": "grpo"}
+        recipe_document["loss"] = {"type": "ppo-clip", "aggregation": "seq-mean-token-mean"}
     if request.param == "lora-separate-critic-accumulating":  # DDP's no_sync and the global token count together
         recipe_document["ppo"]["gradient_accumulation_steps"] = 2
         recipe_document["policy"]["lora_r"] = 4
@@ -197,8 +202,13 @@ def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(re
         run_recipe(parse_recipe(recipe_document, registry), quiet=True, resume="auto", out=io.StringIO())
 
 
-@pytest.mark.parametrize("steps", [2, 4])
-def test_gradient_accumulation_gives_the_same_update(recipe_document, registry, steps):
+@pytest.mark.parametrize("steps, aggregation", [(2, "token-mean"), (4, "token-mean"), (2, "seq-mean-token-mean"),
+                                               (4, "seq-mean-token-sum-norm")])
+def test_gradient_accumulation_gives_the_same_update(recipe_document, registry, steps, aggregation):
+    recipe_document["loss"] = {"type": "ppo-clip", "aggregation": aggregation, "entropy_coef": 0.01}
+    if aggregation != "token-mean":  # the β·KL the loop adds aggregates as the loss does
+        recipe_document["ppo"]["kl_penalty"] = "loss"
+
     def update(accumulation):
         document = {table: dict(body) for table, body in recipe_document.items()}
         document["ppo"].update({"minibatch_size": 16, "batch_size": 16, "gradient_accumulation_steps": accumulation})

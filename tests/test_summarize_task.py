@@ -129,12 +129,17 @@ def test_train_and_eval_share_no_fact():
 TINY = dict(n_layer=1, n_embd=32, n_head=2, sft_steps=5, batch_size=4, lr=1e-3, seed=0, corpus_size=16)
 
 
+def built_here(folder) -> list[str]:
+    """What a build left in `folder`, besides the lock file that builders of one folder share."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
+
+
 def test_tiny_warm_start_builds_loads_and_is_reused(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = ws.build_warm_start(tmp_path / "policy", **TINY)
     assert out == tmp_path / "policy"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]  # no temp dir left behind
+    assert built_here(tmp_path) == ["policy"]  # no temp dir left behind
 
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -149,7 +154,7 @@ def test_tiny_warm_start_builds_loads_and_is_reused(tmp_path):
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
     ws.build_warm_start(out, **{**TINY, "sft_steps": 2})
     assert '"sft_steps": 2' in (out / ws.MARKER_FILE).read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
+    assert built_here(tmp_path) == ["policy"]
 
 
 def test_warm_start_is_deterministic(tmp_path):
@@ -172,7 +177,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ws.build_warm_start(tmp_path / "policy", **TINY)
-    assert list(tmp_path.iterdir()) == []
+    assert built_here(tmp_path) == []
 
 
 def test_foreign_directory_is_never_overwritten(tmp_path):
@@ -219,3 +224,41 @@ def test_rouge_fact_bonus_is_added_only_for_a_whole_fact():
                           reference=[reference, reference])
     assert scores[0] == 1.5  # ROUGE-1 F1 of 1 plus the bonus
     assert scores[1] == pytest.approx(5 / 6)  # 5 of 6 words match, no bonus
+
+
+BUILDER = """
+import sys, time
+from pathlib import Path
+from rlkit_plugins import warm_start as ws
+
+folder, me = Path(sys.argv[1]), sys.argv[2]
+
+class StepLog:  # records every SFT step this process runs
+    def show(self, step, text):
+        with open(folder / "steps.log", "a") as log:
+            log.write(me + "\\n")
+    def close(self):
+        pass
+
+(folder / f"ready-{me}").touch()
+while len(list(folder.glob("ready-*"))) < 2:  # both processes start building together
+    time.sleep(0.01)
+ws.build_warm_start(folder / "policy", progress=StepLog(), **%r)
+"""
+
+
+def test_two_processes_building_one_folder_build_it_once(tmp_path):
+    """The processes of a torchrun launch all build the warm start on first use: one builds, the
+    other waits and reuses it (without the lock, both trained and one swapped the folder away
+    under the other's loader)."""
+    import subprocess
+    import sys
+
+    script = BUILDER % (TINY,)
+    builders = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(i)], stderr=subprocess.PIPE, text=True)
+                for i in range(2)]
+    errors = [b.communicate(timeout=120)[1] for b in builders]
+    assert [b.returncode for b in builders] == [0, 0], errors
+    steps = (tmp_path / "steps.log").read_text().split()
+    assert len(steps) == TINY["sft_steps"] and len(set(steps)) == 1  # one process ran SFT, once
+    assert (tmp_path / "policy" / ws.MARKER_FILE).exists()
