@@ -1,6 +1,8 @@
 """rlkit on the standard benchmark shape (../shared/bench/README.md), printed as one JSON line.
 
     python benchmarks/bench_ppo.py --steps 6
+    python benchmarks/bench_ppo.py --steps 3 --batch 128           # a scaling point
+    python benchmarks/bench_ppo.py --steps 2 --profile 25          # + the top operators of the last iteration
     python benchmarks/bench_ppo.py --device cuda --dtype bfloat16 --generator vllm   # on a GPU, with vLLM
 
 Shape: random-init GPT-2 (vocab 384, n_embd 256, 4 layers, 4 heads, 256 positions) with the
@@ -10,6 +12,16 @@ no early stop; reward = count of the byte "e"; PPO 4 epochs, minibatch 16, lr 1e
 
 Prompts are printable ASCII (one token per byte, like the peer's ids 3..258) because rlkit's
 prompt sources carry text; the work per iteration is the same.
+
+Besides the time per iteration (wall clock, and the CPU time of this process: on a machine
+shared with other work the CPU time is the steadier figure at one thread) it prints the time of
+each phase (generate, score, forward = old, reference and value passes, train, tracking =
+everything after the update: metrics, metrics.jsonl),
+the peak resident memory, an estimate of the FLOPs one iteration needs (`flops_per_iteration`) and
+the FLOP rate achieved, and the floor: those FLOPs at the peak rate of a large matrix multiply
+timed in the same process (`floor_seconds`, `ratio_to_floor`), and the same in CPU time
+(`cpu_ratio_to_floor`: CPU seconds per iteration over the CPU seconds the matmul needs for those
+FLOPs), which other work on the machine disturbs far less.
 """
 
 from __future__ import annotations
@@ -17,60 +29,139 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import statistics
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 PROMPT_BYTES = 48
-RESPONSE_TOKENS = 32
+PHASES = ("generate", "score", "forward", "train", "tracking")
 
 
 def count_e(prompts, responses, **columns):
     return [float(r.count("e")) for r in responses]
 
 
-def build_inputs(folder: Path, batch: int, steps: int, seed: int) -> tuple[Path, Path]:
-    from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
+def model_config(args):
+    from transformers import GPT2Config
 
-    torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=384, n_positions=256, n_embd=256, n_layer=4, n_head=4, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    return GPT2Config(vocab_size=args.vocab, n_positions=args.positions, n_embd=args.width, n_layer=args.layers,
+                      n_head=args.heads, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+
+
+def build_inputs(folder: Path, args) -> tuple[Path, Path]:
+    from transformers import ByT5Tokenizer, GPT2LMHeadModel
+
+    torch.manual_seed(args.seed)
     model_dir = folder / "model"
-    GPT2LMHeadModel(config).save_pretrained(model_dir)
+    GPT2LMHeadModel(model_config(args)).save_pretrained(model_dir)
     ByT5Tokenizer().save_pretrained(model_dir)
-    rng = random.Random(seed)
+    rng = random.Random(args.seed)
     prompts = folder / "prompts.jsonl"
     with prompts.open("w") as out:
-        for _ in range(batch * steps):
+        for _ in range(args.batch * args.steps):
             out.write(json.dumps({"prompt": "".join(chr(rng.randint(33, 126)) for _ in range(PROMPT_BYTES))}) + "\n")
     return model_dir, prompts
 
 
-def main() -> None:
+def iteration_flops(config, batch: int, prompt: int, response: int, epochs: int) -> dict[str, float]:
+    """FLOPs one PPO iteration needs on a GPT-2-style model, by phase (multiply-add = 2 FLOPs).
+
+    Counted: the matrix multiplies of the layers (12·d² weights per layer: QKV, output, 4d MLP),
+    attention scores and mixing (4·d per attended key, causal: position t attends t + 1 keys), and
+    the LM head (2·d·V) only where a distribution is needed: the last prompt position and every
+    response position but the last. Elementwise work, norms and the optimiser are left out, so the
+    floor is a lower bound. Training = forward + backward = 3 × forward.
+    """
+    d, layers, vocab = config.n_embd, config.n_layer, config.vocab_size
+    body = 2 * 12 * d * d * layers  # per token
+    attend = 4 * d * layers  # per (token, attended key)
+    head = 2 * d * vocab  # per position whose logits are used
+    length = prompt + response
+
+    def keys(first: int, last: int) -> int:  # attended keys summed over positions first..last-1
+        return sum(t + 1 for t in range(first, last))
+
+    sequence = batch * (body * length + attend * keys(0, length) + head * response)
+    generation = batch * (body * (length - 1) + attend * keys(0, length - 1) + head * response)
+    return {
+        "generate": generation,
+        "forward": 2 * sequence,  # old log-probs + values (one pass), reference log-probs
+        "train": 3 * epochs * sequence,
+    }
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, repeats: int = 3) -> tuple[float, float]:
+    """(FLOP per wall second, FLOP per CPU second of this process) of the fastest of `repeats`
+    square matrix multiplies: the floor's rates. 2048² is near a CPU's best; a GPU needs 8192²."""
+    size = 8192 if device.type == "cuda" else 2048
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    wall = cpu = float("inf")
+    for _ in range(repeats + 1):  # the first warms up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started, cpu_started = time.perf_counter(), time.process_time()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall, cpu = min(wall, time.perf_counter() - started), min(cpu, time.process_time() - cpu_started)
+    return 2 * size**3 / wall, 2 * size**3 / cpu
+
+
+def profile_table(trainer, rows: int) -> str:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        trainer.step()
+    return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--response-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--generator", default="hf", choices=["hf", "vllm"], help="vllm needs vLLM and a CUDA GPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="policy weights dtype")
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--width", type=int, default=256, help="n_embd of the random GPT-2")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=384, help="at least 384 (the byte tokenizer's size)")
+    parser.add_argument("--positions", type=int, default=256)
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="the device's nominal peak, for train_mfu (0: leave out)")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS", help="profile one more iteration; print its top operators to stderr")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from rlkit_core.plan import model_size
     from rlkit_core.plugins import load_registry
     from rlkit_core.recipe import parse_recipe
     from rlkit_core.trainer import Trainer
 
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    peaks = [matmul_peak(device, dtype)]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, prompts = build_inputs(Path(tmp), args.batch, args.steps, args.seed)
+        model_dir, prompts = build_inputs(Path(tmp), args)
         document = {
-            "run": {"steps": args.steps, "seed": args.seed, "output_dir": str(Path(tmp) / "run"), "device": args.device},
+            "run": {"steps": args.steps, "seed": args.seed, "output_dir": str(Path(tmp) / "run"), "device": args.device,
+                    "threads": args.threads},
             "ppo": {"batch_size": args.batch, "minibatch_size": 16, "epochs": 4},
             "optim": {"learning_rate": 1e-4, "max_grad_norm": 0.0},
             "policy": {"type": "hf", "model": str(model_dir), "dtype": args.dtype, "gradient_checkpointing": args.gradient_checkpointing},
-            "generator": {"type": args.generator, "max_new_tokens": RESPONSE_TOKENS, "min_new_tokens": RESPONSE_TOKENS, "temperature": 1.0},
+            "generator": {"type": args.generator, "max_new_tokens": args.response_len, "min_new_tokens": args.response_len, "temperature": 1.0},
             "reward": {"type": "python", "function": f"{__file__}:count_e"},
             "kl": {"type": "adaptive", "beta": 0.05, "target": 6.0, "horizon": 10000.0},
             "advantage": {"type": "gae", "gamma": 1.0, "lam": 0.95},
@@ -80,28 +171,63 @@ def main() -> None:
         }
         recipe = parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"}))
         trainer = Trainer(recipe)
-        history = [trainer.step() for _ in range(args.steps)]
+        history = []
+        for _ in range(args.steps):
+            started, cpu_started = time.perf_counter(), time.process_time()
+            metrics = trainer.step()
+            stepped = time.perf_counter()
+            trainer.metrics_log.append(trainer.iteration, metrics)
+            # tracking: the step's bookkeeping after the update, and writing metrics.jsonl
+            metrics["time/tracking"] = (stepped - started - metrics["time/iteration"]) + (time.perf_counter() - stepped)
+            metrics["time/cpu"] = time.process_time() - cpu_started
+            history.append(metrics)
+        if args.profile:
+            print(profile_table(trainer, args.profile), file=sys.stderr)
         estimate = model_size(recipe)
+    peaks.append(matmul_peak(device, dtype))
 
     steady = history[1:] or history
-    per_iteration = statistics.median(h["time/iteration"] for h in steady)
-    cuda = torch.device(args.device).type == "cuda"
-    print(json.dumps({
+    per_iteration = statistics.median(h["time/iteration"] + h["time/tracking"] for h in steady)
+    phases = {phase: statistics.median(h[f"time/{phase}"] for h in steady) for phase in PHASES}
+    flops = iteration_flops(model_config(args), args.batch, PROMPT_BYTES, args.response_len, 4)
+    total_flops, peak, cpu_peak = sum(flops.values()), max(p[0] for p in peaks), max(p[1] for p in peaks)
+    floor = total_flops / peak
+    cpu_per_iteration = statistics.median(h["time/cpu"] for h in steady)
+    cuda = device.type == "cuda"
+    tokens = {"generate": args.batch * args.response_len, "forward": 2 * args.batch * (PROMPT_BYTES + args.response_len),
+              "train": 4 * args.batch * (PROMPT_BYTES + args.response_len)}
+    report = {
         "system": "rlkit",
         "device": args.device,
         "generator": args.generator,
         "dtype": args.dtype,
         "gradient_checkpointing": args.gradient_checkpointing,
         "threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "response_len": args.response_len,
+        "steps": args.steps,
         "seconds_per_iteration": round(per_iteration, 3),
-        "response_tokens_per_second": round(args.batch * RESPONSE_TOKENS / per_iteration, 1),
-        "seconds_in": {stage: round(statistics.median(h[f"time/{stage}"] for h in steady), 3) for stage in ("generate", "score", "forward", "train")},
+        "response_tokens_per_second": round(args.batch * args.response_len / per_iteration, 1),
+        "cpu_seconds_per_iteration": round(cpu_per_iteration, 3),
+        "seconds_in": {phase: round(seconds, 4) for phase, seconds in phases.items()},
+        "tokens_per_second_in": {phase: round(tokens[phase] / phases[phase], 1) for phase in tokens},
+        "flops_per_iteration": {phase: f"{value:.3e}" for phase, value in flops.items()} | {"total": f"{total_flops:.3e}"},
+        "achieved_tflops": round(total_flops / per_iteration / 1e12, 4),
+        "train_tflops": round(flops["train"] / phases["train"] / 1e12, 4),
+        "matmul_peak_tflops": round(peak / 1e12, 4),
+        "floor_seconds": round(floor, 3),
+        "ratio_to_floor": round(per_iteration / floor, 2),
+        "cpu_ratio_to_floor": None if cuda else round(cpu_per_iteration / (total_flops / cpu_peak), 2),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "mean_score_first_last": [round(history[0]["score/mean"], 3), round(history[-1]["score/mean"], 3)],
         "check_logprob_gap": round(statistics.median(h["check/logprob_gap"] for h in steady), 5),
         "weight_sync_seconds": round(statistics.median(h.get("time/weight_sync", 0.0) for h in steady), 4),
         "memory_estimate": estimate,
         "peak_gpu_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20) if cuda else None,
-    }))
+    }
+    if args.peak_tflops:
+        report["train_mfu"] = round(flops["train"] / phases["train"] / (args.peak_tflops * 1e12), 4)
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -81,8 +81,8 @@ class PPOClip(Loss):
         if self.config.entropy_coef:
             entropy = current.entropy if weights is None else weights * current.entropy
             terms["loss_entropy"] = -self.config.entropy_coef * masked_sum(entropy, mask) / divisor
-        exploded = bool(self.config.ratio_threshold) and float(pg["ratio_mean"]) > self.config.ratio_threshold
-        terms["skipped"] = torch.tensor(float(exploded))
+        threshold = self.config.ratio_threshold or float("inf")
+        terms["skipped"] = (pg["ratio_mean"] > threshold).float()  # a tensor: the loop reads it once per step
         return terms
 
 

@@ -357,6 +357,18 @@ class PolicyContract(ComponentContract):
         counted = inputs[1].bool()
         assert torch.allclose(reference[counted], out.logits[counted].detach(), atol=1e-5), "the reference must start as the policy"
 
+    def test_logits_from_start_are_the_tail_of_every_position(self, instance):
+        inputs = policy_inputs(instance.tokenizer)
+        start = inputs[0].shape[1] - 2
+        with torch.no_grad():
+            full, reference = instance.forward(*inputs).logits, instance.reference_logits(*inputs)
+            tail = instance.forward(*inputs, start=start).logits
+            reference_tail = instance.reference_logits(*inputs, start=start)
+        assert tail.shape[:2] == (inputs[0].shape[0], 2), (
+            f"forward(start={start}) gave logits {tuple(tail.shape)} for inputs {tuple(inputs[0].shape)}")
+        assert torch.allclose(tail, full[:, start:], atol=1e-5), "forward(start=s) must give the logits of positions s.. of forward()"
+        assert torch.allclose(reference_tail, reference[:, start:], atol=1e-5), "reference_logits(start=s) must give positions s.. of reference_logits()"
+
     def test_gradient_reaches_the_trainable_parameters(self, instance):
         parameters = list(instance.parameters())
         assert parameters, "the policy has no trainable parameters"

@@ -17,7 +17,7 @@ from rlkit_core.batch import RolloutBatch
 
 @attrs.frozen
 class PolicyOutput:
-    logits: torch.Tensor  # [B, L, V] next-token logits at every position
+    logits: torch.Tensor  # [B, L - start, V] next-token logits at positions start..L-1 (see `Policy.forward`)
     hidden: torch.Tensor | None  # [B, L, H] last hidden state, for a value head on the shared trunk
 
 
@@ -41,12 +41,16 @@ class Policy(ABC):
         """The module that is trained (and that an in-process generator samples from)."""
 
     @abstractmethod
-    def forward(self, input_ids, attention_mask, position_ids) -> PolicyOutput:
-        """Logits (with gradient) of the current policy."""
+    def forward(self, input_ids, attention_mask, position_ids, start: int = 0) -> PolicyOutput:
+        """Logits (with gradient) of the current policy at positions `start` and after.
+
+        The loop needs the distributions at the response positions only: a policy that projects
+        only those hidden states onto the vocabulary saves most of the LM head's work and memory
+        on a large vocabulary. `hidden` stays at every position."""
 
     @abstractmethod
-    def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        """[B, L, V] logits of the frozen reference, without gradient."""
+    def reference_logits(self, input_ids, attention_mask, position_ids, start: int = 0) -> torch.Tensor:
+        """[B, L - start, V] logits of the frozen reference at positions `start` and after, without gradient."""
 
     @abstractmethod
     def parameters(self) -> Iterable[torch.nn.Parameter]:

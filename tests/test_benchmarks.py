@@ -1,0 +1,40 @@
+"""The benchmark's arithmetic and plumbing (no speed is asserted: see CONTRIBUTING.md)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ppo.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_ppo", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_iteration_flops_by_hand():
+    bench = load_bench()
+    config = SimpleNamespace(n_embd=2, n_layer=1, vocab_size=3)
+    flops = bench.iteration_flops(config, batch=1, prompt=1, response=1, epochs=1)
+    # per token: layers 2·12·2²·1 = 96; per attended key 4·2·1 = 8; LM head 2·2·3 = 12.
+    # A 2-token sequence: 96·2 + 8·(1 + 2) keys + 12 at the one response position = 228.
+    # Generation runs the model on the prompt only (the sampled last token is never fed back):
+    # 96 + 8·1 + 12 = 116. Forward = old + reference = 2·228; train = forward + backward = 3·228.
+    assert flops == {"generate": 116, "forward": 456, "train": 684}
+
+
+def test_a_tiny_run_prints_every_figure(capsys, monkeypatch):
+    bench = load_bench()
+    monkeypatch.setattr(sys, "argv", ["bench_ppo.py", "--steps", "2", "--batch", "16", "--response-len", "4", "--threads", "1",
+                                      "--width", "32", "--layers", "1", "--heads", "2", "--peak-tflops", "1"])
+    bench.main()
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["seconds_in"]) == {"generate", "score", "forward", "train", "tracking"}
+    assert report["seconds_per_iteration"] >= sum(report["seconds_in"].values()) * 0.99
+    assert float(report["flops_per_iteration"]["total"]) > 0 and report["floor_seconds"] > 0
+    assert report["ratio_to_floor"] > 1 and report["cpu_ratio_to_floor"] > 1  # the floor counts the matrix multiplies only
+    assert 0 < report["train_mfu"] < 1 and report["peak_rss_mib"] > 0 and report["cpu_seconds_per_iteration"] > 0
