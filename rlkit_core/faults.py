@@ -33,7 +33,7 @@ def checked_scores(scores, count: int) -> list[float]:
     try:
         values = [float(s) for s in scores]
     except (TypeError, ValueError):
-        raise ValueError(f"returned {_shown(scores)}, not a list of numbers") from None
+        raise ValueError(f"returned {_cut(repr(scores), 80)}, not a list of numbers") from None
     if len(values) != count:
         raise ValueError(f"returned {len(values)} scores for {count} responses")
     finite = torch.isfinite(torch.tensor(values, dtype=torch.float32)).tolist()
@@ -41,10 +41,6 @@ def checked_scores(scores, count: int) -> list[float]:
         first = finite.index(False)
         raise ValueError(f"returned a score that is not a finite float32 number ({values[first]!r}) for response {first}")
     return values
-
-
-def _shown(value, width: int = 80) -> str:
-    return _cut(repr(value), width)
 
 
 def _cut(text: str, width: int) -> str:
@@ -68,6 +64,9 @@ class BadReward(RunError):
         super().__init__(problem)
         self.problem = problem
         self.batch = batch
+        # the one-line problem, and the user's own traceback frames under it ("" or "\n" + frames)
+        self.headline, newline, frames = problem.partition("\n")
+        self.frames = newline + frames
 
 
 def reward_name(recipe) -> str:

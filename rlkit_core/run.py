@@ -182,12 +182,11 @@ def _reward_failed(trainer, fault: BadReward, run_id, rng_before: dict, in_a_row
     reward = reward_name(trainer.recipe)
     if trainer.processes.is_main:
         saved += f" and the batch as {save_bad_batch(trainer.output_dir, failed_at, reward, fault)}"
-    problem, _, frames = fault.problem.partition("\n")
     skips = f" ({in_a_row} batches in a row; run.max_skips_in_a_row)" if in_a_row > 1 else ""
     advice = "continue with --resume auto once the reward is fixed"
     if trainer.recipe.run.on_bad_reward == "stop":
         advice += ', or set run.on_bad_reward = "skip" to drop such batches'
-    return RunError(f"{reward} failed at iteration {failed_at}{skips}: {problem}; {saved}; {advice}" + (f"\n{frames}" if frames else ""))
+    return RunError(f"{reward} failed at iteration {failed_at}{skips}: {fault.headline}; {saved}; {advice}{fault.frames}")
 
 
 def _evaluate(evaluator) -> dict[str, float]:
@@ -196,9 +195,8 @@ def _evaluate(evaluator) -> dict[str, float]:
         return evaluator()
     except BadReward as fault:
         trainer = evaluator.trainer
-        problem, _, frames = fault.problem.partition("\n")
         raise RunError(f"{reward_name(trainer.recipe)} failed in the held-out evaluation after iteration {trainer.iteration}: "
-                       f"{problem}; {_latest_checkpoint(trainer)}" + (f"\n{frames}" if frames else "")) from None
+                       f"{fault.headline}; {_latest_checkpoint(trainer)}{fault.frames}") from None
 
 
 def _skip_batch(trainer, fault: BadReward) -> dict[str, float]:
@@ -207,8 +205,7 @@ def _skip_batch(trainer, fault: BadReward) -> dict[str, float]:
     reward = reward_name(trainer.recipe)
     if trainer.processes.is_main:
         path = save_bad_batch(trainer.output_dir, trainer.iteration, reward, fault)
-        problem = fault.problem.partition("\n")[0]
-        print(f"rlkit run: warning: {reward} failed at iteration {trainer.iteration}: {problem}; skipped the batch "
+        print(f"rlkit run: warning: {reward} failed at iteration {trainer.iteration}: {fault.headline}; skipped the batch "
               f"(saved as {path})", file=sys.stderr)
     return {}
 
