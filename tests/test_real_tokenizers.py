@@ -3,6 +3,7 @@ Pythia), several end ids and a chat template (Llama 3), a reward model with a to
 own, and a hub-style generation_config.json with sampling defaults."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -349,3 +350,26 @@ def test_held_out_evaluation_on_chat_prompts_with_two_end_ids(recipe_document, r
     assert all(math.isfinite(h["eval/score"]) and math.isfinite(h["eval/kl"]) for h in evaluations)
     samples = json.loads((tmp_path / "run" / "samples_before.json").read_text())
     assert samples[0]["prompt"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")  # rendered with the template
+
+
+# --- critic-free estimators on real-style tokenizers ----------------------------------------------
+
+
+@pytest.mark.parametrize("estimator, samples, model", [("remax", 1, "chat_lm"), ("grpo", 2, "gpt2_lm")])
+def test_critic_free_estimators_on_real_style_tokenizers(recipe_document, registry, chat_prompts, tmp_path, request,
+                                                         estimator, samples, model):
+    """ReMax's extra greedy generation on chat-templated prompts with two end ids, and GRPO's groups
+    on a pad-less policy: one whole iteration each, with no critic."""
+    reward = tmp_path / "length.py"
+    reward.write_text("def score(prompts, responses, **columns):\n    return [len(r) / 40 for r in responses]\n")
+    tables = dict(policy={"model": str(request.getfixturevalue(model))}, reward={"function": f"{reward}:score"},
+                  advantage={"type": estimator}, value_head={"type": "none"},
+                  ppo={"batch_size": 8, "minibatch_size": 4, "samples_per_prompt": samples})
+    if model == "chat_lm":
+        tables["data"] = {"path": str(chat_prompts)}
+    trainer = Trainer(parse_recipe(document(recipe_document, **tables), registry))
+    metrics = trainer.step()
+    assert trainer.value_head is None and not [name for name in metrics if "value" in name]
+    assert all(math.isfinite(value) for value in metrics.values())
+    assert ("time/baseline" in metrics) == (estimator == "remax")
+    assert trainer.tokenizer.pad_token_id not in trainer.last_batch.response_ids[trainer.last_batch.response_mask.bool()]

@@ -69,7 +69,7 @@ def test_two_processes_make_one_update_identical_everywhere(two_process_document
     assert assert_two_processes_update_as_one(two_process_document, tmp_path, WORKER)["held"] == 1  # DDP: every weight everywhere
 
 
-@pytest.mark.parametrize("variant", ["full", "separate-critic-checkpointing", "lora", "bf16"])
+@pytest.mark.parametrize("variant", ["full", "separate-critic-checkpointing", "lora", "bf16", "padless-gpt2"])
 def test_two_fsdp_processes_make_the_update_of_one(variant, recipe_document, tiny_reward_model, tmp_path):
     """FSDP2 shards the policy's blocks, the rest of it and the critic over two processes; the
     update must still be the one a single process makes on the whole batch (with LoRA the
@@ -80,6 +80,10 @@ def test_two_fsdp_processes_make_the_update_of_one(variant, recipe_document, tin
         recipe_document["policy"]["gradient_checkpointing"] = True
     if variant == "lora":
         recipe_document["policy"]["lora_r"] = 4
+    if variant == "padless-gpt2":  # the added PAD row is sharded with the embedding and stays suppressed
+        from rlkit_core.offline_models import write_tiny_lm
+
+        recipe_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
     if variant == "bf16":  # float32 shards and gathered weights, bf16 compute under autocast, as without FSDP
         recipe_document["run"]["mixed_precision"] = "bf16"
     fsdp = fsdp_on_cpu.launch_environment()
