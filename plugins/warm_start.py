@@ -127,7 +127,9 @@ def build_warm_start(
         batch_size=batch_size, lr=lr, seed=seed, corpus_size=corpus_size,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(out.parent / f".{out.name}.lock"):
+    # Its own random stream: a run that builds the warm start must continue with the same draws
+    # (critic initialisation, sampling) as a later run that finds it cached.
+    with FileLock(out.parent / f".{out.name}.lock"), torch.random.fork_rng(devices=[]):
         return _build(out, settings, progress)
 
 

@@ -167,6 +167,17 @@ def test_warm_start_is_deterministic(tmp_path):
         assert torch.equal(pa, pb), name
 
 
+def test_building_the_warm_start_leaves_the_callers_random_stream_alone(tmp_path):
+    """A run that builds the warm start draws the same numbers afterwards as one that finds it cached."""
+    import torch
+
+    torch.manual_seed(3)
+    cached_run_draw = torch.rand(4)
+    torch.manual_seed(3)
+    ws.build_warm_start(tmp_path / "policy", **TINY)
+    assert torch.equal(torch.rand(4), cached_run_draw)
+
+
 def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
     from transformers import GPT2LMHeadModel
 
