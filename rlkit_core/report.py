@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import statistics
 
+SAMPLES_PRINTED = 5
+SAME_SCORE = 1e-6  # scores closer than this count as unchanged
+
 
 def tenth_means(history: list[dict], key: str) -> tuple[float, float]:
     """Mean of `key` over the first and the last 10% of iterations (at least one each)."""
@@ -12,7 +15,16 @@ def tenth_means(history: list[dict], key: str) -> tuple[float, float]:
     return statistics.fmean(values[:n]), statistics.fmean(values[-n:])
 
 
-def print_report(history, samples, metrics_path, checkpoint_path, tracker, out) -> None:
+def score_changes(samples: list[dict]) -> tuple[int, int, int]:
+    """How many samples' greedy responses scored higher, lower and the same after training."""
+    differences = [s["after_score"] - s["before_score"] for s in samples]
+    return (sum(d > SAME_SCORE for d in differences), sum(d < -SAME_SCORE for d in differences),
+            sum(abs(d) <= SAME_SCORE for d in differences))
+
+
+def print_report(history, samples, held_out, metrics_path, checkpoint_path, tracker, out) -> None:
+    """`samples`: prompts with the greedy response and its score before and after training
+    (`held_out`: every held-out prompt, else a few training ones)."""
     evaluations = [h for h in history if "eval/score" in h]
     history = [h for h in history if "score/mean" in h]  # rows of training iterations (not the evaluation before them)
     if not history:
@@ -32,10 +44,15 @@ def print_report(history, samples, metrics_path, checkpoint_path, tracker, out) 
     tracking = [h["time/tracking"] / h["time/iteration"] for h in history if "time/tracking" in h]
     if tracking:
         print(f"tracking cost: median {100 * statistics.median(tracking):.2f}% of an iteration", file=out)
-    for i, sample in enumerate(samples, start=1):
+    if samples and "after_score" in samples[0]:
+        higher, lower, same = score_changes(samples)
+        print(f"greedy responses to {len(samples)} {'held-out' if held_out else 'training'} prompts, after training: "
+              f"{higher} score higher, {lower} lower, {same} the same", file=out)
+    for i, sample in enumerate(samples[:SAMPLES_PRINTED], start=1):
         print(f"\nsample {i}: {sample['prompt']!r}", file=out)
-        print(f"  before: {sample['before']!r}", file=out)
-        print(f"  after:  {sample['after']!r}", file=out)
+        for when in ("before", "after"):
+            score = f" (score {sample[when + '_score']:.3f})" if when + "_score" in sample else ""
+            print(f"  {when + ':':<7} {sample[when]!r}{score}", file=out)
     print(f"\nmetrics: {metrics_path}", file=out)
     print(f"checkpoint: {checkpoint_path} (continue with --resume auto; export with rlkit export)", file=out)
     where = getattr(tracker, "location", None)

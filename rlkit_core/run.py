@@ -14,18 +14,17 @@ from rlkit_core import __version__, checkpoint
 from rlkit_core.errors import RlkitError, RunError
 from rlkit_core.evaluation import Evaluator
 from rlkit_core.export import export_checkpoint
-from rlkit_core.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, reward_name, save_bad_batch
+from rlkit_core.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, checked_scores, failure_text, reward_name, save_bad_batch
 from rlkit_core.interfaces import SilentTracker
 from rlkit_core.inventory import flatten, inventory_rows
 from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.plot import plot_curves
 from rlkit_core.progress import Progress
 from rlkit_core.recipe import Recipe
-from rlkit_core.report import print_report
+from rlkit_core.report import SAMPLES_PRINTED, print_report
 from rlkit_core.schema import kl_warnings
-from rlkit_core.trainer import Trainer
+from rlkit_core.trainer import Trainer, record_columns
 
-SAMPLE_COUNT = 5
 SAMPLES_SHOWN = 4
 
 
@@ -153,10 +152,11 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
         progress.close()
         tracker.finish(status)
 
-    after = trainer.sample_responses(_sample_records(trainer), greedy=True)  # every process: FSDP gathers the weights
+    records = _sample_records(trainer)
+    after = trainer.sample_responses(records, greedy=True)  # every process: FSDP gathers the weights
     if main:
-        samples = [{**before, "after": a} for before, a in zip(samples_before, after)]
-        print_report(history, samples, trainer.metrics_log.path, final_checkpoint, tracker, out=out)
+        samples = _scored(trainer, records, [{**before, "after": a} for before, a in zip(samples_before, after)])
+        print_report(history, samples, bool(trainer.eval_records), trainer.metrics_log.path, final_checkpoint, tracker, out=out)
     trainer.processes.exit_together()  # with several processes, this process ends here
     return history
 
@@ -211,10 +211,11 @@ def _skip_batch(trainer, fault: BadReward) -> dict[str, float]:
 
 
 def _sample_records(trainer) -> list[dict]:
-    """The report's sample prompts, fixed before training: the first held-out ones when there are.
-    Their responses are greedy, the policy's best guess, so before and after compare the policy
-    rather than two draws."""
-    return (trainer.eval_records or trainer.records)[:SAMPLE_COUNT]
+    """The prompts the report compares before and after training, fixed before training: every
+    held-out one when there are (it shows the first few and counts how many got better), else the
+    first training ones. Their responses are greedy, the policy's best guess, so before and after
+    compare the policy rather than two draws."""
+    return trainer.eval_records or trainer.records[:SAMPLES_PRINTED]
 
 
 def _samples_before(trainer) -> list[dict]:
@@ -231,6 +232,21 @@ def _samples_before(trainer) -> list[dict]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(samples, indent=2))
     return samples
+
+
+def _scored(trainer, records: list[dict], samples: list[dict]) -> list[dict]:
+    """`samples` with the reward's score of the response before and after training. The run has
+    finished by now, so a reward failing here only leaves the samples unscored."""
+    both = records + records
+    responses = [s["before"] for s in samples] + [s["after"] for s in samples]
+    try:
+        scores = checked_scores(trainer.parts.reward.score([r["prompt"] for r in both], responses, **record_columns(both)),
+                                len(responses))
+    except Exception as exc:  # someone else's code, after the run: say so and report without scores
+        print(f"rlkit run: warning: {reward_name(trainer.recipe)} failed on the report's samples ({failure_text(exc)}); "
+              "they are shown unscored", file=sys.stderr)
+        return samples
+    return [{**s, "before_score": b, "after_score": a} for s, b, a in zip(samples, scores, scores[len(samples):])]
 
 
 def _sample_rows(batch) -> list[dict]:

@@ -50,6 +50,12 @@ from rlkit_core.randomness import seeded_generator
 from rlkit_core.recipe import Recipe
 
 
+def record_columns(records: list[dict]) -> dict[str, list]:
+    """The records' fields other than the prompt, as columns (the reward's keyword arguments)."""
+    keys = dict.fromkeys(key for r in records for key in r if key != "prompt")
+    return {key: [r.get(key) for r in records] for key in keys}
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,8 +128,7 @@ class Trainer:
         k = samples_per_prompt or self.recipe.ppo.samples_per_prompt
         records = [r for r in records for _ in range(k)]
         prompts = [r["prompt"] for r in records]
-        keys = dict.fromkeys(key for r in records for key in r if key != "prompt")
-        columns = {key: [r.get(key) for r in records] for key in keys}
+        columns = record_columns(records)
         group_ids = torch.arange(len(records), device=self.device) // k + self.processes.index * (len(records) // k)
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
 
@@ -390,9 +395,14 @@ class Trainer:
         self.iteration += 1
 
     def sample_responses(self, records: list[dict], greedy: bool = False) -> list[str]:
-        """Responses to `records` without touching the training random stream (for before/after reports)."""
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.full_weights(), \
-                self.accelerator.autocast():
-            prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
-            generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
-        return self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
+        """Responses of the current weights to `records`, a batch at a time, without touching the
+        training random stream (for before/after reports)."""
+        responses, size = [], self.recipe.ppo.batch_size
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.full_weights():
+            self.parts.generator.sync_weights(self.policy)  # an engine of its own (vLLM) last saw the weights before the last update
+            with self.accelerator.autocast():
+                for start in range(0, len(records), size):
+                    prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records[start:start + size], self.device, self.max_prompt_tokens)
+                    generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
+                    responses += self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
+        return responses

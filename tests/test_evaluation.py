@@ -62,7 +62,40 @@ def test_run_evaluates_before_and_after_and_reports_both(recipe_document, regist
     assert "held-out evaluation, iteration 0 → 3:" in text and "  score " in text
     samples = json.loads((tmp_path / "run" / "samples_before.json").read_text())
     trainer = Trainer(parse_recipe(document, registry))
-    assert [s["prompt"] for s in samples] == [r["prompt"] for r in trainer.eval_records[:5]]
+    assert [s["prompt"] for s in samples] == [r["prompt"] for r in trainer.eval_records]  # all 8, fixed before training
+    assert "greedy responses to 8 held-out prompts, after training: " in text
+    assert text.count("\nsample ") == 5 and "(score " in text
+
+
+def test_report_counts_the_samples_that_scored_higher_lower_and_the_same():
+    import io
+
+    from rlkit_core.report import print_report
+
+    history = [{"iteration": 1, "score/mean": 0.5, "kl/ref": 0.0, "time/iteration": 1.0}]
+    changes = [(0.2, 0.9), (0.5, 0.5), (0.9, 0.4), (0.1, 0.3), (0.3, 0.3 + 1e-9), (0.0, 1.0), (0.6, 0.7)]
+    samples = [{"prompt": f"p{i}", "before": "b", "after": "a", "before_score": b, "after_score": a}
+               for i, (b, a) in enumerate(changes)]
+    out = io.StringIO()
+    print_report(history, samples, True, "m.jsonl", "ckpt", None, out=out)
+    text = out.getvalue()
+    assert "greedy responses to 7 held-out prompts, after training: 4 score higher, 1 lower, 2 the same" in text
+    assert text.count("\nsample ") == 5 and "sample 6" not in text
+    assert "  before: 'b' (score 0.200)\n  after:  'a' (score 0.900)" in text
+
+
+def test_a_reward_failing_on_the_reports_samples_leaves_them_unscored(recipe_document, registry, tmp_path, capsys):
+    """The run has finished when the report's samples are scored: a failure there is a warning."""
+    from rlkit_core.run import _scored
+
+    broken = tmp_path / "late_failure.py"
+    broken.write_text("def score(prompts, responses, **columns):\n    raise ConnectionError('reward server went away')\n")
+    recipe_document["reward"]["function"] = f"{broken}:score"
+    trainer = Trainer(parse_recipe(with_eval(recipe_document), registry))
+    samples = [{"prompt": r["prompt"], "before": "x", "after": "y"} for r in trainer.eval_records]
+    assert _scored(trainer, trainer.eval_records, samples) == samples
+    warning = capsys.readouterr().err
+    assert "rlkit run: warning: " in warning and "reward server went away" in warning and "shown unscored" in warning
 
 
 def test_unknown_eval_metric_is_located(recipe_document, registry):
