@@ -17,7 +17,8 @@ COMMAND = [sys.executable, "-m", "rlkit_core.cli", "run", "--quiet"]
 ENV = {**os.environ, "RLKIT_PLUGINS": "none"}
 
 # A reward that scores as the suite's usual one, except on the calls that BAD names while the
-# marker file exists (one call per iteration: nothing else calls the reward without an [eval] table).
+# marker file exists (one call per iteration, and one for the end-of-run report's samples: nothing
+# else calls the reward without an [eval] table).
 REWARD = '''
 import os
 
@@ -114,6 +115,22 @@ def test_every_way_of_breaking_the_reward_contract_is_caught_where_scores_enter_
     assert [row["iteration"] for row in rows] == list(range(1, 9))
     assert [row.get("run/skipped_batches") for row in rows] == [None, 1, 2, 3, 4, 5, 6, 6]
     assert ["score/mean" in row for row in rows] == [True] + [False] * 6 + [True]
+
+
+def test_a_padless_policys_bad_batch_is_skipped_and_saved_as_text(faulty, recipe_document, tmp_path):
+    """GPT-2-style: no PAD of its own (rlkit adds one) and responses of varied lengths; the bad batch
+    is skipped, saved as the prompts and responses the reward saw, and the run goes on."""
+    from rlkit_core.offline_models import write_tiny_lm
+
+    recipe_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
+    recipe, output_dir, _ = faulty({2: MISBEHAVIOURS["nan"][0]}, on_bad_reward="skip")
+    result = run(recipe)
+    assert result.returncode == 0, result.stderr
+    assert MISBEHAVIOURS["nan"][1] in result.stderr
+    saved = json.loads((output_dir / "bad_batches" / "iter_000002.json").read_text())
+    assert len(saved["rows"]) == 16 and all(set(row) == {"prompt", "response"} and isinstance(row["response"], str)
+                                            for row in saved["rows"])
+    assert [row.get("run/skipped_batches") for row in metrics_of(output_dir)] == [None, 1, 1]
 
 
 def test_rlkit_debug_shows_the_whole_traceback(faulty):

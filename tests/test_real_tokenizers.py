@@ -373,3 +373,28 @@ def test_critic_free_estimators_on_real_style_tokenizers(recipe_document, regist
     assert all(math.isfinite(value) for value in metrics.values())
     assert ("time/baseline" in metrics) == (estimator == "remax")
     assert trainer.tokenizer.pad_token_id not in trainer.last_batch.response_ids[trainer.last_batch.response_mask.bool()]
+
+
+@pytest.mark.parametrize("estimator, samples, model", [("remax", 1, "chat_lm"), ("grpo", 2, "gpt2_lm")])
+def test_two_processes_run_critic_free_estimators_on_real_style_tokenizers(recipe_document, write_recipe, chat_prompts, tmp_path,
+                                                                          request, estimator, samples, model):
+    """The same two runs as above under torchrun: ReMax's greedy generation per process on chat prompts
+    with two end ids, GRPO's groups gathered across processes on a pad-less policy; both with a held-out
+    evaluation and the end-of-run report's greedy samples."""
+    from test_scaling import rlkit_script, torchrun
+
+    reward = tmp_path / "length.py"
+    reward.write_text("def score(prompts, responses, **columns):\n    return [len(r) / 40 for r in responses]\n")
+    tables = dict(policy={"model": str(request.getfixturevalue(model))}, reward={"function": f"{reward}:score"},
+                  advantage={"type": estimator}, value_head={"type": "none"}, eval={"size": 4},
+                  ppo={"batch_size": 8, "minibatch_size": 4, "samples_per_prompt": samples})
+    if model == "chat_lm":
+        tables["data"] = {"path": str(chat_prompts)}
+    done = torchrun(rlkit_script(), "run", write_recipe(document(recipe_document, **tables)))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [0, 1, 2]  # the held-out evaluation, then two iterations
+    trained = rows[1:]
+    assert all(("time/baseline" in row) == (estimator == "remax") for row in trained)
+    assert not [name for row in trained for name in row if "value" in name]
+    assert all(math.isfinite(value) for row in trained for value in row.values())
+    assert done.stdout.count("== rlkit report ==") == 1 and "greedy responses to 4 held-out prompts" in done.stdout
