@@ -405,4 +405,5 @@ class Trainer:
                     prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records[start:start + size], self.device, self.max_prompt_tokens)
                     generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
                     responses += self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
+        self.parts.generator.metrics()  # its sync time is the report's, not the next iteration's
         return responses

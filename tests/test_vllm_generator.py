@@ -426,3 +426,22 @@ def test_a_ppo_step_through_the_seam_logs_the_sync_time_and_a_zero_gap(recipe_do
     assert metrics["time/weight_sync"] > 0
     assert metrics["check/logprob_gap"] < 1e-4  # the stand-in samples in float32 like the trainer
     assert metrics["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_the_reports_samples_come_from_the_weights_after_the_last_update(recipe_document, registry, monkeypatch):
+    """The engine last saw the weights before the last update; the report's samples push them again
+    (and that push's time is not charged to the next iteration)."""
+    from rlkit_core.recipe import parse_recipe
+    from rlkit_core.trainer import Trainer
+
+    monkeypatch.setattr(VLLMGenerator, "_start_engine", lambda self, context: StandInEngine(self.policy, self.config))
+    recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8}
+    trainer = Trainer(parse_recipe(recipe_document, registry))
+    trainer.step()
+    engine = trainer.parts.generator.engine
+    trained = trainer.policy.model.state_dict()
+    assert any(not torch.equal(engine.model.state_dict()[name], trained[name]) for name in trained)  # one update behind
+    trainer.sample_responses(trainer.records[:2], greedy=True)
+    for name, weight in trained.items():
+        assert torch.equal(engine.model.state_dict()[name], weight), name
+    assert "time/weight_sync" not in trainer.parts.generator.metrics()
