@@ -219,8 +219,11 @@ def wait_for(process, condition, what, seconds=240):
         time.sleep(0.02)
 
 
-def started(recipe, *args, env=ENV):
-    return subprocess.Popen(COMMAND + [recipe, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def started(recipe, *args, env=ENV, sigint=signal.SIG_DFL):
+    """A run as from a terminal: Ctrl-C at its default even when the tests themselves run as a
+    shell's background job, whose children start with SIGINT ignored."""
+    return subprocess.Popen(COMMAND + [recipe, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
 
 def test_sigterm_and_ctrl_c_checkpoint_the_iteration_and_exit_with_a_clear_line(faulty):
@@ -257,6 +260,17 @@ def test_a_second_ctrl_c_stops_at_once(faulty):
     assert process.returncode == 130
     assert stderr.strip() == "rlkit: interrupted"
     assert not checkpoint.complete_checkpoints(output_dir)
+
+
+def test_a_run_started_with_ctrl_c_ignored_keeps_ignoring_it(faulty):
+    """As under nohup or in a background job: SIGINT stays ignored and the run goes to its end."""
+    recipe, output_dir, _ = faulty({2: "lambda good: __import__('time').sleep(3) or good"}, steps=3)  # still running at the signal
+    process = started(recipe, sigint=signal.SIG_IGN)
+    wait_for(process, lambda: (output_dir / "metrics.jsonl").exists(), "first iteration")
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    assert [row["iteration"] for row in metrics_of(output_dir)] == [1, 2, 3]
 
 
 def test_sigkill_before_the_first_checkpoint_and_inside_a_checkpoint_write_then_resume_auto(faulty):
