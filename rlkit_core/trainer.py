@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -304,7 +305,9 @@ class Trainer:
                     if not nonfinite or self.recipe.run.mixed_precision == "fp16":
                         self.optimizer.step()  # under fp16 the loss scaler skips an overflowed step itself and lowers its scale
                 self._count_nonfinite(nonfinite)
-                self.scheduler.step()
+                with warnings.catch_warnings():  # a skipped step uses up its place in the schedule on purpose
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
+                    self.scheduler.step()
                 for name, value in terms.items():
                     per_step[f"train/{name}"].append(value)
                 per_step["train/grad_norm"].append(torch.tensor(float(grad_norm)))  # under FSDP a sharded tensor
