@@ -45,10 +45,15 @@ def could_be_hub_name(name: str) -> bool:
     return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None and not name.startswith(".")
 
 
+def missing_path(name: str) -> bool:
+    """Whether `name` can only be a local path (not a hub name) and nothing is there."""
+    return not Path(name).expanduser().exists() and (is_local(name) or not could_be_hub_name(name))
+
+
 def load_problem(name: str, where: str, what: str, error: Exception | None = None) -> str:
     """Why `name` could not be loaded as `what` (a model, a tokenizer), with the fix: a located
     sentence instead of transformers' traceback."""
-    if not Path(name).expanduser().exists() and (is_local(name) or not could_be_hub_name(name)):
+    if missing_path(name):
         return f"{where}: no directory {name!r}; give a local model directory (relative paths start at the working directory) or a hub name"
     if isinstance(error, pickle.UnpicklingError):
         return (f"{where}: {name!r} has a pickled weights file that holds more than tensors; rlkit loads pickles only "
@@ -66,7 +71,7 @@ def check_tokenizer(name: str, where: str, problems: list[str], notes: list[str]
     name that `--offline` leaves unchecked)."""
     from transformers import AutoTokenizer
 
-    if not Path(name).expanduser().exists() and (is_local(name) or not could_be_hub_name(name)):
+    if missing_path(name):
         problems.append(load_problem(name, where, "a tokenizer"))
         return None
     try:

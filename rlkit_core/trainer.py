@@ -300,8 +300,9 @@ class Trainer:
                 # gradients, so a non-finite value on one process is non-finite on every one.
                 nonfinite = not math.isfinite(float(terms["loss"]))
                 if not float(terms.get("skipped", 0.0)) and not nonfinite:
-                    grad_norm = self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf"))
-                    nonfinite = not math.isfinite(float(grad_norm))
+                    # a float: under FSDP the norm is a sharded tensor
+                    grad_norm = float(self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf")))
+                    nonfinite = not math.isfinite(grad_norm)
                     if not nonfinite or self.recipe.run.mixed_precision == "fp16":
                         self.optimizer.step()  # under fp16 the loss scaler skips an overflowed step itself and lowers its scale
                 self._count_nonfinite(nonfinite)
@@ -310,7 +311,7 @@ class Trainer:
                     self.scheduler.step()
                 for name, value in terms.items():
                     per_step[f"train/{name}"].append(value)
-                per_step["train/grad_norm"].append(torch.tensor(float(grad_norm)))  # under FSDP a sharded tensor
+                per_step["train/grad_norm"].append(torch.tensor(grad_norm))
                 per_step["train/nonfinite"].append(torch.tensor(float(nonfinite)))
                 count += 1
         self.trainable.eval()
