@@ -11,6 +11,8 @@ phrasings (active, passive, fronted place, "It was in ... that ...", reported sp
 at a random position, so the summary is a small rewriting job, not a fixed slice of the input.
 
 The reference summary is always the canonical active sentence: ``"The baker sold bread in Paris."``
+``filler_sentences(record)`` gives a document's other sentences; the default recipe's warm start
+learns from careless summaries that copy one of them after the fact (see ``warm_start``).
 
 Words are drawn from lists of 30 occupations x 20 verbs x 30 objects x 30 cities = 540,000
 distinct facts, far more than any training run sees, so a policy has to read the document.
@@ -231,6 +233,12 @@ def summary_reward(response: str, reference: str, *, rouge_l_weight: float = 0.0
     if rouge_l_weight:
         score += rouge_l_weight * rouge_l_f1(response, reference)
     return score
+
+
+def filler_sentences(record: dict) -> list[str]:
+    """The document's sentences that do not report the event (they never name its *who*)."""
+    who = words(record["reference"])[1]
+    return [s + "." for s in record["document"].rstrip(".").split(". ") if who not in words(s)]
 
 
 def fact_copied(response: str, reference: str) -> float:

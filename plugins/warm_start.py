@@ -1,12 +1,17 @@
 """The warm-start policy of the default recipe: a tiny byte-level GPT-2, briefly supervised.
 
 ``build_warm_start`` creates a randomly initialised ``GPT2LMHeadModel`` over the ``ByT5Tokenizer``
-byte vocabulary and fine-tunes it (SFT) on prompt + reference summary + EOS from
+byte vocabulary and fine-tunes it (SFT) on prompt + summary + EOS from
 ``summarize_task.make_corpus``, the loss counting only the summary tokens (and the EOS). It is
-deliberately short: the policy should write summary-shaped text with mostly wrong or incomplete
-facts, so PPO has room to improve on it. The model and the tokenizer are saved together, so
+deliberately short: the policy should write summary-shaped text with facts often wrong, so PPO has
+room to improve on it. The model and the tokenizer are saved together, so
 ``AutoModelForCausalLM.from_pretrained(path)`` and ``AutoTokenizer.from_pretrained(path)`` work
 offline.
+
+The supervised summary is the reference, except that a share ``filler_share`` of them go on with
+one filler sentence of the document ("The baker sold bread in Paris. The sky was grey."): careless
+human summaries, of the kind real SFT data holds. The reward still compares against the clean
+reference, so PPO has a flaw to fix that a reader sees at once, besides wrong facts.
 
 Padding: batches are right-padded for SFT, so positions start at 0 for every row without any
 position_ids bookkeeping. The warm start is measured the way PPO sees it: the first iterations of
@@ -19,13 +24,16 @@ settings reuses the directory; with different settings it rebuilds and replaces 
 ``format`` number in ``_settings`` whenever the corpus or the training loop changes, so old builds
 are not reused.)
 
-The defaults are the default recipe's settings, measured on a 2-core CPU: 2 layers, width 128,
-4 heads (0.48 M parameters), 800 AdamW steps of batch 32 at lr 3e-3 take ~2 minutes. SFT crosses
-into copying facts between 700 and 800 steps: at 700 the held-out sampled summaries (temperature 1,
-40 new tokens) score a mean ROUGE-1 F1 of 0.40 and never copy a whole fact, and 150 PPO iterations
-leave them there (0.40 -> 0.42); at 800 they score 0.72 and one in eight copies the whole fact (one
-in three greedy summaries), which PPO then raises. Fewer steps leave more room on paper but none
-that PPO can use.
+Measured on a 2-core CPU (2 layers, width 128, 4 heads: 0.48 M parameters; AdamW, batch 32, lr
+3e-3), summaries sampled at temperature 1 unless said otherwise:
+- ``filler_share`` 0 (the defaults, the algorithm-variant recipes): SFT crosses into copying facts
+  between 700 and 800 steps. At 700 the summaries score a mean ROUGE-1 F1 of 0.40 and never copy a
+  whole fact, and 150 PPO iterations leave them there (0.40 -> 0.42); at 800 they score 0.72 and
+  one in eight copies the whole fact (one in three greedy summaries), which PPO then raises.
+- ``filler_share`` 0.75 (the default recipe): the filler delays copying; at 800 steps no greedy
+  summary copies a fact, at 1100 three in five do, half of the sampled ones, and every greedy
+  summary goes on with a filler sentence.
+Fewer steps leave more room on paper but none that PPO can use.
 """
 
 from __future__ import annotations
@@ -61,12 +69,16 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _sft_examples(tokenizer, records: Sequence[dict]) -> list[tuple[list[int], int]]:
-    """(prompt ids + summary ids + EOS, number of prompt tokens) for each record."""
+def _sft_examples(tokenizer, records: Sequence[dict], filler_share: float, rng: random.Random) -> list[tuple[list[int], int]]:
+    """(prompt ids + summary ids + EOS, number of prompt tokens) for each record; a `filler_share`
+    of the summaries go on with one filler sentence of the document."""
     examples = []
     for record in records:
         prompt = _encode(tokenizer, record["prompt"])
-        target = _encode(tokenizer, record["reference"]) + [EOS_ID]
+        summary = record["reference"]
+        if rng.random() < filler_share:
+            summary += " " + rng.choice(summarize_task.filler_sentences(record))
+        target = _encode(tokenizer, summary) + [EOS_ID]
         ids = prompt + target
         if len(ids) > N_POSITIONS:
             raise ValueError(f"example of {len(ids)} tokens exceeds n_positions={N_POSITIONS}")
@@ -108,13 +120,15 @@ def build_warm_start(
     lr: float = 3e-3,
     seed: int = 0,
     corpus_size: int = 20000,
+    filler_share: float = 0.0,
     progress=None,
 ) -> Path:
     """Build (or reuse) the warm-start policy at ``out_dir``; return its path.
 
     SFT: AdamW (``lr``, weight decay 0.01, betas (0.9, 0.95)), linear warm-up over the first 10% of
     ``sft_steps`` then constant, gradient norm clipped at 1.0, ``batch_size`` examples per step drawn
-    without replacement from ``make_corpus(corpus_size, seed)`` (reshuffled each epoch).
+    without replacement from ``make_corpus(corpus_size, seed)`` (reshuffled each epoch), a share
+    ``filler_share`` of their summaries going on with a filler sentence (see above).
     ``progress`` (an ``rlkit_core.progress.Progress``) shows the step, loss and time left.
 
     Builders of one ``out_dir`` take turns through a lock file beside it, so the processes of a
@@ -125,7 +139,7 @@ def build_warm_start(
     out = Path(out_dir)
     settings = _settings(
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, sft_steps=sft_steps,
-        batch_size=batch_size, lr=lr, seed=seed, corpus_size=corpus_size,
+        batch_size=batch_size, lr=lr, seed=seed, corpus_size=corpus_size, filler_share=filler_share,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     # Its own random stream: a run that builds the warm start must continue with the same draws
@@ -138,16 +152,16 @@ def _build(out: Path, settings: dict, progress) -> Path:
     """`build_warm_start`'s work, with the lock held."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    n_layer, n_embd, n_head, sft_steps, batch_size, lr, seed, corpus_size = (settings[k] for k in (
-        "n_layer", "n_embd", "n_head", "sft_steps", "batch_size", "lr", "seed", "corpus_size"))
+    n_layer, n_embd, n_head, sft_steps, batch_size, lr, seed, corpus_size, filler_share = (settings[k] for k in (
+        "n_layer", "n_embd", "n_head", "sft_steps", "batch_size", "lr", "seed", "corpus_size", "filler_share"))
     if out.exists():
         existing = _existing_settings(out)
         if existing is None:
             raise FileExistsError(f"{out} exists and is not a warm-start directory; not touching it")
         if existing == settings:
             return out
-    if sft_steps < 0 or batch_size < 1 or corpus_size < 1:
-        raise ValueError("sft_steps >= 0, batch_size >= 1 and corpus_size >= 1 are required")
+    if sft_steps < 0 or batch_size < 1 or corpus_size < 1 or not 0.0 <= filler_share <= 1.0:
+        raise ValueError("sft_steps >= 0, batch_size >= 1, corpus_size >= 1 and 0 <= filler_share <= 1 are required")
 
     started = time.perf_counter()
     torch.manual_seed(seed)
@@ -159,7 +173,8 @@ def _build(out: Path, settings: dict, progress) -> Path:
         bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
     )
     model = GPT2LMHeadModel(config)
-    examples = _sft_examples(tokenizer, summarize_task.make_corpus(corpus_size, seed))
+    examples = _sft_examples(tokenizer, summarize_task.make_corpus(corpus_size, seed), filler_share,
+                             random.Random(f"filler/{seed}"))
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, sft_steps // 10)

@@ -124,6 +124,16 @@ def test_train_and_eval_share_no_fact():
         st.make_corpus(1, seed=0, split="test")
 
 
+def test_filler_sentences_are_the_ones_without_the_event():
+    record = {"document": "It rained in Lima. The guard had left Berlin. Yesterday the lawyer hid cheese in Dublin.",
+              "reference": "The lawyer hid cheese in Dublin."}
+    assert st.filler_sentences(record) == ["It rained in Lima.", "The guard had left Berlin."]
+    for record in st.make_corpus(300, seed=4):
+        fillers = st.filler_sentences(record)
+        assert 1 <= len(fillers) <= 2 and all(filler in record["document"] for filler in fillers)
+        assert len(record["document"].split(". ")) == len(fillers) + 1  # every other sentence is the event
+
+
 # --- the warm start -----------------------------------------------------------------------------
 
 TINY = dict(n_layer=1, n_embd=32, n_head=2, sft_steps=5, batch_size=4, lr=1e-3, seed=0, corpus_size=16)
@@ -155,6 +165,32 @@ def test_tiny_warm_start_builds_loads_and_is_reused(tmp_path):
     ws.build_warm_start(out, **{**TINY, "sft_steps": 2})
     assert '"sft_steps": 2' in (out / ws.MARKER_FILE).read_text()
     assert built_here(tmp_path) == ["policy"]
+
+
+def test_supervised_summaries_go_on_with_filler_at_the_share_asked():
+    import random
+
+    tokenizer = ws._tokenizer()
+    records = st.make_corpus(2000, seed=0)
+
+    def summaries(share):
+        examples = ws._sft_examples(tokenizer, records, share, random.Random(0))
+        assert all(ids[-1] == ws.EOS_ID for ids, _ in examples)
+        return [tokenizer.decode(ids[n_prompt:-1]) for ids, n_prompt in examples]
+
+    assert summaries(0.0) == [r["reference"] for r in records]
+    for text, r in zip(summaries(1.0), records):
+        assert text.startswith(r["reference"] + " ") and text[len(r["reference"]) + 1:] in st.filler_sentences(r)
+    careless = sum(text != r["reference"] for text, r in zip(summaries(0.75), records))
+    assert 1440 <= careless <= 1560  # 1500 expected; binomial sd 19
+
+
+def test_filler_share_is_part_of_the_build_settings(tmp_path):
+    out = ws.build_warm_start(tmp_path / "policy", **TINY)
+    ws.build_warm_start(out, **TINY, filler_share=0.5)
+    assert '"filler_share": 0.5' in (out / ws.MARKER_FILE).read_text()
+    with pytest.raises(ValueError, match="filler_share"):
+        ws.build_warm_start(tmp_path / "other", **TINY, filler_share=1.5)
 
 
 def test_warm_start_is_deterministic(tmp_path):
@@ -273,3 +309,28 @@ def test_two_processes_building_one_folder_build_it_once(tmp_path):
     steps = (tmp_path / "steps.log").read_text().split()
     assert len(steps) == TINY["sft_steps"] and len(set(steps)) == 1  # one process ran SFT, once
     assert (tmp_path / "policy" / ws.MARKER_FILE).exists()
+
+
+def test_default_recipe_shrunk_runs_on_its_careless_warm_start(tmp_path):
+    """The shipped default recipe, shrunk: its warm start is built with the filler share it asks for."""
+    import io
+    import json
+    from pathlib import Path
+
+    from rlkit_core.plugins import load_registry
+    from rlkit_core.recipe import load_recipe
+    from rlkit_core.run import run_recipe
+
+    overrides = [
+        "run.steps=2", f"run.output_dir={tmp_path / 'run'}", "run.threads=1", "tracker.type=none",
+        "policy.n_layer=1", "policy.n_embd=16", "policy.n_head=2", "policy.sft_steps=2", "policy.sft_batch_size=4",
+        f"policy.cache_dir={tmp_path / 'cache'}", "generator.max_new_tokens=6", "data.size=40", "eval.size=4",
+        "ppo.batch_size=8", "ppo.minibatch_size=4",
+    ]
+    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "ppo_summarize.toml",
+                         load_registry(environ={"RLKIT_PLUGINS": "none"}), overrides)
+    history = run_recipe(recipe, quiet=True, out=io.StringIO())
+    assert [row["iteration"] for row in history] == [0, 1, 2]
+    [built] = (tmp_path / "cache").glob("summarizer-*")
+    assert built.name == "summarizer-l1-d16-h2-s2-f0.75-seed0"
+    assert json.loads((built / ws.MARKER_FILE).read_text())["settings"]["filler_share"] == 0.75
