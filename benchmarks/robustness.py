@@ -6,8 +6,8 @@
 Two tasks, each run through rlkit's public surface (a recipe, `run_recipe`):
 - `summarize`: the default recipe (recipes/ppo_summarize.toml) on its cached warm start; the seed
   changes sampling, prompt order and the held-out choice, not the warm start. Figure: the recipe's
-  held-out evaluation after the last iteration (ROUGE-1 F1 of sampled summaries, and the
-  fact-copied rate), with the figures before training beside it.
+  held-out evaluation after the last iteration (its reward on sampled summaries, and its eval
+  metrics: exact summaries, facts copied, ROUGE-1), with the figures before training beside it.
 - `control`: a task whose optimum is known. A tiny random GPT-2 (byte-level) writes 8 bytes after a
   random string; the reward is the share of them that are lowercase letters, so 1.0 is the best any
   policy can do. Figure: the mean training score over the last 10% of iterations.

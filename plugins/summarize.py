@@ -82,7 +82,7 @@ class Rouge(RewardSource):
 
 
 @attrs.frozen
-class FactCopiedConfig:
+class ReferenceMetricConfig:
     reference_field: str = setting("reference", help="data column holding the reference summary")
 
 
@@ -90,12 +90,22 @@ class FactCopied(RewardSource):
     """1 when the summary names every part of the reference's fact (who, did what, where), else 0:
     the strict task metric that the default recipe's evaluation reports beside ROUGE."""
 
-    def __init__(self, config: FactCopiedConfig, context=None):
+    name = "fact-copied"
+    measure = staticmethod(summarize_task.fact_copied)
+
+    def __init__(self, config: ReferenceMetricConfig, context=None):
         self.config = config
 
     def score(self, prompts, responses, **columns):
-        references = references_in(columns, self.config.reference_field, "$.eval.metrics: fact-copied")
-        return [summarize_task.fact_copied(r, ref) for r, ref in zip(responses, references)]
+        references = references_in(columns, self.config.reference_field, f"$.eval.metrics: {self.name}")
+        return [self.measure(r, ref) for r, ref in zip(responses, references)]
+
+
+class ExactSummary(FactCopied):
+    """1 when the summary is the reference word for word (the fact and nothing else), else 0."""
+
+    name = "exact-summary"
+    measure = staticmethod(summarize_task.exact_summary)
 
 
 def warm_start_policy(config: WarmStartConfig, context) -> HFPolicy:
@@ -122,7 +132,8 @@ def register_prompt_sources(register):
 @hookimpl
 def register_rewards(register):
     register("rouge", Rouge, RougeConfig)
-    register("fact-copied", FactCopied, FactCopiedConfig)
+    register("fact-copied", FactCopied, ReferenceMetricConfig)
+    register("exact-summary", ExactSummary, ReferenceMetricConfig)
 
 
 @hookimpl

@@ -246,3 +246,9 @@ def fact_copied(response: str, reference: str) -> float:
     else 0.0: stricter than ROUGE, which gives partial credit for a summary with a wrong place."""
     fact = set(words(reference)) - {"the", "in"}
     return float(fact <= set(words(response)))
+
+
+def exact_summary(response: str, reference: str) -> float:
+    """1.0 when the response's words are the reference's, in order (case and punctuation aside),
+    else 0.0: the whole fact and nothing more, stricter than ``fact_copied``."""
+    return float(words(response) == words(reference))

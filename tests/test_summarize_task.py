@@ -262,6 +262,17 @@ def test_fact_copied_needs_every_part_of_the_fact():
     assert fact_copied("", reference) == 0.0
 
 
+def test_exact_summary_is_the_reference_word_for_word():
+    from rlkit_plugins.summarize import ExactSummary, ReferenceMetricConfig
+
+    reference = "The pilot cooked boxes in Berlin."
+    assert st.exact_summary("the pilot cooked boxes in berlin", reference) == 1.0  # case and punctuation aside
+    assert st.exact_summary("The pilot cooked boxes in Berlin. The sky was grey.", reference) == 0.0  # filler after the fact
+    assert st.exact_summary("In Berlin the pilot cooked boxes.", reference) == 0.0  # every word, another order
+    assert ExactSummary(ReferenceMetricConfig()).score(["p", "p"], ["The pilot cooked boxes in Berlin.", "The pilot"],
+                                                       reference=[reference, reference]) == [1.0, 0.0]
+
+
 def test_rouge_fact_bonus_is_added_only_for_a_whole_fact():
     from rlkit_plugins.summarize import Rouge, RougeConfig
 
