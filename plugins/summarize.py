@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import attrs
 
@@ -86,12 +87,11 @@ class ReferenceMetricConfig:
     reference_field: str = setting("reference", help="data column holding the reference summary")
 
 
-class FactCopied(RewardSource):
-    """1 when the summary names every part of the reference's fact (who, did what, where), else 0:
-    the strict task metric that the default recipe's evaluation reports beside ROUGE."""
+class ReferenceMetric(RewardSource):
+    """A 0/1 check (`measure`) of each summary against its reference, for `[eval] metrics`."""
 
-    name = "fact-copied"
-    measure = staticmethod(summarize_task.fact_copied)
+    name: str
+    measure: Callable[[str, str], float]
 
     def __init__(self, config: ReferenceMetricConfig, context=None):
         self.config = config
@@ -101,7 +101,15 @@ class FactCopied(RewardSource):
         return [self.measure(r, ref) for r, ref in zip(responses, references)]
 
 
-class ExactSummary(FactCopied):
+class FactCopied(ReferenceMetric):
+    """1 when the summary names every part of the reference's fact (who, did what, where), else 0:
+    the strict task metric that the default recipe's evaluation reports beside ROUGE."""
+
+    name = "fact-copied"
+    measure = staticmethod(summarize_task.fact_copied)
+
+
+class ExactSummary(ReferenceMetric):
     """1 when the summary is the reference word for word (the fact and nothing else), else 0."""
 
     name = "exact-summary"
@@ -109,7 +117,7 @@ class ExactSummary(FactCopied):
 
 
 def warm_start_policy(config: WarmStartConfig, context) -> HFPolicy:
-    """Build the warm start on first use (about a minute on two CPU cores), then load it like any `hf` model."""
+    """Build the warm start on first use (minutes on two CPU cores), then load it like any `hf` model."""
     from rlkit_plugins.warm_start import build_warm_start
 
     if config.n_embd % config.n_head:
