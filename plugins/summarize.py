@@ -140,8 +140,8 @@ def register_prompt_sources(register):
 @hookimpl
 def register_rewards(register):
     register("rouge", Rouge, RougeConfig)
-    register("fact-copied", FactCopied, ReferenceMetricConfig)
-    register("exact-summary", ExactSummary, ReferenceMetricConfig)
+    for metric in (FactCopied, ExactSummary):
+        register(metric.name, metric, ReferenceMetricConfig)
 
 
 @hookimpl
