@@ -390,6 +390,9 @@ def test_two_processes_run_critic_free_estimators_on_real_style_tokenizers(recip
                   ppo={"batch_size": 8, "minibatch_size": 4, "samples_per_prompt": samples})
     if model == "chat_lm":
         tables["data"] = {"path": str(chat_prompts)}
+    else:  # the default task's documents and its text metrics, through a pad-less tokenizer
+        tables["data"] = {"type": "toy-summaries", "size": 64}
+        tables["eval"]["metrics"] = ["exact-summary", "fact-copied"]
     done = torchrun(rlkit_script(), "run", write_recipe(document(recipe_document, **tables)))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["iteration"] for row in rows] == [0, 1, 2]  # the held-out evaluation, then two iterations
@@ -398,3 +401,5 @@ def test_two_processes_run_critic_free_estimators_on_real_style_tokenizers(recip
     assert not [name for row in trained for name in row if "value" in name]
     assert all(math.isfinite(value) for row in trained for value in row.values())
     assert done.stdout.count("== rlkit report ==") == 1 and "greedy responses to 4 held-out prompts" in done.stdout
+    if model == "gpt2_lm":
+        assert all(row["eval/exact-summary"] in (0.0, 0.25, 0.5, 0.75, 1.0) for row in (rows[0], rows[-1]))
