@@ -1,4 +1,4 @@
-"""rlkit on the standard benchmark shape (../shared/bench/README.md), printed as one JSON line.
+"""rlkit on the standard benchmark shape (benchmarks/README.md), printed as one JSON line.
 
     python benchmarks/bench_ppo.py --steps 6
     python benchmarks/bench_ppo.py --steps 3 --batch 128           # a scaling point

@@ -31,7 +31,7 @@ class PPOClipConfig:
 
 
 class PPOClip(Loss):
-    """The clipped surrogate of PPO_REFERENCE.md, optionally reweighted for a sampler that is not
+    """The clipped surrogate of docs/ppo_reference.md, optionally reweighted for a sampler that is not
     the learner (`tis_cap`). A minibatch whose mean ratio exploded (the policy moved far from the one that sampled it,
     usually after one bad step) is reported as `skipped` and the loop leaves the weights alone:
     the clipped objective bounds each token's push but not the damage of following it.

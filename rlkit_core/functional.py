@@ -4,7 +4,7 @@ Shapes follow `rlkit_core.batch`: B rollouts, R response positions, V vocabulary
 `mask` is [B, R] (any dtype; nonzero = counted): 1 on response tokens up to and including the
 first EOS, contiguous from position 0. Values at mask == 0 positions may be garbage (even inf or
 nan): functions that take a mask select with `torch.where` instead of multiplying by it, so
-garbage reaches neither a result nor a gradient. The math follows PPO_REFERENCE.md.
+garbage reaches neither a result nor a gradient. The math follows docs/ppo_reference.md.
 """
 
 from __future__ import annotations

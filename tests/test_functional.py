@@ -1,7 +1,7 @@
 """rlkit_core.functional against hand-computed numbers and against plain Python loops.
 
 Every hand-computed case writes its arithmetic in a comment, in the worked-example style of
-PPO_REFERENCE.md; the loop references are deliberately naive (one float at a time) so that they
+docs/ppo_reference.md; the loop references are deliberately naive (one float at a time) so that they
 share no vectorisation trick with the code under test.
 """
 

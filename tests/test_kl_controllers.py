@@ -1,4 +1,4 @@
-"""KL controllers against the worked example of PPO_REFERENCE.md."""
+"""KL controllers against the worked example of docs/ppo_reference.md."""
 
 import pytest
 

@@ -4,7 +4,7 @@ Runs in the peer's own environment (`bash benchmarks/peer/setup.sh`), never in r
 
     benchmarks/peer/.venv/bin/python benchmarks/peer/trl_classic.py --steps 4
 
-The work is the one `bench_ppo.py` does for rlkit (../../shared/bench/README.md): a random-init
+The work is the one `bench_ppo.py` does for rlkit (the standard shape of benchmarks/README.md): a random-init
 GPT-2 (vocab 384, n_embd 256, 4 layers, 4 heads, 256 positions) over the byte-level ByT5
 tokenizer, 64 prompts of 48 random byte ids, 32 sampled tokens at temperature 1 with no top-k,
 top-p or early stop, reward = number of "e" bytes (id 104) in the response, PPO with 4 epochs of
