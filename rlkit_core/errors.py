@@ -42,6 +42,10 @@ class PluginError(RlkitError):
     """A plugin is broken or conflicts with another (duplicate name, misspelled hook, import failure)."""
 
 
+class BrokenPluginContract(PluginError):
+    """One plugin's own component breaks the plugin contract; that plugin is broken, the others load."""
+
+
 class RunError(RlkitError):
     """A failure while training that is not the recipe's fault (exit code 1)."""
 

@@ -2,8 +2,9 @@
 
 Built-ins and third-party plugins are found the same way. pluggy checks each plugin against the
 hookspecs; a plugin that fails to import, fails those checks (a hook name rlkit does not define, a
-hook argument other than `register`) or raises while registering is recorded as broken with its
-error; the others still load, so `rlkit plugins` keeps working and a recipe that needs the broken
+hook argument other than `register`), raises while registering or registers a component that
+breaks the contract (a config class that is not attrs) is recorded as broken with its error, and
+what it registered is withdrawn; the others still load, so `rlkit plugins` keeps working and a recipe that needs the broken
 one fails with that error.
 
 `RLKIT_PLUGINS` limits which third-party plugins load: unset loads all; an empty value or `none`
@@ -19,7 +20,7 @@ from importlib.metadata import entry_points
 import pluggy
 
 from rlkit_core import hookspecs
-from rlkit_core.errors import PluginError
+from rlkit_core.errors import BrokenPluginContract, PluginError
 from rlkit_core.registry import Component, Registry
 
 ENTRY_POINT_GROUP = "rlkit"
@@ -111,8 +112,9 @@ def _closest_hook(name: str) -> str:
 
 def _call_hooks(manager: pluggy.PluginManager, registry: Registry, sources: dict[str, tuple[str, str]]) -> None:
     """Each hook implementation called with a `register` that records its plugin, distribution and
-    version (one call of the hook would lose who registered what). A plugin that raises is broken
-    and is not called again."""
+    version (one call of the hook would lose who registered what). A plugin that raises, or
+    registers a component that breaks the contract, is broken: what it registered is withdrawn and
+    it is not called again. A duplicate name is a conflict between two plugins, so it stays loud."""
     for hook_name, kind in HOOKS.items():
         for implementation in getattr(manager.hook, hook_name).get_hookimpls():
             plugin = implementation.plugin_name
@@ -125,7 +127,11 @@ def _call_hooks(manager: pluggy.PluginManager, registry: Registry, sources: dict
 
             try:
                 implementation.function(**{arg: register for arg in implementation.argnames})  # as pluggy would call it
+            except BrokenPluginContract as exc:
+                registry.broken[plugin] = str(exc)
+                registry.discard_plugin(plugin)
             except PluginError:
                 raise  # a duplicate name is a conflict between plugins: loud, never skipped
             except Exception as exc:
                 registry.broken[plugin] = f"{hook_name} failed: {type(exc).__name__}: {exc}"
+                registry.discard_plugin(plugin)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import attrs
 
-from rlkit_core.errors import PluginError, Problem, RecipeError
+from rlkit_core.errors import BrokenPluginContract, PluginError, Problem, RecipeError
 from rlkit_core.interfaces import KINDS
 
 
@@ -35,7 +35,7 @@ class Registry:
 
     def add(self, component: Component) -> None:
         if not attrs.has(component.config_class):
-            raise PluginError(
+            raise BrokenPluginContract(
                 f"plugin {component.plugin!r} registers {component.kind} {component.name!r} with config class "
                 f"{component.config_class!r}, which is not an attrs class; decorate it with @attrs.frozen"
             )
@@ -47,6 +47,12 @@ class Registry:
                 f"({component.distribution} {component.version}); uninstall one of them, or rename the component"
             )
         self._components[component.kind][component.name] = component
+
+    def discard_plugin(self, plugin: str) -> None:
+        """Forget what a plugin registered before it turned out broken: none of it is offered."""
+        for components in self._components.values():
+            for name in [n for n, c in components.items() if c.plugin == plugin]:
+                del components[name]
 
     def names(self, kind: str) -> list[str]:
         return sorted(self._components[kind])

@@ -113,3 +113,21 @@ def test_a_plugin_that_raises_in_one_hook_is_not_called_again():
     flaky = plugin_module("flaky", register_rewards=register_rewards, register_trackers=register_trackers)
     registry = load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[("flaky", flaky, "rlkit-flaky", "0.1")])
     assert calls == ["rewards"] and registry.broken["flaky"] == "register_rewards failed: RuntimeError: down"
+
+
+def test_a_plugin_whose_config_is_not_attrs_is_broken_and_the_rest_load():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class DataclassConfig:
+        scale: float = 1.0
+
+    def register_rewards(register):
+        register("acme-ok", object, EmptyConfig)  # registered first, withdrawn with the plugin
+        register("acme-dc", object, DataclassConfig)
+
+    careless = plugin_module("careless", register_rewards=register_rewards)
+    registry = load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[("careless", careless, "rlkit-careless", "0.1")])
+    assert "not an attrs class" in registry.broken["careless"] and "'acme-dc'" in registry.broken["careless"]
+    assert "acme-ok" not in registry.names("reward") and "acme-dc" not in registry.names("reward")
+    assert "python" in registry.names("reward")  # the others still load

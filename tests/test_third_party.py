@@ -167,6 +167,52 @@ def test_a_plugin_that_fails_to_import_is_named_and_the_rest_still_work(request,
     assert f"plugins that failed to load: broken-demo (import failed: ImportError: {BROKEN_ERROR})" in str(caught.value)
 
 
+DATACLASS_PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=70.1"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "rlkit-dataclass-demo"
+version = "0.0.1"
+
+[project.entry-points.rlkit]
+dataclass-demo = "rlkit_dataclass_demo"
+
+[tool.setuptools]
+py-modules = ["rlkit_dataclass_demo"]
+"""
+DATACLASS_MODULE = """\
+import dataclasses
+
+from rlkit_core import hookimpl
+
+
+@dataclasses.dataclass(frozen=True)
+class ShoutConfig:
+    volume: float = 1.0
+
+
+@hookimpl
+def register_rewards(register):
+    register("shout", object, ShoutConfig)
+"""
+
+
+def test_a_plugin_with_a_dataclass_config_is_listed_broken_and_recipes_without_it_run(request, tmp_path, recipe_document, write_recipe):
+    source = tmp_path / "rlkit-dataclass-demo"
+    source.mkdir()
+    (source / "pyproject.toml").write_text(DATACLASS_PYPROJECT)
+    (source / "rlkit_dataclass_demo.py").write_text(DATACLASS_MODULE)
+    install(request, source, "rlkit-dataclass-demo")
+
+    listing = plugins_json(exit_code=1)
+    assert "not an attrs class" in listing["broken"]["dataclass-demo"]
+    assert "shout" not in component_names(listing, "reward") and "python" in component_names(listing, "reward")
+    checked = rlkit("check", write_recipe(recipe_document))  # a recipe that uses none of it is not affected
+    assert checked.returncode == 0, checked.stderr
+
+
 def test_the_example_packages_own_tests_pass(example):
     env = {k: v for k, v in os.environ.items() if k != "RLKIT_PLUGINS"}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=example, env=env,
