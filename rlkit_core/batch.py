@@ -86,5 +86,3 @@ class RolloutBatch:
         picked = index.tolist()
         return self.map_fields(lambda _, value: value[index], lambda column: [column[i] for i in picked])
 
-    def to(self, device) -> RolloutBatch:
-        return self.map_fields(lambda _, value: value.to(device), lambda column: column)

@@ -84,9 +84,6 @@ class ValueHead(ABC):
     @abstractmethod
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
 
-    def train(self, mode: bool = True) -> None:
-        """Switch dropout-free training or evaluation mode; heads without modes ignore it."""
-
     def module(self) -> torch.nn.Module | None:
         """The module that holds `parameters()` and computes `values` with them, or None.
 
