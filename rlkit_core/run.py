@@ -108,7 +108,8 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
         tracker.log_artifact(recipe.source, "recipe")
     notes = {"note/recipe_changes": changes} if changes else {}  # text for the next row of metrics.jsonl
     if changes:
-        tracker.log_note("resume.recipe_changes", "; ".join(changes), step=trainer.iteration)
+        tracker.log_note("resume.recipe_changes", f"resumed after iteration {trainer.iteration} with --allow-changes: "
+                         + "; ".join(changes), step=trainer.iteration)
     evaluator = Evaluator(trainer)  # every process evaluates the same held-out set; the main one writes
     if evaluator.enabled and trainer.iteration == 0:
         before = _evaluate(evaluator)

@@ -94,7 +94,7 @@ def test_allowed_changes_are_recorded_in_the_tracker_and_the_next_row(recipe_doc
     assert rows[2]["note/recipe_changes"] == [line] and rows[2]["run/recipe_changes"] == 1
     assert all("note/recipe_changes" not in row and "run/recipe_changes" not in row for row in rows[:2] + rows[3:])
     run = MlflowClient(tracking_uri=uri).get_run(checkpoint.read_meta(checkpoint.resolve("auto", output_dir))["run_id"])
-    assert run.data.tags["rlkit.note.resume.recipe_changes"] == f"iteration 2: {line}"
+    assert run.data.tags["rlkit.note.resume.recipe_changes"] == f"resumed after iteration 2 with --allow-changes: {line}"
     assert run.data.metrics["run/recipe_changes"] == 1
 
 
