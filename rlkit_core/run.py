@@ -14,8 +14,8 @@ from rlkit_core import __version__, checkpoint
 from rlkit_core.errors import RlkitError, RunError
 from rlkit_core.evaluation import Evaluator
 from rlkit_core.export import export_checkpoint
-from rlkit_core.health import HealthMonitor, HealthStop
 from rlkit_core.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, checked_scores, failure_text, reward_name, save_bad_batch
+from rlkit_core.health import HealthMonitor, HealthStop
 from rlkit_core.interfaces import SilentTracker
 from rlkit_core.inventory import flatten, inventory_rows
 from rlkit_core.metrics_log import MetricsLog
@@ -165,7 +165,7 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
                 if every and trainer.iteration % every == 0 and trainer.iteration < recipe.run.steps:
                     saved = checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
                     tracker.log_checkpoint(str(saved), trainer.iteration)
-                if halt := health.stops(findings):
+                if halt := trainer.processes.gather_objects(health.stops(findings))[0]:  # the main process decides for all
                     saved = saved or checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
                     raise HealthStop(f"health check {halt.check} fired after iteration {trainer.iteration} and is in "
                                      f"health.stop_on: {halt.text}; saved {saved}; continue with --resume auto")
