@@ -18,6 +18,7 @@ import attrs
 import pytest
 import torch
 
+from rlkit_core import checkpoint
 from rlkit_core.errors import RlkitError
 from rlkit_core.recipe import parse_recipe
 from rlkit_core.run import run_recipe
@@ -203,6 +204,7 @@ def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(re
     meta = json.loads(meta_path.read_text())
     assert meta["processes"] == 1
     meta_path.write_text(json.dumps({**meta, "processes": 2}))
+    checkpoint.write_manifest(meta_path.parent)  # as a two-process run would have written it, not damaged
     recipe_document["run"]["steps"] = 2
     with pytest.raises(RlkitError, match="written by 2 processes and this run has 1; resume with 2 processes"):
         run_recipe(parse_recipe(recipe_document, registry), quiet=True, resume="auto", out=io.StringIO())
