@@ -211,6 +211,10 @@ class MLflowTracker(Tracker):
         run found in the UI can be resumed."""
         self._queue.put(("tags", {"rlkit.checkpoint": os.path.abspath(path), "rlkit.checkpoint_step": str(step)}))
 
+    def log_note(self, name: str, text: str, step: int) -> None:
+        """A note as tag `rlkit.note.<name>`."""
+        self._queue.put(("tags", {f"rlkit.note.{name}": text[:MAX_TAG_VAL_LENGTH]}))
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything logged so far has been tried once; False if `timeout` ran out first."""
         tried = threading.Event()

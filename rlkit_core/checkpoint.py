@@ -6,6 +6,8 @@ Layout of `<output_dir>/checkpoints/iter_000012/`:
   trainer.pt              optimiser, schedule, KL controller, RNG states of every process, iteration
   meta.json               iteration, tracker run id, the recipe document, rlkit version, processes,
                           whether the run was sharded
+  manifest.json           every other file's path, size and SHA-256, written last: a checkpoint
+                          whose files do not match it (cut short, emptied, changed) is not used
   sharded/                under FSDP only: accelerate's `save_state`, every process's shards of the
                           weights and the optimiser state; trainer.pt then holds no optimiser state
 
@@ -15,12 +17,14 @@ process. Under FSDP every process writes its own shards into sharded/, and the m
 the whole weights (gathered) into the .safetensors files as well, so `rlkit export` and a reader
 of the checkpoint see the same layout whatever the engine; resuming reads the shards.
 A checkpoint is written into a hidden temporary folder and renamed into place only when complete,
-so a crash mid-write never leaves one that looks whole; only the latest `keep` are kept.
+so a crash mid-write never leaves one that looks whole; only the latest `keep` are kept. A copy
+made later (to another disk, by hand) can still be cut short or corrupted: the manifest finds it.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import pickle
@@ -37,6 +41,7 @@ from rlkit_core.errors import RlkitError, RunError
 
 PREFIX = "iter_"
 SHARDED = "sharded"
+MANIFEST = "manifest.json"
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -72,6 +77,7 @@ def save_checkpoint(trainer, run_id: str | None, keep: int, rng: dict | None = N
     if processes.sharded:
         processes.wait()
         trainer.accelerator.save_state(str(temporary / SHARDED))  # every process writes its shards
+        processes.wait()  # every shard is on disk before the main process lists them in the manifest
     problem = None
     with trainer.full_weights():
         if processes.is_main:
@@ -105,6 +111,7 @@ def _write_checkpoint(trainer, temporary: Path, final: Path, run_id: str | None,
     meta = {"iteration": trainer.iteration, "run_id": run_id, "rlkit_version": __version__, "recipe": trainer.recipe.document,
             "processes": len(rng_states), "sharded": sharded}
     (temporary / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+    write_manifest(temporary)
     if final.exists():  # the same iteration written again (a resumed run redoing it): replace it whole
         shutil.rmtree(final)
     os.replace(temporary, final)
@@ -141,19 +148,93 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "meta.json").is_file())
 
 
-def resolve(resume: str, output_dir: str | Path) -> Path:
-    """`auto` → the latest complete checkpoint in output_dir; otherwise the given folder."""
+def write_manifest(folder: Path) -> None:
+    """List every file under `folder` with its size and SHA-256 in manifest.json; called once the
+    other files are written, so a checkpoint with a manifest had all of them complete."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with the checkpoint in `folder` against its manifest (None: every file is as
+    it was written). Without a manifest a checkpoint cannot be verified, so it counts as damaged:
+    rlkit writes the manifest last, and a checkpoint from before rlkit wrote manifests has none."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return (f"no {MANIFEST}, so its files cannot be verified (a copy that missed it, or a checkpoint from "
+                "before rlkit wrote manifests)")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        listed = {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"its {MANIFEST} cannot be read ({type(exc).__name__}: {exc})"
+    problems = []
+    for name, (size, sha256) in listed.items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{name} is {path.stat().st_size} bytes, the manifest says {size}")
+        elif _sha256(path) != sha256:
+            problems.append(f"{name} does not match its SHA-256 checksum in the manifest")
+    if not problems:
+        return None
+    more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return ", ".join(problems[:3]) + more
+
+
+def usable_checkpoint(output_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The latest checkpoint whose files match its manifest (None if there is none), and the
+    damaged ones newer than it, each with what is wrong."""
+    damaged = []
+    for path in reversed(complete_checkpoints(output_dir)):
+        why = damage(path)
+        if why is None:
+            return path, damaged
+        damaged.append((path, why))
+    return None, damaged
+
+
+def choose(resume: str, output_dir: str | Path) -> tuple[Path, str]:
+    """The checkpoint `--resume` names (`auto`: the latest usable one in output_dir), verified, and
+    a line for the user naming the damaged ones passed over ("" when none was)."""
     if resume == "auto":
-        found = complete_checkpoints(output_dir)
-        if not found:
+        found, damaged = usable_checkpoint(output_dir)
+        passed = ", ".join(f"{path} is damaged ({why})" for path, why in damaged)
+        if found is None:
+            if damaged:
+                raise RlkitError(f"--resume auto: no usable checkpoint under {checkpoint_root(output_dir)}: {passed}; start "
+                                 "over with --overwrite, or check one with rlkit check-checkpoint PATH")
             raise RlkitError(f"--resume auto: no complete checkpoint under {checkpoint_root(output_dir)}; "
                              "start without --resume, or set run.checkpoint_every so runs leave checkpoints")
-        return found[-1]
+        return found, f"--resume auto: {passed}; resuming from {found}, the latest usable one" if damaged else ""
     path = Path(resume)
     if not (path / "meta.json").is_file():
         raise RlkitError(f"--resume {resume}: not a complete checkpoint (no meta.json); "
                          f"pick one of the {PREFIX}* folders under <output_dir>/checkpoints, or use --resume auto")
-    return path
+    why = damage(path)
+    if why is not None:
+        others = [p for p in reversed(complete_checkpoints(path.parent.parent)) if p.resolve() != path.resolve()]
+        instead = next((p for p in others if damage(p) is None), None)
+        fix = f"resume from {instead}, the latest usable one there, or with --resume auto" if instead else \
+            "there is no usable checkpoint beside it: start over with --overwrite"
+        raise RlkitError(f"--resume {resume}: the checkpoint is damaged: {why}; {fix}")
+    return path, ""
+
+
+def resolve(resume: str, output_dir: str | Path) -> Path:
+    """`auto` → the latest usable checkpoint in output_dir; otherwise the given folder, verified."""
+    return choose(resume, output_dir)[0]
 
 
 def read_meta(path: Path) -> dict:

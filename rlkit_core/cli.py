@@ -1,7 +1,8 @@
-"""The `rlkit` command: run, check, export, plugins.
+"""The `rlkit` command: run, check, check-checkpoint, export, plugins.
 
-Exit codes: 0 success; 2 bad input (recipe, arguments), printed without a traceback; 1 failure
-at run time; 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM). RLKIT_DEBUG=1 prints the
+Exit codes: 0 success; 2 bad input (recipe, arguments, a damaged checkpoint, an output folder
+another run holds), printed without a traceback; 1 failure at run time; 3 stopped by a health check
+in health.stop_on; 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM). RLKIT_DEBUG=1 prints the
 traceback of rlkit's own errors too.
 """
 
@@ -26,7 +27,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="override a recipe value, e.g. --set kl.target=4 (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress display")
     run.add_argument("--overwrite", action="store_true", help="start over in an output_dir that holds an earlier run")
-    run.add_argument("--resume", metavar="PATH|auto", help="continue from a checkpoint folder, or 'auto' for the latest in run.output_dir")
+    run.add_argument("--resume", metavar="PATH|auto", help="continue from a checkpoint folder, or 'auto' for the latest usable one in run.output_dir")
+    run.add_argument("--allow-changes", action="store_true",
+                     help="with --resume: continue although the recipe trains differently from the checkpoint's (the changes are recorded)")
 
     check = commands.add_parser("check", help="validate a recipe, resolve its plugins and print the plan; trains nothing")
     check.add_argument("recipe")
@@ -39,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="check for `accelerate launch --config_file FILE` (e.g. configs/accelerate/fsdp.yaml): its engine "
                             "and, without --num-processes, its num_processes")
     check.add_argument("--prompt-tokens", type=int, default=128, metavar="N", help="prompt length the memory estimate assumes")
+
+    verify = commands.add_parser("check-checkpoint", help="verify a checkpoint's files against its manifest; trains nothing")
+    verify.add_argument("path", help="a checkpoint folder (<output_dir>/checkpoints/iter_NNNNNN), or a run's output_dir: "
+                                     "every checkpoint in it, and the one --resume auto would take")
 
     export = commands.add_parser("export", help="write a checkpoint's policy as a plain transformers model directory")
     export.add_argument("checkpoint", help="a checkpoint folder (<output_dir>/checkpoints/iter_NNNNNN)")
@@ -145,11 +152,36 @@ def _cmd_run(args) -> int:
     from rlkit_core.recipe import load_recipe
     from rlkit_core.run import run_recipe
 
+    if args.allow_changes and not args.resume:
+        raise RlkitError("--allow-changes: only with --resume (it accepts a recipe that differs from the checkpoint's)")
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)
     problems, _ = preflight(recipe)  # what `rlkit check` would refuse, before anything is built or written
     if problems:
         raise RecipeError(problems, recipe.source)
-    run_recipe(recipe, quiet=args.quiet, resume=args.resume, overwrite=args.overwrite)  # several processes end inside it
+    run_recipe(recipe, quiet=args.quiet, resume=args.resume, overwrite=args.overwrite, allow_changes=args.allow_changes)  # several processes end inside it
+    return 0
+
+
+def _cmd_check_checkpoint(args) -> int:
+    """Exit 0 when the checkpoint (or, for an output_dir, the one `--resume auto` would take) is
+    usable; 2 when it is damaged or there is none."""
+    from pathlib import Path
+
+    from rlkit_core import checkpoint
+
+    path = Path(args.path)
+    if (path / "meta.json").is_file():
+        checkpoint.choose(str(path), path.parent.parent)  # the error `--resume PATH` would end with
+        print(f"{path}: usable: iteration {checkpoint.read_meta(path)['iteration']}, every file matches its manifest")
+        return 0
+    found = checkpoint.complete_checkpoints(path)
+    if not found:
+        raise RlkitError(f"{path}: neither a checkpoint (no meta.json) nor an output_dir with checkpoints; give an "
+                         f"{checkpoint.PREFIX}* folder under <output_dir>/checkpoints, or the output_dir")
+    for folder in found:
+        why = checkpoint.damage(folder)
+        print(f"{folder}: {'damaged: ' + why if why else 'usable'}")
+    print(f"--resume auto would resume from {checkpoint.resolve('auto', path)}")
     return 0
 
 
@@ -162,7 +194,8 @@ def _cmd_export(args) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "check": _cmd_check, "plugins": _cmd_plugins, "export": _cmd_export}
+COMMANDS = {"run": _cmd_run, "check": _cmd_check, "check-checkpoint": _cmd_check_checkpoint, "plugins": _cmd_plugins,
+            "export": _cmd_export}
 
 
 def _quiet_libraries() -> None:

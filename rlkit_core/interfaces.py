@@ -217,6 +217,10 @@ class Tracker(ABC):
     def log_checkpoint(self, path: str, step: int) -> None:
         """Where the latest checkpoint is, so a run found in the tracker can be resumed."""
 
+    def log_note(self, name: str, text: str, step: int) -> None:
+        """A line of text worth finding with the run: a health check that fired, the settings a
+        resumed run changed. Dropped unless the tracker keeps text."""
+
     @abstractmethod
     def finish(self, status: str) -> None:
         """Close the run; `status` is "FINISHED", "FAILED" or "KILLED"."""

@@ -19,10 +19,12 @@ class MetricsLog:
         kept = [json.dumps(row) for row in self.read() if row["iteration"] <= iteration]
         self.path.write_text("".join(line + "\n" for line in kept))
 
-    def append(self, iteration: int, metrics: dict[str, float]) -> None:
+    def append(self, iteration: int, metrics: dict[str, float], notes: dict | None = None) -> None:
+        """`notes`: text beside the numbers (`note/...` keys: a health warning, the settings a
+        resumed run changed), which the tracker gets as notes rather than metrics."""
         clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         with self.path.open("a", encoding="utf-8") as out:
-            out.write(json.dumps({"iteration": iteration, **clean}) + "\n")
+            out.write(json.dumps({"iteration": iteration, **clean, **(notes or {})}) + "\n")
 
     def read(self) -> list[dict]:
         """Every complete line; a line cut short by a killed process is dropped."""

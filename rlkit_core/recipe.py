@@ -30,6 +30,7 @@ from rlkit_core.schema import (
     COMPONENT_TABLES,
     CORE_TABLES,
     EvalConfig,
+    HealthConfig,
     OptimConfig,
     PPOConfig,
     RunConfig,
@@ -69,6 +70,7 @@ class Recipe:
     eval: EvalConfig = EvalConfig()
     eval_metrics: tuple[Component, ...] = ()  # the reward components named by eval.metrics
     registry: Registry | None = attrs.field(default=None, eq=False, repr=False)  # where the components were found
+    health: HealthConfig = HealthConfig()
 
     def __getitem__(self, table: str) -> ComponentChoice:
         return self.components[table]
@@ -295,7 +297,7 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
     if problems:
         raise RecipeError(problems, source)
     return Recipe(core["run"], core["ppo"], core["optim"], components, document, source, core["eval"], eval_metrics,
-                  registry)
+                  registry, core["health"])
 
 
 def _default_critic(document: dict, registry: Registry) -> str:

@@ -15,6 +15,7 @@ from rlkit_core.errors import RlkitError, RunError
 from rlkit_core.evaluation import Evaluator
 from rlkit_core.export import export_checkpoint
 from rlkit_core.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, checked_scores, failure_text, reward_name, save_bad_batch
+from rlkit_core.health import HealthMonitor, HealthStop
 from rlkit_core.interfaces import SilentTracker
 from rlkit_core.inventory import flatten, inventory_rows
 from rlkit_core.metrics_log import MetricsLog
@@ -22,6 +23,8 @@ from rlkit_core.plot import plot_curves
 from rlkit_core.progress import Progress
 from rlkit_core.recipe import Recipe
 from rlkit_core.report import SAMPLES_PRINTED, print_report
+from rlkit_core.resume_check import check_resumed_recipe
+from rlkit_core.run_lock import RunLock, launched_as_main
 from rlkit_core.schema import kl_warnings
 from rlkit_core.trainer import Trainer, record_columns
 
@@ -38,7 +41,7 @@ def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> tu
     checkpoint to start from, a note for the user); only reads, so every process can check."""
     folder = Path(output_dir)
     if resume:
-        return [], checkpoint.resolve(resume, folder), ""
+        return [], *checkpoint.choose(resume, folder)
     found = [folder / name for name in RUN_OUTPUTS if (folder / name).exists()]
     if not found:
         return [], None, ""
@@ -54,10 +57,21 @@ def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> tu
                      f"or pick another folder with --set run.output_dir=...")
 
 
-def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, overwrite: bool = False, out=sys.stdout) -> list[dict]:
+def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, overwrite: bool = False, out=sys.stdout,
+               allow_changes: bool = False) -> list[dict]:
     """Train up to `recipe.run.steps` iterations; returns the metrics of every iteration (on the
-    main process; the others train alongside it and write nothing)."""
+    main process; the others train alongside it and write nothing). The main process holds the
+    output folder's lock throughout (see `rlkit_core.run_lock`). A resumed run refuses a recipe
+    that trains differently from the checkpoint's, unless `allow_changes`."""
+    with RunLock(recipe.run.output_dir) as lock:
+        if launched_as_main() and (took_over := lock.acquire()):
+            print(f"rlkit run: {took_over}", file=sys.stderr)
+        return _run_recipe(recipe, quiet, resume, overwrite, out, lock, allow_changes)
+
+
+def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool, out, lock: RunLock, allow_changes: bool) -> list[dict]:
     earlier, start, note = claim_output_dir(recipe.run.output_dir, resume, overwrite)
+    changes = check_resumed_recipe(checkpoint.read_meta(start)["recipe"], recipe, start, allow_changes) if start else []
     trainer = Trainer(recipe)
     main = trainer.processes.is_main
     if main:
@@ -65,6 +79,9 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
             print(f"rlkit run: warning: {warning}", file=sys.stderr)
         if note:
             print(f"rlkit run: {note}", file=sys.stderr)
+        if changes:
+            print(f"rlkit run: warning: resuming {start} with {len(changes)} changed setting(s) (--allow-changes): "
+                  + "; ".join(changes), file=sys.stderr)
         for path in earlier:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     trainer.processes.wait()
@@ -89,6 +106,10 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
     run_id = tracker.start(run_name=recipe.run.name, params=params, tags=tags, resume_id=run_id)
     if recipe.source and not start:
         tracker.log_artifact(recipe.source, "recipe")
+    notes = {"note/recipe_changes": changes} if changes else {}  # text for the next row of metrics.jsonl
+    if changes:
+        tracker.log_note("resume.recipe_changes", f"resumed after iteration {trainer.iteration} with --allow-changes: "
+                         + "; ".join(changes), step=trainer.iteration)
     evaluator = Evaluator(trainer)  # every process evaluates the same held-out set; the main one writes
     if evaluator.enabled and trainer.iteration == 0:
         before = _evaluate(evaluator)
@@ -102,6 +123,7 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
     status, final_checkpoint = "FAILED", None
     skipped = max((row.get("run/skipped_batches", 0) for row in history), default=0)
     skips_in_a_row = 0
+    health = HealthMonitor(recipe.health, history)
     try:
         with StopRequests(trainer.processes) as stop:
             while trainer.iteration < recipe.run.steps:
@@ -122,9 +144,14 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
                     metrics["run/skipped_batches"] = skipped
                 if evaluator.due(trainer.iteration):
                     metrics.update(_evaluate(evaluator))
+                findings = health.observe(metrics, trainer.last_batch, getattr(trainer.parts.kl, "target", None))
+                notes.update(_report_findings(findings, tracker, trainer.iteration, main))
+                if "note/recipe_changes" in notes:
+                    metrics["run/recipe_changes"] = len(changes)
                 started = time.perf_counter()
                 if main:
-                    trainer.metrics_log.append(trainer.iteration, metrics)
+                    trainer.metrics_log.append(trainer.iteration, metrics, notes)
+                notes = {}
                 tracker.log_metrics(metrics, step=trainer.iteration)
                 trained = "score/mean" in metrics
                 if trained and (trainer.iteration % recipe.run.sample_every == 0 or trainer.iteration == recipe.run.steps):
@@ -138,6 +165,10 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
                 if every and trainer.iteration % every == 0 and trainer.iteration < recipe.run.steps:
                     saved = checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
                     tracker.log_checkpoint(str(saved), trainer.iteration)
+                if halt := trainer.processes.gather_objects(health.stops(findings))[0]:  # the main process decides for all
+                    saved = saved or checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
+                    raise HealthStop(f"health check {halt.check} fired after iteration {trainer.iteration} and is in "
+                                     f"health.stop_on: {halt.text}; saved {saved}; continue with --resume auto")
                 signal_number = stop.requested() if trainer.iteration < recipe.run.steps else None
                 if signal_number:
                     saved = saved or checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
@@ -157,8 +188,22 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
     if main:
         samples = _scored(trainer, records, [{**before, "after": a} for before, a in zip(samples_before, after)])
         print_report(history, samples, bool(trainer.eval_records), trainer.metrics_log.path, final_checkpoint, tracker, out=out)
+    lock.release()  # before: with several processes, this process ends in the next line
     trainer.processes.exit_together()  # with several processes, this process ends here
     return history
+
+
+def _report_findings(findings, tracker, iteration: int, main: bool) -> dict[str, str]:
+    """Each health check that fired for the first time: a warning line, a tracker note, and its
+    text for the row of metrics.jsonl (`health/<check>`, beside the metric with its value)."""
+    texts = {}
+    for finding in findings:
+        line = f"health check {finding.check} after iteration {iteration}: {finding.text}"
+        if main:
+            print(f"rlkit run: warning: {line}", file=sys.stderr)
+        tracker.log_note(f"health.{finding.check}", line, step=iteration)
+        texts[f"note/health/{finding.check}"] = finding.text
+    return texts
 
 
 def _latest_checkpoint(trainer) -> str:

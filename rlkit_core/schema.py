@@ -13,6 +13,7 @@ import torch
 from rlkit_core.config import at_least, greater_than, one_of, setting
 from rlkit_core.errors import Problem
 from rlkit_core.functional import KL_ESTIMATORS
+from rlkit_core.health import HealthConfig
 
 
 @attrs.frozen
@@ -71,7 +72,7 @@ class EvalConfig:
     metrics: list[str] = setting(factory=list, help="more reward components to report on the held-out responses, by registered name (e.g. 'fact-copied')")
 
 
-CORE_TABLES = {"run": RunConfig, "ppo": PPOConfig, "optim": OptimConfig, "eval": EvalConfig}
+CORE_TABLES = {"run": RunConfig, "ppo": PPOConfig, "optim": OptimConfig, "eval": EvalConfig, "health": HealthConfig}
 
 # table -> (component kind, type used when the table is absent; None: the table is required)
 COMPONENT_TABLES = {

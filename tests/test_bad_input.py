@@ -12,6 +12,7 @@ the values they read then).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ import attrs
 import pytest
 
 from rlkit_core.cli import main
+from rlkit_core.run_lock import Holder
 
 REWARD = "def score(prompts, responses, **columns):\n    return [float(len(r)) for r in responses]\n"
 BASE = """\
@@ -158,6 +160,19 @@ CASES = [
     Case("resume-not-a-checkpoint", ("--resume model: not a complete checkpoint (no meta.json)",), commands=("run",), extra=("--resume", "model")),
     Case("resume-auto-without-checkpoints", ("--resume auto: no complete checkpoint under out/checkpoints",), commands=("run",),
          extra=("--resume", "auto")),
+    Case("resume-a-damaged-checkpoint", ("--resume damaged/checkpoints/iter_000001: the checkpoint is damaged: no manifest.json",
+                                         "start over with --overwrite"), commands=("run",),
+         extra=("--resume", "damaged/checkpoints/iter_000001")),
+    Case("resume-auto-only-damaged", ("--resume auto: no usable checkpoint under damaged/checkpoints",), commands=("run",),
+         sets=('run.output_dir="damaged"',), extra=("--resume", "auto")),
+    Case("allow-changes-without-resume", ("--allow-changes: only with --resume",), commands=("run",), extra=("--allow-changes",)),
+    Case("output-dir-held-by-another-run", ("held is in use by another run (process", "lock file held/rlkit.lock"),
+         sets=('run.output_dir="held"',), commands=("run",)),
+    # health checks
+    Case("health-stop-on-unknown-check", ("$.health.stop_on: unknown check(s) 'zero_grad'; the checks are 'all',",),
+         sets=('health.stop_on=["zero_grad"]',)),
+    Case("health-share-above-one", ("$.health.zero_variance_groups: must be between 0.0 and 1.0, got 1.5",),
+         sets=("health.zero_variance_groups=1.5",)),
     # prompt data
     Case("data-file-missing", ("$.data.path: no file 'nope.jsonl'",), sets=('data.path="nope.jsonl"',)),
     Case("data-file-empty", ("$.data.path: 'empty.jsonl' holds no records",), sets=('data.path="empty.jsonl"',)),
@@ -193,6 +208,11 @@ def write_sandbox(root: Path, tiny_model: Path) -> None:
     (root / "latin1.jsonl").write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
     (root / "earlier").mkdir()
     (root / "earlier" / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    damaged = root / "damaged" / "checkpoints" / "iter_000001"  # a checkpoint without its manifest
+    damaged.mkdir(parents=True)
+    (damaged / "meta.json").write_text('{"iteration": 1}')
+    (root / "held").mkdir()  # an output folder this test process holds, as a live run would
+    (root / "held" / "rlkit.lock").write_text(json.dumps(attrs.asdict(Holder.this_process())))
     for folder in ("store", "home", "cache", "hf"):
         (root / folder).mkdir()
 

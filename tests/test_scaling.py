@@ -18,6 +18,7 @@ import attrs
 import pytest
 import torch
 
+from rlkit_core import checkpoint
 from rlkit_core.errors import RlkitError
 from rlkit_core.recipe import parse_recipe
 from rlkit_core.run import run_recipe
@@ -167,6 +168,8 @@ def test_two_fsdp_processes_checkpoint_their_shards_and_resume_exactly(recipe_do
     assert json.loads((last / "meta.json").read_text())["sharded"] is True
     shards = sorted(p.name for p in (last / "sharded").rglob("*.distcp"))
     assert len(shards) == 4  # weights and optimiser state, one file from each process
+    listed = json.loads((last / "manifest.json").read_text())["files"]  # every process's shards, verified on resume
+    assert sorted(n for n in listed if n.endswith(".distcp")) == sorted(p.relative_to(last).as_posix() for p in (last / "sharded").rglob("*.distcp"))
     assert "optimizer" not in torch.load(last / "trainer.pt", weights_only=False)  # the optimiser state is in the shards
     # the final model is whole: every weight loads, equal to the (gathered) weights of the last checkpoint
     final = AutoModelForCausalLM.from_pretrained(output_dir / "final_model").state_dict()
@@ -201,6 +204,7 @@ def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(re
     meta = json.loads(meta_path.read_text())
     assert meta["processes"] == 1
     meta_path.write_text(json.dumps({**meta, "processes": 2}))
+    checkpoint.write_manifest(meta_path.parent)  # as a two-process run would have written it, not damaged
     recipe_document["run"]["steps"] = 2
     with pytest.raises(RlkitError, match="written by 2 processes and this run has 1; resume with 2 processes"):
         run_recipe(parse_recipe(recipe_document, registry), quiet=True, resume="auto", out=io.StringIO())

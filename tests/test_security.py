@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlkit_core.checkpoint import write_manifest
 from rlkit_core.cli import main
 from rlkit_plugins.hf_policy import HFPolicyConfig
 
@@ -85,6 +86,9 @@ def test_a_checkpoint_that_carries_code_is_refused_and_runs_none(finished_run, t
     (tmp_path / "recipe.toml").write_text(to_toml(document))
     monkeypatch.setenv("RLKIT_PLUGINS", "none")
 
+    assert main(["run", str(tmp_path / "recipe.toml"), "--resume", str(checkpoint), "--quiet"]) == 2
+    assert "the checkpoint is damaged: trainer.pt is " in capsys.readouterr().err  # its size no longer matches
+    write_manifest(checkpoint)  # whoever crafted the file can craft a manifest that matches it
     assert main(["run", str(tmp_path / "recipe.toml"), "--resume", str(checkpoint), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"--resume {checkpoint}: trainer.pt holds more than tensors and plain values, which rlkit never loads" in err
