@@ -4,6 +4,7 @@ truncated responses, and the recipe checks that refuse what cannot work. The for
 are checked by hand in tests/test_functional.py."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -163,3 +164,21 @@ def test_mask_truncated_leaves_responses_without_eos_out_of_the_loss(recipe_docu
     assert float(terms["loss_policy"]) == approx(-3 / 7)
     weights, divisor = loss.aggregation(batch, 7.0)
     assert weights.tolist() == [[1.0] * 4, [0.0] * 4] and divisor == 7.0
+
+
+def test_sequence_level_masked_importance_weights_in_the_loss(recipe_document, registry):
+    recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0, "is_level": "sequence", "is_mode": "mask"}
+    recipe = parse_recipe(recipe_document, registry)
+    choice = recipe["loss"]
+    loss = choice.component.factory(choice.config, type("Context", (), {"recipe": recipe})())
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.5, -1.0, -1.0, -1.0]])
+    # π_old/π_sampler: row 0 1.5 · 0.5 · 2 = 1.5 (kept); row 1 4 · 1 · 1 · 1 = 4 > 2 (masked to 0)
+    sampled = old - torch.tensor([[math.log(1.5), math.log(0.5), math.log(2.0), 0.0], [math.log(4.0), 0.0, 0.0, 0.0]])
+    batch = rollout_batch(with_values=False).select(torch.tensor([0, 1])).with_(
+        response_mask=mask, old_logprobs=old, sampled_logprobs=sampled, advantages=torch.tensor([[1.0] * 4, [2.0] * 4]))
+    terms = loss(batch, LossInputs(logprobs=old.clone(), values=None, entropy=torch.ones(2, 4)), token_count=7.0)
+    # ratio 1, so each token's term is -A·w: row 0 3 · (-1 · 1.5) = -4.5, row 1 0; over 7 tokens
+    assert float(terms["loss_policy"]) == approx(-4.5 / 7)
+    assert float(terms["tis_weight_mean"]) == approx(4.5 / 7)
+    assert float(terms["tis_capped_frac"]) == approx(4 / 7)  # the masked share of the tokens
