@@ -13,6 +13,8 @@ import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "full")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
+IS_MODES = ("truncate", "mask")
 
 
 def response_mask(response_ids: torch.Tensor, eos_token_ids) -> torch.Tensor:
@@ -198,6 +200,20 @@ def aggregation_weights(mask: torch.Tensor, mode: str, norm: float = 1.0) -> tor
     return (1.0 / lengths).expand(mask.shape).float()
 
 
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] -> [B, R] GSPO's length-normalised log-ratio on every position: the mean over response
+    i's counted tokens of log π_θ - log π_old (Zheng et al. 2025, "Group Sequence Policy
+    Optimization", arXiv:2507.18071), so exp of it is s_i = (π_θ(y_i) / π_old(y_i))^(1/|y_i|).
+
+    One ratio per response, as the reward is one per response; dividing by the length keeps s_i
+    near 1 for long and short responses alike. The gradient reaches every token through the mean.
+    """
+    counted = mask.bool()
+    per_response = masked_mean(torch.where(counted, logprobs - old_logprobs, torch.zeros_like(logprobs)), counted, dim=1)
+    per_response = torch.where(counted.any(dim=1), per_response, torch.zeros_like(per_response))  # empty: ratio 1
+    return per_response.unsqueeze(1).expand(mask.shape)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -206,49 +222,105 @@ def policy_loss(
     clip: float,
     token_count: int | torch.Tensor,
     weights: torch.Tensor | None = None,
+    clip_high: float | None = None,
+    dual_clip: float = 0.0,
+    ratio_level: str = "token",
 ) -> dict[str, torch.Tensor]:
     """Clipped PPO surrogate over [B, R] inputs -> dict of scalars.
 
-    loss = Σ_counted w·max(-A·ratio, -A·clip(ratio, 1-ε, 1+ε)) / token_count, ratio = exp(logprobs -
-    old_logprobs) in log space, w = `weights` (`truncated_is_weights`, `aggregation_weights`) or 1.
+    loss = Σ_counted w·max(-A·ratio, -A·clip(ratio, 1-ε_low, 1+ε_high)) / token_count, ratio =
+    exp(logprobs - old_logprobs) in log space, w = `weights` (`importance_weights`,
+    `aggregation_weights`) or 1. ε_low = `clip`, ε_high = `clip_high` (None: the same, PPO's
+    symmetric clip); a larger ε_high is DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476),
+    which lets unlikely tokens with A > 0 grow further and so keeps the policy's entropy up.
+    `dual_clip` = c > 1 also bounds a token with A < 0 at -c·A (Ye et al. 2020, "Mastering Complex
+    Control in MOBA Games with Deep Reinforcement Learning", arXiv:1912.09729): without it a ratio
+    far above 1 makes -A·ratio unbounded; 0 turns it off.
+    `ratio_level = "sequence"` puts GSPO's one ratio per response (`sequence_log_ratio`) in place
+    of each token's own.
     token_count is passed in rather than taken from `mask` so that it can be the global count over
     all accumulation steps and processes (or of responses, with per-response weights): then the
     summed gradients do not depend on how the batch was split.
     Diagnostics (detached, over counted tokens): clipfrac (clipped branch strictly active),
-    approx_kl (k3 of π_θ vs π_old: mean of (ratio - 1) - log ratio), ratio_mean, ratio_max.
+    approx_kl (k3 of π_θ vs π_old: mean of (ratio - 1) - log ratio), ratio_mean, ratio_max, and
+    with dual_clip the dual_clipfrac (the -c·A bound active).
     """
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"unknown ratio level {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
     counted = mask.bool()
     # Padded log-ratios become 0 before exp: exp(garbage) = inf would turn a zero gradient into nan.
     log_ratio = torch.where(counted, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    if ratio_level == "sequence":
+        log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask)
     ratio = log_ratio.exp()
+    high = clip if clip_high is None else clip_high
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
+    clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + high)
     per_token = torch.maximum(unclipped, clipped)
+    if dual_clip:
+        bound = -dual_clip * advantages
+        dual_active = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(dual_active, bound, per_token)
     loss = masked_sum(per_token if weights is None else weights * per_token, counted) / token_count
     ratio, log_ratio = ratio.detach(), log_ratio.detach()
-    return {
+    terms = {
         "loss": loss,
         "clipfrac": masked_mean((clipped.detach() > unclipped.detach()).float(), counted),
         "approx_kl": masked_mean((ratio - 1.0) - log_ratio, counted),
         "ratio_mean": masked_mean(ratio, counted),
         "ratio_max": torch.where(counted, ratio, float("-inf")).max(),
     }
+    if dual_clip:
+        terms["dual_clipfrac"] = masked_mean(dual_active.float(), counted)
+    return terms
 
 
 @torch.no_grad()
-def truncated_is_weights(
-    old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+def importance_weights(
+    old_logprobs: torch.Tensor,
+    sampled_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float,
+    level: str = "token",
+    mode: str = "truncate",
 ) -> torch.Tensor:
-    """Truncated importance sampling: [B, R] -> [B, R] w = min(π_old / π_sampler, cap), 1 on padding.
+    """Weights for rollouts drawn by a sampler that is not exactly π_old: [B, R] -> [B, R], 1 on padding.
 
     When the sampler (vLLM's kernels, lower precision) is not exactly the π_old the trainer
-    recomputes, the rollouts come from π_sampler; weighting each token's PPO term by this ratio
-    corrects for it, and the cap bounds the variance that rare tokens with a tiny sampler
-    probability would bring (Yao et al., 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"). A target, so no gradient.
+    recomputes, the rollouts come from π_sampler; weighting each token's PPO term by
+    ρ = π_old / π_sampler corrects for it (Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"). `level = "token"` takes each token's own ρ_t;
+    "sequence" the response's ρ = Π_t ρ_t, the weight of the whole sampled response, on each of its
+    tokens (unbiased for a reward on the response, where a product of token weights is not
+    approximated by each factor alone). `mode = "truncate"` (TIS) uses min(ρ, cap), which bounds
+    the variance rare tokens with a tiny sampler probability bring; "mask" (MIS) uses ρ where
+    ρ ≤ cap and 0 above, dropping those tokens or responses outright (the sequence-level forms,
+    compared in Qi et al. 2025, "Defeating the Training-Inference Mismatch via FP16",
+    arXiv:2510.26788). A target, so no gradient.
     """
-    log_ratio = torch.where(mask.bool(), old_logprobs - sampled_logprobs, torch.zeros_like(old_logprobs))
-    return log_ratio.exp().clamp(max=cap)
+    if level not in RATIO_LEVELS:
+        raise ValueError(f"unknown importance level {level!r}; valid: {', '.join(RATIO_LEVELS)}")
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown importance mode {mode!r}; valid: {', '.join(IS_MODES)}")
+    counted = mask.bool()
+    log_ratio = torch.where(counted, old_logprobs - sampled_logprobs, torch.zeros_like(old_logprobs))
+    if level == "sequence":  # the sum of the log-ratios: the product of the ratios, without overflow until exp
+        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand(mask.shape)
+    ratio = log_ratio.exp()
+    weights = ratio.clamp(max=cap) if mode == "truncate" else torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+    return torch.where(counted, weights, torch.ones_like(weights))
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476): [B] response lengths in
+    tokens -> [B] penalties ≥ 0, to subtract from the scores.
+
+    0 up to max_length - buffer tokens, then rising linearly to `factor` at max_length:
+    factor · (length - (max_length - buffer)) / buffer. A response cut at the limit is then
+    punished gradually, rather than the same for one token too many as for a hundred.
+    """
+    start = max_length - buffer
+    return factor * (lengths.float() - start).clamp(min=0) / buffer
 
 
 def value_loss(
@@ -332,3 +404,17 @@ def leave_one_out(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor
         raise ValueError(f"leave_one_out needs at least 2 samples per group; groups of 1: {lonely}")
     others = (sums[index] - scores) / (sizes[index] - 1)
     return scores - others
+
+
+def constant_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """[B] scores, [B] long group ids -> [B] bool: True where every score of the rollout's group is
+    the same (a group of one included).
+
+    A group estimator measures each response against the others of its group, so such a group has
+    advantage 0 everywhere and teaches nothing; DAPO's dynamic sampling (Yu et al. 2025,
+    arXiv:2503.14476) drops it.
+    """
+    index, sizes, _ = _group_stats(scores, group_ids)
+    highest = torch.full(sizes.shape, float("-inf"), dtype=scores.dtype, device=scores.device).scatter_reduce(0, index, scores, "amax")
+    lowest = torch.full(sizes.shape, float("inf"), dtype=scores.dtype, device=scores.device).scatter_reduce(0, index, scores, "amin")
+    return (highest == lowest)[index]

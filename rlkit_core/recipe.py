@@ -39,6 +39,7 @@ from rlkit_core.schema import (
     kl_problems,
     launch_problems,
     launched_processes,
+    overlong_problems,
     schedule_problems,
     sharding_problems,
 )
@@ -292,6 +293,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         problems += launch_problems(core["run"], components["policy"].config, torch.cuda.is_available())
         if components.get("generator") is not None:
             problems += sharding_problems(components["policy"].config, components["generator"].component.name)
+    if core["ppo"] is not None and components.get("generator") is not None:
+        problems += overlong_problems(core["ppo"], components["generator"])
     eval_metrics, found = _eval_metrics(core["eval"], registry)
     problems += found
     if problems:

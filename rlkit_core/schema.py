@@ -46,6 +46,10 @@ class PPOConfig:
                                 validator=one_of(*KL_ESTIMATORS))
     score_clip: float = setting(0.0, help="clip scores to ±score_clip (0: no clipping)", validator=at_least(0))
     missing_eos_penalty: float = setting(0.0, help="subtracted from the score of a response that never emitted EOS", validator=at_least(0))
+    overlong_buffer: int = setting(0, help="DAPO's soft overlong penalty over the last this many tokens before generator.max_new_tokens: rises linearly from 0 to overlong_penalty at the limit (0: off)", validator=at_least(0))
+    overlong_penalty: float = setting(1.0, help="the penalty subtracted from the score of a response at the length limit, with overlong_buffer", validator=at_least(0))
+    dynamic_sampling: bool = setting(False, help="DAPO's dynamic sampling: drop the groups whose scores are all equal (no signal for a group estimator) and generate for more prompts until the batch is full")
+    max_extra_rounds: int = setting(3, help="with dynamic_sampling: at most this many extra generation rounds per iteration; still short after them, the batch is filled with dropped groups", validator=greater_than(0))
 
 
 # transformers' schedules that need nothing besides the warm-up and the run's length (not the ones
@@ -142,7 +146,26 @@ def critic_problems(ppo: PPOConfig, advantage, value_head) -> list[Problem]:
         problems.append(Problem("$.ppo.samples_per_prompt", f"advantage estimator {estimator.name!r} compares the responses to "
                                                             f"each prompt, so it needs at least 2, got {ppo.samples_per_prompt}; "
                                                             "4 to 16 are usual"))
+    if ppo.dynamic_sampling and not getattr(estimator.factory, "needs_groups", False):
+        problems.append(Problem("$.ppo.dynamic_sampling", f"drops the groups of responses to one prompt that all score alike, but "
+                                                          f"advantage estimator {estimator.name!r} does not compare a prompt's "
+                                                          "responses; use a group estimator ('grpo', 'rloo') or set it to false"))
     return problems
+
+
+def overlong_problems(ppo: PPOConfig, generator) -> list[Problem]:
+    """`ppo.overlong_buffer` needs a length limit to count back from: the generator's
+    max_new_tokens, at least as long as the buffer. `generator` is the checked component table."""
+    if not ppo.overlong_buffer:
+        return []
+    limit = getattr(generator.config, "max_new_tokens", 0)
+    if not limit:
+        return [Problem("$.ppo.overlong_buffer", f"generator {generator.component.name!r} has no max_new_tokens to count "
+                                                 "back from; set overlong_buffer = 0")]
+    if ppo.overlong_buffer > limit:
+        return [Problem("$.ppo.overlong_buffer", f"{ppo.overlong_buffer} tokens is longer than generator.max_new_tokens = "
+                                                 f"{limit}; use at most {limit}")]
+    return []
 
 
 def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:

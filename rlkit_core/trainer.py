@@ -32,6 +32,7 @@ from rlkit_core.distributed import (
     fsdp_plugin,
     sampling_seed,
 )
+from rlkit_core.dynamic_sampling import DynamicSampler
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.evaluation import hold_out
 from rlkit_core.faults import BadReward, NonFiniteSteps, checked_scores, failure_text
@@ -42,6 +43,7 @@ from rlkit_core.functional import (
     logprobs_from_logits,
     masked_mean,
     masked_sum,
+    overlong_penalty,
 )
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.metrics_log import MetricsLog
@@ -99,6 +101,7 @@ class Trainer:
         if self.processes.index:  # every process built the same components; now each samples its own
             torch.manual_seed(sampling_seed(run.seed, self.processes.index))
         self.stream = PromptStream(self.records, ppo.batch_size // ppo.samples_per_prompt, run.seed)
+        self.dynamic_sampler = DynamicSampler(self) if ppo.dynamic_sampling else None
 
         groups = [{"params": list(self.policy.parameters()), "lr": optim.learning_rate}]
         if self.value_head is not None:
@@ -230,10 +233,13 @@ class Trainer:
         fields["kl"] = torch.where(mask.bool(), fields["kl"], torch.zeros_like(fields["kl"]))
         return batch.with_(**fields)
 
-    def _shaped(self, scores: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
-        """Scores as the rewards take them: less the missing-EOS penalty, clipped."""
+    def _shaped(self, scores: torch.Tensor, ended: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Scores as the rewards take them: less the missing-EOS and overlong penalties, clipped."""
         ppo = self.recipe.ppo
         scores = scores - ppo.missing_eos_penalty * (~ended).float()
+        if ppo.overlong_buffer:
+            limit = self.recipe["generator"].config.max_new_tokens
+            scores = scores - overlong_penalty(lengths, limit, ppo.overlong_buffer, ppo.overlong_penalty)
         if ppo.score_clip:
             scores = scores.clamp(-ppo.score_clip, ppo.score_clip)
         return scores
@@ -242,7 +248,7 @@ class Trainer:
         """`batch` with `baseline_scores`: the shaped score of the greedy response to each of `records`
         (ReMax's baseline), given to every sample of that prompt."""
         greedy, timing = self.rollout(records, samples_per_prompt=1, greedy=True)
-        baseline = self._shaped(greedy.scores, greedy.ended).repeat_interleave(self.recipe.ppo.samples_per_prompt)
+        baseline = self._shaped(greedy.scores, greedy.ended, greedy.response_mask.sum(dim=1)).repeat_interleave(self.recipe.ppo.samples_per_prompt)
         return batch.with_(baseline_scores=baseline), {"time/baseline": timing["time/generate"] + timing["time/score"]}
 
     @torch.no_grad()
@@ -254,7 +260,7 @@ class Trainer:
         ppo = self.recipe.ppo
         batch = self.compare_to_reference(batch)
         mask = batch.response_mask
-        scores = self._shaped(batch.scores, batch.ended)
+        scores = self._shaped(batch.scores, batch.ended, mask.sum(dim=1))
         beta = self.parts.kl.beta
         rewards = -beta * batch.kl if ppo.kl_penalty == "reward" else torch.zeros_like(batch.kl)
         last = mask.sum(dim=1).long() - 1  # the last counted token: the EOS when there is one
@@ -357,7 +363,7 @@ class Trainer:
         the timings of this process."""
         started = time.perf_counter()
         records = self.processes.share(self.stream.batch(self.iteration))
-        batch, metrics = self.rollout(records)
+        batch, metrics = self.dynamic_sampler.rollout(records) if self.dynamic_sampler else self.rollout(records)
         if self.parts.advantage.needs_baseline_scores:
             batch, timing = self.greedy_baseline(records, batch)
             metrics.update(timing)

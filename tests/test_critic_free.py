@@ -28,7 +28,8 @@ from rlkit_core.trainer import Trainer
 
 NAN = float("nan")
 RECIPES = Path(__file__).parent.parent / "recipes"
-VARIANTS = ["grpo_summarize", "dr_grpo_summarize", "rloo_summarize", "reinforce_pp_summarize", "remax_summarize"]
+VARIANTS = ["grpo_summarize", "dr_grpo_summarize", "rloo_summarize", "reinforce_pp_summarize", "remax_summarize",
+            "dapo_summarize", "gspo_summarize"]
 
 
 def estimator(registry, name, **config):

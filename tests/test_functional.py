@@ -12,10 +12,13 @@ import torch
 
 from rlkit_core.functional import (
     KL_ESTIMATORS,
+    aggregation_weights,
+    constant_groups,
     entropy_from_logits,
     explained_variance,
     gae,
     group_normalized,
+    importance_weights,
     kl_per_token,
     leave_one_out,
     logprobs_from_logits,
@@ -23,8 +26,9 @@ from rlkit_core.functional import (
     masked_sum,
     masked_var,
     masked_whiten,
+    overlong_penalty,
     policy_loss,
-    truncated_is_weights,
+    sequence_log_ratio,
     value_loss,
 )
 
@@ -470,12 +474,12 @@ def test_group_helpers_match_loop():
         assert rloo[i].item() == approx(scores[i].item() - sum(others) / len(others))
 
 
-def test_truncated_is_weights_by_hand():
+def test_token_truncated_is_weights_by_hand():
     old = torch.tensor([[-1.0, -2.0, -0.5, GARBAGE]])
     sampled = torch.tensor([[-1.0, -2.0 - math.log(1.5), -0.5 + math.log(4.0), 0.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
     # π_old/π_sampler per token: 1, 1.5, 0.25; cap 1.2 truncates 1.5; padding gets 1
-    weights = truncated_is_weights(old, sampled, mask, cap=1.2)
+    weights = importance_weights(old, sampled, mask, cap=1.2)  # token level, truncated: the defaults
     assert weights[0].tolist() == approx([1.0, 1.2, 0.25, 1.0])
     assert not weights.requires_grad
 
@@ -494,3 +498,116 @@ def test_policy_loss_weighs_each_token():
     out["loss"].backward()
     # only the unclipped third token has a gradient: d/dlogprob of w·(-A·r) / 4 = 0.5·(-2·1.1) / 4
     assert logprobs.grad[0].tolist() == approx([0.0, 0.0, -0.275, 0.0, 0.0])
+
+
+# ---------------------------------------------------------------- policy-loss variants (DAPO, dual-clip, GSPO)
+
+
+def test_policy_loss_asymmetric_clip_by_hand():
+    # the case of test_policy_loss_by_hand with ε_low = 0.4, ε_high = 0.3: clip(r, 0.6, 1.3)
+    ratio = torch.tensor([[1.5, 0.5, 1.1, 0.5, 1.0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, GARBAGE]])
+    advantages = torch.tensor([[1.0, -1.0, 2.0, 1.0, GARBAGE]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    #   A= 1, r=1.5: max(-1.5, -1.3) = -1.3  clipped at 1 + ε_high
+    #   A=-1, r=0.5: max( 0.5,  0.6) =  0.6  clipped at 1 - ε_low
+    #   A= 2, r=1.1: -2.2 (tie);  A= 1, r=0.5: max(-0.5, -0.6) = -0.5
+    # sum = -1.3 + 0.6 - 2.2 - 0.5 = -3.4; / 4 = -0.85; clipfrac 2/4
+    out = policy_loss(old + ratio.log(), old, advantages, mask, clip=0.4, token_count=4, clip_high=0.3)
+    assert out["loss"].item() == approx(-0.85)
+    assert out["clipfrac"].item() == approx(0.5)
+    # clip_high = clip is the symmetric clip: -0.775 as in test_policy_loss_by_hand
+    assert policy_loss(old + ratio.log(), old, advantages, mask, 0.2, 4, clip_high=0.2)["loss"].item() == approx(-0.775)
+
+
+def test_policy_loss_dual_clip_by_hand():
+    ratio = torch.tensor([[4.0, 2.0, 4.0, 0.5, 1.0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, GARBAGE]])
+    logprobs = (old + ratio.log()).requires_grad_()
+    advantages = torch.tensor([[-1.0, -1.0, 1.0, -2.0, GARBAGE]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    # ε = 0.2, c = 3; PPO's term max(-A·r, -A·clip(r, 0.8, 1.2)), then for A < 0 at most -c·A:
+    #   A=-1, r=4:   max(4, 1.2) = 4 > 3 -> 3   the dual clip active
+    #   A=-1, r=2:   max(2, 1.2) = 2 ≤ 3 -> 2
+    #   A= 1, r=4:   max(-4, -1.2) = -1.2       A > 0: no dual clip
+    #   A=-2, r=0.5: max(1, 1.6) = 1.6 ≤ 6 -> 1.6
+    # sum = 3 + 2 - 1.2 + 1.6 = 5.4; / 4 = 1.35 (without the dual clip 6.4 / 4 = 1.6)
+    out = policy_loss(logprobs, old, advantages, mask, clip=0.2, token_count=4, dual_clip=3.0)
+    assert out["loss"].item() == approx(1.35)
+    assert out["dual_clipfrac"].item() == approx(0.25)
+    assert policy_loss(logprobs, old, advantages, mask, clip=0.2, token_count=4)["loss"].item() == approx(1.6)
+    out["loss"].backward()
+    # only the second token's unclipped term -A·r depends on θ: d/dlogprob = -A·r / 4 = 2 / 4
+    assert logprobs.grad[0].tolist() == approx([0.0, 0.5, 0.0, 0.0, 0.0])
+
+
+def test_sequence_log_ratio_and_gspo_loss_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -0.5, GARBAGE]])
+    token_log_ratio = torch.tensor([[0.3, -0.1, 0.1], [0.02, 0.0, 0.0]])
+    logprobs = (old + token_log_ratio).requires_grad_()
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # mean log-ratios: (0.3 - 0.1 + 0.1) / 3 = 0.1 and (0.02 + 0) / 2 = 0.01, on every position
+    assert sequence_log_ratio(logprobs, old, mask).flatten().tolist() == approx([0.1] * 3 + [0.01] * 3)
+    advantages = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, GARBAGE]])
+    weights = aggregation_weights(mask, "seq-mean-token-mean")  # 1/3 and 1/2: GSPO's mean over responses
+    # ε = 0.05: s_0 = e^0.1 = 1.1051709 > 1.05, so row 0's term is max(-1.1051709, -1.05) = -1.05 (clipped);
+    # s_1 = e^0.01 = 1.0100502 inside: -A·s = 1.0100502.
+    # (3 · 1/3 · -1.05 + 2 · 1/2 · 1.0100502) / 2 responses = (-1.05 + 1.0100502) / 2 = -0.0199749
+    out = policy_loss(logprobs, old, advantages, mask, clip=0.05, token_count=2, weights=weights, ratio_level="sequence")
+    assert out["loss"].item() == approx(-0.0199749)
+    assert out["clipfrac"].item() == approx(3 / 5)
+    # ratio mean over the 5 counted tokens: (3 · 1.1051709 + 2 · 1.0100502) / 5
+    assert out["ratio_mean"].item() == approx((3 * 1.1051709 + 2 * 1.0100502) / 5)
+    out["loss"].backward()
+    # row 0 is clipped; row 1's loss is s_1 / 2 and ds_1/dlogprob_t = s_1 / |y_1| = s_1 / 2: each token s_1 / 4
+    assert logprobs.grad.flatten().tolist() == approx([0.0, 0.0, 0.0, 1.0100502 / 4, 1.0100502 / 4, 0.0])
+
+
+def test_sequence_log_ratio_matches_loop_and_ignores_padding():
+    g = torch.Generator().manual_seed(11)
+    mask = random_mask(g, 5, 7)
+    old = with_garbage(-torch.rand(5, 7, generator=g, dtype=torch.float64), mask, float("-inf"))
+    new = with_garbage(-torch.rand(5, 7, generator=g, dtype=torch.float64), mask, float("inf")).requires_grad_()
+    got = sequence_log_ratio(new, old, mask)
+    for i in range(5):
+        diffs = [n - o for n, o, m in zip(new[i].tolist(), old[i].tolist(), mask[i].tolist()) if m]
+        assert got[i].tolist() == approx([sum(diffs) / len(diffs)] * 7)
+    got.sum().backward()
+    assert torch.isfinite(new.grad).all() and (new.grad[mask == 0] == 0).all()
+
+
+def test_sequence_and_masked_importance_weights_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -3.0, GARBAGE]])
+    # π_old/π_sampler per token: row 0: 1.5, 0.5, 2; row 1: 4, padding
+    sampled = old - torch.tensor([[math.log(1.5), math.log(0.5), math.log(2.0)], [math.log(4.0), 0.0, 0.0]])
+    sampled[1, 2] = 0.0
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    # sequence: row 0: 1.5 · 0.5 · 2 = 1.5; row 1: 4. cap 2: truncate -> 1.5, 2; mask -> 1.5, 0. Padding 1.
+    assert importance_weights(old, sampled, mask, 2.0, "sequence", "truncate").flatten().tolist() == approx([1.5] * 3 + [2.0, 1.0, 1.0])
+    assert importance_weights(old, sampled, mask, 2.0, "sequence", "mask").flatten().tolist() == approx([1.5] * 3 + [0.0, 1.0, 1.0])
+    # token, cap 1.8: truncate -> 1.5, 0.5, 1.8 and 1.8; mask -> 1.5, 0.5, 0 and 0
+    assert importance_weights(old, sampled, mask, 1.8, "token", "mask").flatten().tolist() == approx([1.5, 0.5, 0.0, 0.0, 1.0, 1.0])
+    assert importance_weights(old, sampled, mask, 1.8).flatten().tolist() == approx([1.5, 0.5, 1.8, 1.8, 1.0, 1.0])
+
+
+def test_overlong_penalty_by_hand():
+    # L_max = 40, buffer 4: 0 up to 36 tokens, then (length - 36) / 4 · 0.5
+    lengths = torch.tensor([30, 36, 37, 38, 40])
+    assert overlong_penalty(lengths, 40, 4, 0.5).tolist() == approx([0.0, 0.0, 0.125, 0.25, 0.5])
+    # factor 1, buffer 10 of 20: length 15 -> 5 / 10 = 0.5
+    assert overlong_penalty(torch.tensor([15]), 20, 10).tolist() == approx([0.5])
+
+
+def test_constant_groups_by_hand_and_against_loop():
+    scores = torch.tensor([1.0, 1.0, 0.5, 0.7, 2.0, 2.0, 2.0, 3.0])
+    group_ids = torch.tensor([5, 5, 2, 2, 9, 9, 9, 4])
+    # group 5: 1, 1 alike; group 2: 0.5 ≠ 0.7; group 9: all 2; group 4: one score, alike
+    assert constant_groups(scores, group_ids).tolist() == [True, True, False, False, True, True, True, True]
+    g = torch.Generator().manual_seed(12)
+    scores = torch.randint(0, 3, (40,), generator=g).float()  # few values: some groups alike
+    group_ids = torch.randint(0, 12, (40,), generator=g)
+    got = constant_groups(scores, group_ids).tolist()
+    for i in range(40):
+        members = {s for s, gid in zip(scores.tolist(), group_ids.tolist()) if gid == group_ids[i]}
+        assert got[i] == (len(members) == 1)
+    assert any(got) and not all(got)
