@@ -35,7 +35,7 @@ def score(response: str, reference: str) -> float:
 
 
 def score_batch(body: dict) -> dict:
-    references = body["columns"]["reference"]
+    references = body["columns"].get("reference", [])  # none in the empty batch of `rlkit check`'s probe
     return {"scores": [score(r, ref) for r, ref in zip(body["responses"], references, strict=True)]}
 
 

@@ -238,7 +238,7 @@ class Service:
                 delay = max(delay, float(retry_after))
         seconds = time.monotonic() - started
         raise ServiceFailure(self.clean(f"{method} {url}: {last}, on each of {attempts} attempt{'s' if attempts > 1 else ''} in "
-                                        f"{seconds:.1f} s (timeout, retries, backoff settings of the reward)"))
+                                        f"{seconds:.1f} s (the reward's timeout, retries and backoff)"))
 
     def gather(self, jobs: list) -> list:
         """Each job's result, in order, at most `max_concurrent` running at once; the first failure
@@ -283,8 +283,8 @@ class HttpReward(RewardSource):
         except RecipeError:
             return []  # the check already reported the missing variable
         except ServiceFailure as exc:
-            return [f"{where}.url: the reward service did not answer the empty batch: {exc}; start it, or fix the URL "
-                    "(rlkit check --offline skips this probe)"]
+            return [f"{where}.url: the probe (the empty batch) failed: {exc}; check that the service runs at this URL and "
+                    'answers the empty batch with {"scores": []} (rlkit check --offline skips this probe)']
         if not (isinstance(reply, dict) and reply.get("scores") == []):
             return [f"{where}.url: the reward service answered the empty batch with {_cut(json.dumps(reply))}, not "
                     '{"scores": []}; see the `http` wire format in the README']
@@ -341,7 +341,7 @@ class OpenAIJudge(RewardSource):
         except RecipeError:
             return []
         except ServiceFailure as exc:
-            return [f"{where}.url: the judge endpoint did not list its models: {exc}; start it, or fix the URL "
+            return [f"{where}.url: the probe (listing the models) failed: {exc}; check that the endpoint runs at this URL "
                     "(rlkit check --offline skips this probe)"]
         served = [m.get("id") for m in reply.get("data", []) if isinstance(m, dict)] if isinstance(reply, dict) else []
         if config.model not in served:

@@ -261,6 +261,18 @@ def judge(url, **settings):
     return OpenAIJudge(JudgeConfig(url=url, model="rule-judge", template=TEMPLATE, **{**FAST, **settings}))
 
 
+def test_the_example_server_answers_the_probe_and_scores_as_the_in_process_reward(example_server):
+    from rlkit_plugins.summarize import Rouge, RougeConfig
+
+    assert HttpReward.probe(HttpRewardConfig(url=f"{example_server}/score", **FAST), "$.reward") == []
+    reference = "The pilot cooked boxes in Berlin."
+    responses = [reference, "", "The pilot cooked boxes in Berlin. The sky was grey.", "The pilot cooked boxes in Bern."]
+    columns = {"reference": [reference] * 4, "document": ["d"] * 4}
+    scores = http_reward(f"{example_server}/score", batch_size=3).score(["p"] * 4, responses, **columns)
+    assert scores == Rouge(RougeConfig(fact_bonus=0.5)).score(["p"] * 4, responses, **columns)
+    assert scores[:3] == [1.5, 0.0, 1.25]  # F1 1 + 0.5; nothing; 6 of 6 words in 10: F1 0.75, + 0.5
+
+
 def test_the_judge_grades_each_response_by_the_template(example_server):
     reference = "The pilot cooked boxes in Berlin."
     scores = judge(f"{example_server}/v1/").score(
@@ -336,34 +348,36 @@ def http_recipe(recipe_document, write_recipe):
     return make
 
 
-def test_rlkit_check_probes_the_service_and_offline_skips_the_probe(server, http_recipe):
+def test_rlkit_check_probes_the_service_and_offline_skips_the_probe(server, http_recipe, capsys, monkeypatch):
+    from rlkit_core.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "0"))  # --offline sets it; undone after the test
     recipe = http_recipe(server.url)
-    good = cli("check", recipe)
-    assert good.returncode == 0, good.stderr
+    assert main(["check", recipe]) == 0, capsys.readouterr().err
     assert server.requests[-1]["body"] == {"prompts": [], "responses": [], "columns": {}}
-    server.default = ("status", 500)
-    bad = cli("check", recipe)
-    assert bad.returncode == 2
-    assert (f"$.reward.url: the reward service did not answer the empty batch: POST {server.url}: HTTP 500 Internal Server "
-            "Error: ") in bad.stderr
-    assert "rlkit check --offline skips this probe" in bad.stderr
     server.default = ("scores", [0.0])
-    wrong = cli("check", recipe)
-    assert wrong.returncode == 2 and 'answered the empty batch with {"scores": [0.0]}, not {"scores": []}' in wrong.stderr
+    assert main(["check", recipe]) == 2
+    assert '$.reward.url: the reward service answered the empty batch with {"scores": [0.0]}, not {"scores": []}' in capsys.readouterr().err
     asked = len(server.requests)
-    offline = cli("check", recipe, "--offline")
-    assert offline.returncode == 0, offline.stderr
-    assert "$.reward: the http service was not probed (--offline)" in offline.stdout
+    assert main(["check", recipe, "--offline"]) == 0
+    assert "$.reward: the http service was not probed (--offline)" in capsys.readouterr().out
     assert len(server.requests) == asked  # --offline sent nothing
+    server.default = ("status", 500)  # and as a user meets it: exit 2, the located line
+    failed = cli("check", recipe)
+    assert failed.returncode == 2
+    assert (f"$.reward.url: the probe (the empty batch) failed: POST {server.url}: HTTP 500 Internal Server Error: ") in failed.stderr
+    assert "(rlkit check --offline skips this probe)" in failed.stderr
 
 
-def test_rlkit_check_refuses_a_credential_variable_that_is_not_set(server, http_recipe):
+def test_check_and_run_refuse_a_credential_variable_that_is_not_set(server, http_recipe, tmp_path, capsys):
+    from rlkit_core.cli import main
+
     recipe = http_recipe(server.url, auth_env="RLKIT_TEST_UNSET_TOKEN")
-    for args in (["check", recipe, "--offline"], ["run", recipe]):
-        result = cli(*args)
-        assert result.returncode == 2
-        assert "$.reward.auth_env: the environment variable RLKIT_TEST_UNSET_TOKEN is not set (or empty)" in result.stderr
-    assert server.requests == []
+    problem = "$.reward.auth_env: the environment variable RLKIT_TEST_UNSET_TOKEN is not set (or empty)"
+    assert main(["check", recipe]) == 2 and problem in capsys.readouterr().err
+    result = cli("run", recipe)
+    assert result.returncode == 2 and problem in result.stderr
+    assert server.requests == [] and not (tmp_path / "run").exists()  # refused before anything was built or written
 
 
 DYING_SERVER = '''
@@ -428,32 +442,33 @@ def test_a_server_that_dies_mid_run_stops_the_run_as_a_bad_reward_without_leakin
 
 # --- the example server and recipe on the default task ----------------------------------------
 
-SHRUNK = ["run.steps=2", "run.threads=1", "tracker.type=none", "policy.n_layer=1", "policy.n_embd=16", "policy.n_head=2",
-          "policy.sft_steps=2", "policy.sft_batch_size=4", "generator.max_new_tokens=6", "data.size=40", "eval.size=4",
-          "ppo.batch_size=8", "ppo.minibatch_size=4"]
+SHRUNK = ["run.steps=2", "run.threads=1", "tracker.type=none", "policy.n_layer=1", "policy.n_embd=32", "policy.n_head=2",
+          "policy.sft_steps=300", "policy.sft_batch_size=8", "policy.sft_learning_rate=0.01", "generator.max_new_tokens=12",
+          "data.size=40", "eval.size=4", "ppo.batch_size=8", "ppo.minibatch_size=4"]
 
 
 def test_the_http_recipe_against_the_example_server_trains_exactly_as_the_in_process_reward(tmp_path):
+    import io
+
+    from rlkit_core.plugins import load_registry
+    from rlkit_core.recipe import load_recipe
+    from rlkit_core.run import run_recipe
+
+    def train(recipe, *overrides):
+        loaded = load_recipe(ROOT / "recipes" / recipe, load_registry(environ={"RLKIT_PLUGINS": "none"}),
+                             [*SHRUNK, f"policy.cache_dir={tmp_path / 'cache'}", *overrides])
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in run_recipe(loaded, quiet=True, out=io.StringIO())]
+
     served = subprocess.Popen([sys.executable, str(ROOT / "examples" / "reward_server.py"), "--port", "0"], env=ENV,
                               stdout=subprocess.PIPE, text=True)
     try:
-        line = served.stdout.readline()
-        url = line.split()[3] + "/score"  # "serving rewards on http://127.0.0.1:PORT (...)"
-        shrunk = [*SHRUNK, f"policy.cache_dir={tmp_path / 'cache'}"]
-        over_http = cli("run", "--quiet", str(ROOT / "recipes" / "ppo_summarize_http_reward.toml"),
-                        *[f"--set={o}" for o in [*shrunk, f"run.output_dir={tmp_path / 'http'}", f"reward.url={url}"]])
-        in_process = cli("run", "--quiet", str(ROOT / "recipes" / "ppo_summarize.toml"),
-                         *[f"--set={o}" for o in [*shrunk, f"run.output_dir={tmp_path / 'rouge'}"]])
+        url = served.stdout.readline().split()[3] + "/score"  # "serving rewards on http://127.0.0.1:PORT (...)"
+        over_http = train("ppo_summarize_http_reward.toml", f"run.output_dir={tmp_path / 'http'}", f"reward.url={url}")
     finally:
         served.kill()
         served.wait(timeout=10)
-    assert over_http.returncode == 0, over_http.stderr
-    assert in_process.returncode == 0, in_process.stderr
-
-    def metrics(name):
-        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
-
-    http_rows = metrics("http")
-    assert [row["iteration"] for row in http_rows] == [0, 1, 2] and "eval/score" in http_rows[0]
-    assert http_rows == metrics("rouge")  # the service computes the same reward: the same training, to the last digit
+    assert [row["iteration"] for row in over_http] == [0, 1, 2] and "eval/score" in over_http[0]
+    assert all(row["score/mean"] > 0 for row in over_http[1:])  # 300 supervised steps: "The ce in in", some words right
+    in_process = train("ppo_summarize.toml", f"run.output_dir={tmp_path / 'rouge'}")
+    # the service computes the same reward: the same training, to the last digit (json: a NaN equals a NaN)
+    assert json.dumps(over_http) == json.dumps(in_process)
