@@ -325,6 +325,15 @@ def test_a_template_placeholder_the_data_lacks_is_the_recipes_fault(server):
     assert server.requests == []
 
 
+class TestOpenAIJudgeContract(RewardContract):
+    component = "openai-judge"
+    columns = {"reference": ["The cat sat.", "The meeting is on Friday.", "x"]}
+
+    @pytest.fixture
+    def component_config(self, example_server):
+        return {"url": f"{example_server}/v1", "model": "rule-judge", "template": "Reference: {reference}\nSummary: {response}"}
+
+
 def test_the_judge_probe_asks_for_the_model(example_server):
     config = JudgeConfig(url=f"{example_server}/v1", model="rule-judge", template=TEMPLATE, **FAST)
     assert OpenAIJudge.probe(config, "$.reward") == []
@@ -340,8 +349,8 @@ def cli(*args, env=ENV, timeout=240):
 
 @pytest.fixture
 def http_recipe(recipe_document, write_recipe):
-    def make(url, name="http.toml", steps=2, **reward):
-        document = dict(recipe_document, run={**recipe_document["run"], "steps": steps},
+    def make(url, name="http.toml", steps=2, on_bad_reward="stop", **reward):
+        document = dict(recipe_document, run={**recipe_document["run"], "steps": steps, "on_bad_reward": on_bad_reward},
                         reward={"type": "http", "url": url, **FAST, **reward})
         return write_recipe(document, name)
 
@@ -406,19 +415,36 @@ class Handler(BaseHTTPRequestHandler):
             os._exit(0)  # dies, port and all, after its last answer
 
 
-server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+server = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), Handler)
 print(server.server_address[1], flush=True)
 server.serve_forever()
 '''
+
+
+def test_a_batch_the_service_fails_is_skipped_and_counted_under_the_skip_policy(server, http_recipe, tmp_path):
+    server.plan = ["ok", ("status", 502), ("status", 502)]  # iteration 2: both attempts fail
+    result = cli("run", "--quiet", http_recipe(server.url, steps=3, retries=1, on_bad_reward="skip"), env=ENV)
+    assert result.returncode == 0, result.stderr
+    assert (f'reward "http" (url = "{server.url}", ') in result.stderr
+    assert f"failed at iteration 2: raised ServiceFailure: POST {server.url}: HTTP 502 Bad Gateway: " in result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [1, 2, 3] and rows[-1]["run/skipped_batches"] == 1
+    assert "score/mean" not in rows[1] and (tmp_path / "run" / "bad_batches" / "iter_000002.json").is_file()
+
+
+def serve(script, answers, port, env):
+    """The dying server, started on `port` (0: any free one): (process, its port)."""
+    process = subprocess.Popen([sys.executable, str(script), str(answers), str(port)], env=env, stdout=subprocess.PIPE, text=True)
+    return process, process.stdout.readline().strip()
 
 
 def test_a_server_that_dies_mid_run_stops_the_run_as_a_bad_reward_without_leaking_the_token(http_recipe, tmp_path):
     script = tmp_path / "dying_server.py"
     script.write_text(DYING_SERVER)
     env = {**ENV, "RLKIT_TEST_TOKEN": SECRET}
-    dying = subprocess.Popen([sys.executable, str(script), "2"], env=env, stdout=subprocess.PIPE, text=True)
+    dying, port = serve(script, 2, 0, env)
     try:
-        url = f"http://127.0.0.1:{dying.stdout.readline().strip()}/score"
+        url = f"http://127.0.0.1:{port}/score"
         recipe = http_recipe(url, steps=4, auth_env="RLKIT_TEST_TOKEN", retries=1, timeout=2.0, backoff=0.05)
         result = cli("run", "--quiet", recipe, env=env)
     finally:
@@ -436,8 +462,17 @@ def test_a_server_that_dies_mid_run_stops_the_run_as_a_bad_reward_without_leakin
     saved = json.loads((output_dir / "bad_batches" / "iter_000003.json").read_text())
     assert saved["iteration"] == 3 and len(saved["rows"]) == 16 and "Connection refused" in saved["problem"]
     assert [json.loads(line)["iteration"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+    back, _ = serve(script, 100, port, env)  # the service is back: the run continues where it stopped
+    try:
+        resumed = cli("run", "--quiet", recipe, "--resume", "auto", env=env)
+    finally:
+        back.kill()
+        back.wait(timeout=10)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [json.loads(line)["iteration"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     leaked = [str(p) for p in output_dir.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
-    assert leaked == [] and SECRET not in result.stderr + result.stdout
+    assert leaked == [] and SECRET not in result.stderr + result.stdout + resumed.stderr + resumed.stdout
 
 
 # --- the example server and recipe on the default task ----------------------------------------
