@@ -236,9 +236,9 @@ class Service:
                 raise ServiceFailure(self.clean(f"{method} {url}: {last} (not retried: the service refused the request itself)"))
             if retry_after and retry_after.strip().isdigit():
                 delay = max(delay, float(retry_after))
-        seconds = time.monotonic() - started
-        raise ServiceFailure(self.clean(f"{method} {url}: {last}, on each of {attempts} attempt{'s' if attempts > 1 else ''} in "
-                                        f"{seconds:.1f} s (the reward's timeout, retries and backoff)"))
+        tries = f"the last of {attempts} attempts" if attempts > 1 else "one attempt"
+        raise ServiceFailure(self.clean(f"{method} {url}: {last} ({tries} in {time.monotonic() - started:.1f} s; "
+                                        "the reward's timeout, retries and backoff say how long to try)"))
 
     def gather(self, jobs: list) -> list:
         """Each job's result, in order, at most `max_concurrent` running at once; the first failure

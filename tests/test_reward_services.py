@@ -28,7 +28,8 @@ FAST = {"retries": 0, "backoff": 0.01, "timeout": 5.0}
 
 class Server:
     """A scoring service in a thread: each request takes the next behaviour of `plan` (then
-    `default`): "ok" scores len(response); ("status", n), ("sleep", s), ("body", bytes), ("scores", list)."""
+    `default`): "ok" scores len(response); ("status", n), ("busy", Retry-After seconds), ("sleep", s),
+    ("body", bytes), ("scores", list)."""
 
     def __init__(self):
         self.plan, self.default, self.requests = [], "ok", []
@@ -67,11 +68,15 @@ class Server:
                     self.send(200, json.dumps({"scores": value}).encode())
                 elif kind == "status":  # the body echoes the request's headers, as some services do
                     self.send(value, json.dumps({"error": "broken", "headers": dict(self.headers)}).encode())
+                elif kind == "busy":  # 429 Too Many Requests, come back in `value` seconds
+                    self.send(429, b'{"error": "rate limited"}', {"Retry-After": str(value)})
                 else:
                     self.send(200, value)
 
-            def send(self, status, data):
+            def send(self, status, data, headers=()):
                 self.send_response(status)
+                for name, value in dict(headers).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -130,7 +135,7 @@ def test_a_slow_server_times_out_is_retried_and_then_fails_within_the_bound(serv
     with pytest.raises(ServiceFailure) as failure:
         reward.score(["p"], ["r"])
     assert time.monotonic() - started < 2.5  # 2 × 0.3 s + 0.05 s, with room; never the server's 3 s
-    assert f"POST {server.url}: no reply within the timeout of 0.3 s, on each of 2 attempts" in str(failure.value)
+    assert f"POST {server.url}: no reply within the timeout of 0.3 s (the last of 2 attempts in " in str(failure.value)
     assert len(server.requests) == 2
 
 
@@ -153,8 +158,19 @@ def test_500s_past_the_retries_fail_with_the_status(server):
     with pytest.raises(ServiceFailure) as failure:
         http_reward(server.url, retries=2).score(["p"], ["r"])
     assert f"POST {server.url}: HTTP 503 Service Unavailable: " in str(failure.value)
-    assert "on each of 3 attempts" in str(failure.value)
+    assert "(the last of 3 attempts in " in str(failure.value)
     assert len(server.requests) == 3
+
+
+def test_a_rate_limited_request_waits_as_retry_after_says_up_to_max_backoff(server):
+    server.plan = [("busy", 1)]
+    started = time.monotonic()
+    assert http_reward(server.url, retries=1, backoff=0.01).score(["p"], ["ab"]) == [2.0]
+    assert time.monotonic() - started >= 1.0  # Retry-After, not the 0.01 s backoff
+    server.plan = [("busy", 600)]
+    started = time.monotonic()
+    assert http_reward(server.url, retries=1, backoff=0.01, max_backoff=0.2).score(["p"], ["ab"]) == [2.0]
+    assert time.monotonic() - started < 5  # capped at max_backoff, not 600 s
 
 
 def test_a_client_error_is_not_retried(server):
@@ -192,7 +208,7 @@ def test_the_second_requests_failure_is_located_in_the_batch(server):
 
 def test_a_server_that_is_not_there_fails_after_the_retries(server):
     server.close()
-    with pytest.raises(ServiceFailure, match=r"no reply \(ConnectionRefusedError: .*\), on each of 2 attempts"):
+    with pytest.raises(ServiceFailure, match=r"no reply \(ConnectionRefusedError: .*\) \(the last of 2 attempts in "):
         http_reward(server.url, retries=1).score(["p"], ["r"])
 
 
@@ -456,7 +472,7 @@ def test_a_server_that_dies_mid_run_stops_the_run_as_a_bad_reward_without_leakin
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith(f'rlkit run: reward "http" (url = "{url}", ')
     assert (f"failed at iteration 3: raised ServiceFailure: POST {url}: no reply (ConnectionRefusedError: "
-            "[Errno 111] Connection refused), on each of 2 attempts") in message
+            "[Errno 111] Connection refused) (the last of 2 attempts in ") in message
     assert f"saved the state after iteration 2 as {output_dir / 'checkpoints' / 'iter_000002'}" in message
     assert f"and the batch as {output_dir / 'bad_batches' / 'iter_000003.json'}" in message
     saved = json.loads((output_dir / "bad_batches" / "iter_000003.json").read_text())
