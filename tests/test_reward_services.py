@@ -448,6 +448,22 @@ def test_a_batch_the_service_fails_is_skipped_and_counted_under_the_skip_policy(
     assert "score/mean" not in rows[1] and (tmp_path / "run" / "bad_batches" / "iter_000002.json").is_file()
 
 
+def test_two_processes_each_send_their_share_and_stop_together_when_one_request_fails(server, http_recipe, tmp_path):
+    from rlkit_core import checkpoint
+
+    server.plan = ["ok", "ok", ("status", 500)]  # iteration 2: whichever process asks first fails, the other is answered
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(Path(sys.executable).with_name("rlkit")), "run", "--quiet", http_recipe(server.url, steps=3)]
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert f'failed at iteration 2: raised ServiceFailure: POST {server.url}: HTTP 500 Internal Server Error: ' in result.stderr
+    first = [r["body"]["prompts"] for r in server.requests[:2]]
+    assert len(server.requests) == 4 and all(len(r["body"]["responses"]) == 8 for r in server.requests)  # 16 rollouts, halved
+    assert len(set(first[0] + first[1])) == 16  # iteration 1: the processes sent different prompts
+    saved = checkpoint.resolve("auto", tmp_path / "run")
+    assert saved.name == "iter_000001" and checkpoint.read_meta(saved)["processes"] == 2
+
+
 def serve(script, answers, port, env):
     """The dying server, started on `port` (0: any free one): (process, its port)."""
     process = subprocess.Popen([sys.executable, str(script), str(answers), str(port)], env=env, stdout=subprocess.PIPE, text=True)
