@@ -514,7 +514,13 @@ SHRUNK = ["run.steps=2", "run.threads=1", "tracker.type=none", "policy.n_layer=1
           "data.size=40", "eval.size=4", "ppo.batch_size=8", "ppo.minibatch_size=4"]
 
 
-def test_the_http_recipe_against_the_example_server_trains_exactly_as_the_in_process_reward(tmp_path):
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory):
+    """One folder for the shrunk warm start, built by the first test that needs it."""
+    return tmp_path_factory.mktemp("warm-start-cache")
+
+
+def test_the_http_recipe_against_the_example_server_trains_exactly_as_the_in_process_reward(tmp_path, warm_cache):
     import io
 
     from rlkit_core.plugins import load_registry
@@ -523,7 +529,7 @@ def test_the_http_recipe_against_the_example_server_trains_exactly_as_the_in_pro
 
     def train(recipe, *overrides):
         loaded = load_recipe(ROOT / "recipes" / recipe, load_registry(environ={"RLKIT_PLUGINS": "none"}),
-                             [*SHRUNK, f"policy.cache_dir={tmp_path / 'cache'}", *overrides])
+                             [*SHRUNK, f"policy.cache_dir={warm_cache}", *overrides])
         return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in run_recipe(loaded, quiet=True, out=io.StringIO())]
 
     served = subprocess.Popen([sys.executable, str(ROOT / "examples" / "reward_server.py"), "--port", "0"], env=ENV,
@@ -539,3 +545,19 @@ def test_the_http_recipe_against_the_example_server_trains_exactly_as_the_in_pro
     in_process = train("ppo_summarize.toml", f"run.output_dir={tmp_path / 'rouge'}")
     # the service computes the same reward: the same training, to the last digit (json: a NaN equals a NaN)
     assert json.dumps(over_http) == json.dumps(in_process)
+
+
+def test_a_run_graded_by_the_example_judge(example_server, tmp_path, warm_cache):
+    import io
+
+    from rlkit_core.plugins import load_registry
+    from rlkit_core.recipe import load_recipe
+    from rlkit_core.run import run_recipe
+
+    judge_table = ('reward={type="openai-judge", url="' + example_server + '/v1", model="rule-judge", max_concurrent=4, '
+                   'template="Reference: {reference}\\nSummary: {response}\\nGrade it from 0 to 10."}')
+    recipe = load_recipe(ROOT / "recipes" / "ppo_summarize_http_reward.toml", load_registry(environ={"RLKIT_PLUGINS": "none"}),
+                         [*SHRUNK, f"policy.cache_dir={warm_cache}", f"run.output_dir={tmp_path / 'judged'}", judge_table])
+    history = run_recipe(recipe, quiet=True, out=io.StringIO())
+    assert [row["iteration"] for row in history] == [0, 1, 2]
+    assert all(0 < row["score/mean"] <= 10 for row in history[1:])  # 8 responses, each graded by its own request
