@@ -260,9 +260,11 @@ def example_server_module():
 
 
 @pytest.fixture
-def example_server():
-    """examples/reward_server.py serving in a thread: `http` at /score, the judge at /v1."""
+def example_server(request):
+    """examples/reward_server.py serving in a thread: `http` at /score, the judge at /v1; a
+    parameter is a bearer token it then requires, as `--token` does."""
     module = example_server_module()
+    module.Handler.token = getattr(request, "param", None)
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), module.Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
@@ -287,6 +289,14 @@ def test_the_example_server_answers_the_probe_and_scores_as_the_in_process_rewar
     scores = http_reward(f"{example_server}/score", batch_size=3).score(["p"] * 4, responses, **columns)
     assert scores == Rouge(RougeConfig(fact_bonus=0.5)).score(["p"] * 4, responses, **columns)
     assert scores[:3] == [1.5, 0.0, 1.25]  # F1 1 + 0.5; nothing; 6 of 6 words in 10: F1 0.75, + 0.5
+
+
+@pytest.mark.parametrize("example_server", [SECRET], indirect=True)
+def test_the_example_server_with_a_token_refuses_requests_without_it(example_server, monkeypatch):
+    with pytest.raises(ServiceFailure, match="HTTP 401 Unauthorized: .* \\(not retried: the service refused the request itself\\)"):
+        http_reward(f"{example_server}/score").score(["p"], ["r"], reference=["r"])
+    monkeypatch.setenv("RLKIT_TEST_TOKEN", SECRET)
+    assert http_reward(f"{example_server}/score", auth_env="RLKIT_TEST_TOKEN").score(["p"], ["r"], reference=["r"]) == [1.5]  # F1 1 + 0.5
 
 
 def test_the_judge_grades_each_response_by_the_template(example_server):
