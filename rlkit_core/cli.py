@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("recipe")
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     check.add_argument("--offline", action="store_true",
-                       help="download nothing: hub models and tokenizers not in the local cache are reported as unchecked")
+                       help="no network: hub models and tokenizers not in the local cache are reported as unchecked, "
+                            "and reward services are not probed")
     check.add_argument("--num-processes", type=int, metavar="N",
                        help="check for a launch of N processes (default: this launch's WORLD_SIZE, else 1)")
     check.add_argument("--accelerate-config", metavar="FILE",
@@ -141,7 +142,7 @@ def _cmd_check(args) -> int:
     if args.num_processes:
         os.environ["WORLD_SIZE"] = str(args.num_processes)  # what accelerate launch would set
     recipe = load_recipe(args.recipe, load_registry(), args.overrides)
-    print(describe_plan(recipe, args.prompt_tokens))
+    print(describe_plan(recipe, args.prompt_tokens, probe=not args.offline))
     return 0
 
 

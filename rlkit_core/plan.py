@@ -10,7 +10,7 @@ from rlkit_core.recipe import Recipe
 from rlkit_core.schema import kl_warnings, launched_processes, output_dir_problems, sharded_launch
 
 
-def describe_plan(recipe: Recipe, prompt_tokens: int = 128) -> str:
+def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False) -> str:
     run, ppo = recipe.run, recipe.ppo
     updates_per_iteration = ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
     lines = [f"recipe {recipe.source or '(in memory)'} is valid", "", "components:"]
@@ -34,6 +34,8 @@ def describe_plan(recipe: Recipe, prompt_tokens: int = 128) -> str:
         lines += ["", f"memory (prompts of {prompt_tokens} tokens; rlkit check --prompt-tokens N):", *[f"  {line}" for line in memory]]
     lines += ["", "code this recipe runs (besides rlkit's own):", *[f"  {line}" for line in code_it_runs(recipe)]]
     problems, notes = preflight(recipe)
+    found, said = service_probes(recipe, probe)
+    problems, notes = problems + found, notes + said
     if problems:
         raise RecipeError(problems, recipe.source)
     warnings = kl_warnings(recipe.ppo) + remote_code_warnings(recipe)
@@ -87,6 +89,21 @@ def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:
             found, said = check(choice.config, recipe)
             problems += found
             notes += said
+    return problems, notes
+
+
+def service_probes(recipe: Recipe, probe: bool) -> tuple[list[str], list[str]]:
+    """(problems, notes) from every component whose factory has a `probe(config, where)`: a cheap
+    request to a service it will call (a reward server). Only `rlkit check` probes, and not with
+    --offline; `rlkit run` does not, since the service may come up after the run starts."""
+    problems, notes = [], []
+    for top in recipe.components.values():
+        for choice in with_nested(top):
+            probe_of = getattr(choice.component.factory, "probe", None)
+            if probe_of and probe:
+                problems += probe_of(choice.config, f"$.{choice.table}")
+            elif probe_of:
+                notes.append(f"$.{choice.table}: the {choice.component.name} service was not probed (--offline)")
     return problems, notes
 
 
