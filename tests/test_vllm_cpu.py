@@ -270,17 +270,23 @@ def _run(document, tmp_path, name) -> list[dict]:
     return [row for row in rows if "score/mean" in row]  # the training iterations
 
 
-def test_rlkit_run_trains_with_the_vllm_generator_like_with_hf(recipe_document, tmp_path, capsys):
-    """The conftest recipe (rewarded for lowercase letters) on a GPT-2 with the byte-level ByT5
-    tokenizer, 32-wide heads (vLLM's CPU attention has no 16-wide kernel), for a few iterations with
-    each generator on one seed: the reward rises with both, by about as much."""
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory):
+    """The conftest model with 32-wide heads (vLLM's CPU attention has no 16-wide kernel)."""
     from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
 
+    path = tmp_path_factory.mktemp("byte-gpt2")
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=384, n_positions=128, n_embd=64, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1,
-                               pad_token_id=0)).save_pretrained(tmp_path / "model")
-    ByT5Tokenizer().save_pretrained(tmp_path / "model")
-    recipe_document["policy"]["model"] = str(tmp_path / "model")
+                               pad_token_id=0)).save_pretrained(path)
+    ByT5Tokenizer().save_pretrained(path)
+    return path
+
+
+def test_rlkit_run_trains_with_the_vllm_generator_like_with_hf(recipe_document, byte_model, tmp_path, capsys):
+    """The conftest recipe (rewarded for lowercase letters) for a few iterations with each
+    generator on one seed: the reward rises with both, by about as much."""
+    recipe_document["policy"]["model"] = str(byte_model)
     recipe_document["run"].update(steps=10, device="cpu")
     recipe_document["ppo"].update(batch_size=32, minibatch_size=16)
     recipe_document["optim"]["learning_rate"] = 1e-2
@@ -301,3 +307,21 @@ def test_rlkit_run_trains_with_the_vllm_generator_like_with_hf(recipe_document, 
     assert abs(gains["vllm"] - gains["hf"]) < 0.5 * gains["hf"]
     assert max(row["check/logprob_gap"] for row in ours) < LOGPROB_TOLERANCE
     assert all(row["time/weight_sync"] > 0 for row in ours)
+
+
+def test_two_processes_under_torchrun_each_run_an_engine_of_their_own(recipe_document, byte_model, tmp_path):
+    """vLLM's external launcher: each gloo rank starts its own engine (data parallel, no weights
+    shared), pushes its own copy of the weights and samples its own prompts."""
+    from test_scaling import rlkit_script, torchrun
+
+    recipe_document["policy"]["model"] = str(byte_model)
+    recipe_document["run"].update(device="cpu", output_dir=str(tmp_path / "run"))
+    recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8, "gpu_memory_fraction": 0.02}
+    recipe = tmp_path / "recipe.toml"
+    from conftest import to_toml
+
+    recipe.write_text(to_toml(recipe_document))
+    torchrun(rlkit_script(), "run", str(recipe), "--quiet", environment={"OMP_NUM_THREADS": "1"})
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "score/mean" in row]
+    assert len(rows) == 2 and all(row["check/logprob_gap"] < LOGPROB_TOLERANCE and row["time/weight_sync"] > 0 for row in rows)

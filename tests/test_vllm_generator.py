@@ -549,6 +549,25 @@ def test_the_trainers_random_streams_go_on_as_if_vllm_had_not_seeded_them():
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
 
 
+def test_the_engine_is_called_outside_the_trainers_autocast(tiny_model, tmp_path):
+    """The trainer generates inside its autocast (mixed_precision); on a GPU vLLM's layers would
+    run in the autocast dtype instead of the engine's own."""
+    policy = _policy(tiny_model, tmp_path)
+    generator = _generator(policy, tmp_path)
+    engine, seen = generator.engine, []
+    for name in ("load_weights", "generate"):
+        def recording(*args, _call=getattr(engine, name), **kwargs):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return _call(*args, **kwargs)
+        setattr(engine, name, recording)
+    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": "ab"}], "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        generator.sync_weights(policy)
+        generator.generate(prompt_ids, prompt_mask)
+        assert torch.is_autocast_enabled("cpu")
+    assert seen == [False, False]
+
+
 def test_greedy_sends_repeated_prompts_one_by_one(tiny_model, tmp_path):
     """vLLM refuses n > 1 at temperature 0; sampled, the repeats become one request with n samples."""
     policy = _policy(tiny_model, tmp_path)
