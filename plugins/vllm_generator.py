@@ -335,8 +335,9 @@ class InProcessEngine:
         """vLLM's own in-place reload (0.33.0: `model_executor/model_loader/reload/inplace.py`,
         `reload_weights`): the layers' loaders are wrapped, each layer is rebuilt from the pushed
         checkpoint tensors and processed again (`load_weights` alone fails once the weights have
-        been processed after the first load). A layer given only some of its tensors would be
-        rebuilt with the rest uninitialised, so every push carries every weight."""
+        been processed after the first load). A layer given only some of its tensors is rebuilt with
+        the rest uninitialised (`torch.empty_strided` in `reload/meta.py`), so every push carries
+        every weight, and a push that leaves any out is refused."""
         model_config = self.llm.llm_engine.model_config
 
         def reload(model):

@@ -211,6 +211,18 @@ def test_the_trainers_autocast_does_not_reach_the_engine(policy, generator):
     assert _max_gap(policy, prompt_ids, prompt_mask, out) < LOGPROB_TOLERANCE
 
 
+def test_a_push_that_leaves_weights_out_is_refused(policy, generator):
+    """What a dropped weight would do silently: vLLM keeps its placeholder (or, for the rest of a
+    layer given only part of its tensors, uninitialised memory)."""
+    from rlkit_core.errors import RunError
+    from rlkit_plugins.vllm_generator import vllm_weights
+
+    partial = [(name, w) for name, w in vllm_weights(policy.model) if name == "transformer.h.0.attn.c_attn.weight"]
+    with pytest.raises(RunError, match="the weight push left .* of vLLM's weights unloaded"):
+        generator.engine.load_weights(iter(partial))
+    generator.sync_weights(policy)  # whole again for the tests after this one
+
+
 # --- LoRA on several layers, and the trainer's random streams ---------------------------------------
 
 
