@@ -127,7 +127,8 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--generator", default="hf", choices=["hf", "vllm"], help="vllm needs vLLM and a CUDA GPU")
+    parser.add_argument("--generator", default="hf", choices=["hf", "vllm"], help="vllm needs vLLM (its CUDA build and a GPU, or its CPU build)")
+    parser.add_argument("--vllm-memory-fraction", type=float, default=0.3, help="generator.gpu_memory_fraction (on vLLM's CPU build: of the machine's memory)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="policy weights dtype")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--width", type=int, default=256, help="n_embd of the random GPT-2")
@@ -169,6 +170,8 @@ def main() -> None:
             "data": {"type": "jsonl", "path": str(prompts)},
             "tracker": {"type": "none"},
         }
+        if args.generator == "vllm":
+            document["generator"]["gpu_memory_fraction"] = args.vllm_memory_fraction
         recipe = parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"}))
         trainer = Trainer(recipe)
         history = []

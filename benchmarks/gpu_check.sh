@@ -14,18 +14,19 @@ STEPS="${STEPS:-4}"
 "$PYTHON" - <<'PY'
 import torch
 print("torch", torch.__version__, "| CUDA GPU:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
-try:
-    import vllm
-    print("vllm", vllm.__version__)
-except ImportError:
-    print("vllm not installed: the vllm generator is skipped (pip install \"rlkit[vllm]\")")
+from rlkit_plugins.vllm_generator import installed_vllm
+found = installed_vllm()
+print("vLLM:", found or 'not installed: the vllm generator is skipped (pip install "rlkit[vllm]")')
 PY
 
 echo "== tests/test_vllm_gpu.py"
 "$PYTHON" -m pytest -q -rs -s tests/test_vllm_gpu.py || status=$?
 
 generators=(hf)
-if "$PYTHON" -c "import vllm" 2>/dev/null; then generators+=(vllm); fi
+# the CUDA build only (vLLM's CPU build runs tests/test_vllm_cpu.py instead)
+if "$PYTHON" -c "from rlkit_plugins.vllm_generator import installed_vllm as i; f = i(); raise SystemExit(not f or f.cpu)" 2>/dev/null; then
+    generators+=(vllm)
+fi
 for generator in "${generators[@]}"; do
     echo "== PPO, generator $generator, bfloat16 + gradient checkpointing"
     "$PYTHON" benchmarks/bench_ppo.py --device cuda --steps "$STEPS" --dtype bfloat16 --gradient-checkpointing --generator "$generator"

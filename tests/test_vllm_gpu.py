@@ -1,8 +1,10 @@
 """The vllm generator on a real vLLM engine against the hf generator, on the same small Llama.
 
-Needs vLLM and a CUDA GPU; skipped otherwise, with the reason (`pytest -rs` prints it). Run it
-with `benchmarks/gpu_check.sh` or `pytest -rs tests/test_vllm_gpu.py`. One engine serves the
-module (vLLM does not hand its GPU memory back between engines in one process).
+Needs vLLM's CUDA build and a CUDA GPU; skipped otherwise, with the reason (`pytest -rs` prints it).
+Run it with `benchmarks/gpu_check.sh` or `pytest -rs tests/test_vllm_gpu.py`. One engine serves the
+module (vLLM does not hand its GPU memory back between engines in one process). It sleeps between
+rollouts (sleep_level 1), so every push goes through the GPU-only wake order: the weights, the push,
+then the KV cache. tests/test_vllm_cpu.py runs the rest on vLLM's CPU build, in CI.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
 from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, missing_here
 
-MISSING = missing_here()
-pytestmark = pytest.mark.skipif(bool(MISSING), reason="needs vLLM and a CUDA GPU: " + "; ".join(MISSING))
+MISSING = missing_here(VLLMGeneratorConfig(sleep_level=1), "cuda")
+pytestmark = pytest.mark.skipif(bool(MISSING), reason="needs vLLM's CUDA build and a GPU: " + "; ".join(MISSING))
 
 PROMPTS = ["the cat", "the cat", "a dog ran", "a dog ran", "x", "hello world"]
 MAX_NEW = 16
@@ -49,7 +51,7 @@ def _context(path, policy=None):
 
 @pytest.fixture(scope="module")
 def vllm_generator(policy, tmp_path_factory):
-    config = VLLMGeneratorConfig(max_new_tokens=MAX_NEW, temperature=1.0, gpu_memory_fraction=0.2, max_model_len=128)
+    config = VLLMGeneratorConfig(max_new_tokens=MAX_NEW, temperature=1.0, gpu_memory_fraction=0.2, max_model_len=128, sleep_level=1)
     return VLLMGenerator(config, _context(tmp_path_factory.mktemp("vllm"), policy))
 
 
@@ -109,3 +111,15 @@ def test_a_push_visibly_changes_the_engine_and_the_prefix_cache_is_reset(policy,
     out = vllm_generator.generate(prompt_ids, prompt_mask)
     assert _gap(policy, out, prompt_ids, prompt_mask) < MEAN_GAP
     assert vllm_generator.metrics()["time/weight_sync"] > 0
+
+
+def test_greedy_repeated_prompts_and_the_pad_never_drawn(policy, vllm_generator):
+    """Greedy repeats go one request each (vLLM refuses n > 1 at temperature 0); the suppressed ids'
+    -inf logit bias holds on Model Runner V2 (the GPU default), where allowed_token_ids is capped."""
+    prompt_ids, prompt_mask = _prompts(policy)
+    vllm_generator.sync_weights(policy)
+    greedy = vllm_generator.generate(prompt_ids, prompt_mask, greedy=True)
+    assert torch.equal(greedy.response_ids[0], greedy.response_ids[1])  # "the cat" twice
+    sampled = vllm_generator.generate(prompt_ids, prompt_mask)
+    for suppressed in policy.suppressed_token_ids:
+        assert suppressed not in sampled.response_ids[sampled.response_mask.bool()].tolist()

@@ -1,0 +1,339 @@
+"""The vllm generator on a real vLLM engine (vLLM's CPU build), against the hf generator and
+transformers on the same small GPT-2 with a pad-less GPT-2-style tokenizer.
+
+Skipped, with the reason, unless vLLM's CPU build is installed: CI (.ci/run) builds a virtual
+environment with it and runs this module there (README: vLLM on a CPU). One engine serves each
+model of the module (an engine starts in about 5 s).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlkit_core.context import BuildContext
+from rlkit_core.functional import logprobs_from_logits
+from rlkit_core.prompts import encode_prompts
+from rlkit_core.recipe import structure_table
+from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
+from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
+from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, installed_vllm
+
+FOUND = installed_vllm()
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(FOUND is None or not FOUND.cpu, reason="needs vLLM's CPU build (README: vLLM on a CPU)")]
+
+MAX_NEW = 12
+TEMPERATURE = 0.8
+# float32 on both sides, different kernels: measured gaps are about 1e-6 (README)
+LOGPROB_TOLERANCE = 1e-4
+# Chi-square tests below reject at this p-value: with their fixed seeds each either always passes or
+# always fails, and a correct sampler lands in the rejection region for one seed in a thousand.
+P_VALUE = 1e-3
+ENGINE = dict(max_new_tokens=MAX_NEW, temperature=TEMPERATURE, gpu_memory_fraction=0.02)
+
+
+def _write_model(path: Path, layers: int, seed: int) -> Path:
+    """A GPT-2 with a pad-less GPT-2-style BPE (BOS = EOS = <|endoftext|>), its logits spread wide
+    enough (initializer_range 0.2) that the first-token distribution is far from uniform."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlkit_core.offline_models import build_bpe_tokenizer
+
+    tokenizer = build_bpe_tokenizer("gpt2")
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=64, n_layer=layers, n_head=2, initializer_range=0.2,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _context(path, policy=None, seed=0):
+    return BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(path), seed=seed, policy=policy)
+
+
+def _policy(path, **options):
+    config, problems = structure_table({"model": str(path), **options}, HFPolicyConfig, "policy")
+    assert not problems
+    return HFPolicy(config, _context(path))
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """Two end ids: the tokenizer's EOS and "," (common in the BPE's text); an added PAD, suppressed."""
+    policy = _policy(_write_model(tmp_path_factory.mktemp("gpt2-style"), layers=2, seed=0), end_tokens=[","])
+    assert len(policy.eos_token_ids) == 2 and policy.suppressed_token_ids == (policy.tokenizer.pad_token_id,)
+    with torch.no_grad():  # the PAD the likeliest token everywhere (only its suppression keeps it out), "," a likely one:
+        torch.manual_seed(2)  # every final hidden state leans along u, and so do their rows of the (tied) lm_head
+        u = torch.nn.functional.normalize(torch.randn(policy.model.config.n_embd), dim=0)
+        policy.model.transformer.ln_f.bias.copy_(2 * u)
+        embeddings = policy.model.get_input_embeddings().weight
+        embeddings[policy.tokenizer.pad_token_id] = 4 * u
+        embeddings[policy.eos_token_ids[1]] = 2 * u
+        logits = policy.model(**policy.tokenizer(["the quick"], return_tensors="pt")).logits[0, -1]
+    assert int(logits.argmax()) == policy.tokenizer.pad_token_id
+    return policy
+
+
+@pytest.fixture(scope="module")
+def generator(policy, tmp_path_factory):
+    return VLLMGenerator(VLLMGeneratorConfig(**ENGINE), _context(tmp_path_factory.mktemp("vllm"), policy))
+
+
+def _prompts(policy, texts):
+    return encode_prompts(policy.tokenizer, [{"prompt": t} for t in texts], "cpu")
+
+
+@torch.no_grad()
+def _logprobs(model, suppressed, prompt_ids, prompt_mask, out, temperature=TEMPERATURE):
+    """transformers' log-probs of the sampled tokens at the temperature, the suppressed ids masked."""
+    input_ids = torch.cat([prompt_ids, out.response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, out.response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, prompt_ids.shape[1] - 1:-1]
+    logits = logits.float() / temperature
+    logits[..., list(suppressed)] = float("-inf")
+    return logprobs_from_logits(logits, out.response_ids)
+
+
+def _max_gap(policy, prompt_ids, prompt_mask, out) -> float:
+    expected = _logprobs(policy.model, policy.suppressed_token_ids, prompt_ids, prompt_mask, out)
+    mask = out.response_mask.bool()
+    return float((expected - out.logprobs)[mask].abs().max())
+
+
+TEXTS = ["the quick", "the quick", "the quick", "hello world", "hello world", "abc", "summarise the document:", "x"]
+
+
+def test_sampled_logprobs_match_transformers_before_and_after_pushes(policy, generator, capsys):
+    prompt_ids, prompt_mask = _prompts(policy, TEXTS)
+    gaps = []
+    torch.manual_seed(0)
+    for push in range(4):
+        if push:
+            with torch.no_grad():
+                for p in policy.model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+        generator.sync_weights(policy)
+        out = generator.generate(prompt_ids, prompt_mask)
+        assert out.response_mask.sum() > len(TEXTS)
+        gaps.append(_max_gap(policy, prompt_ids, prompt_mask, out))
+    with capsys.disabled():
+        print(f"\nvLLM (CPU) vs transformers, max |log-prob gap| per push (full weights): {', '.join(f'{g:.1e}' for g in gaps)}")
+    assert max(gaps) < LOGPROB_TOLERANCE
+    assert generator.metrics()["time/weight_sync"] > 0
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's goodness-of-fit p-value; the tokens with an expected count under 5 pooled into one bin."""
+    expected = probs * counts.sum()
+    rare = expected < 5
+    observed = torch.cat([counts[~rare], counts[rare].sum(dim=0, keepdim=True)])
+    expected = torch.cat([expected[~rare], expected[rare].sum(dim=0, keepdim=True)])
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor(len(observed) - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, statistic / 2))  # the chi-square survival function
+
+
+def test_same_first_token_distribution_as_the_hf_generator(policy, generator):
+    """3000 first tokens from each generator after one prompt, each against π/T itself: both fit,
+    and they fit each other's counts (a two-sample check on the same bins)."""
+    draws = 3000
+    prompt_ids, prompt_mask = _prompts(policy, ["the quick"] * draws)
+    generator.sync_weights(policy)
+    torch.manual_seed(1)
+    ours = generator.generate(prompt_ids, prompt_mask).response_ids[:, 0]
+    hf = HFGenerator(HFGeneratorConfig(max_new_tokens=1, temperature=TEMPERATURE), _context(".", policy)).generate(prompt_ids[:1].expand(draws, -1), prompt_mask[:1].expand(draws, -1)).response_ids[:, 0]
+    with torch.no_grad():
+        logits = policy.model(prompt_ids[:1], attention_mask=prompt_mask[:1]).logits[0, -1].float() / TEMPERATURE
+    logits[list(policy.suppressed_token_ids)] = float("-inf")
+    probs = torch.softmax(logits.double(), dim=-1)
+    assert probs.max() > 0.05, "the test needs a distribution far from uniform"
+    vocab = len(probs)
+    counts = {name: torch.bincount(ids, minlength=vocab).double() for name, ids in [("vllm", ours), ("hf", hf)]}
+    assert _chi_square_p(counts["vllm"], probs) > P_VALUE
+    assert _chi_square_p(counts["hf"], probs) > P_VALUE
+    total_variation = 0.5 * float((counts["vllm"] - counts["hf"]).abs().sum()) / draws
+    assert total_variation < 0.1  # two samples of 3000 from one distribution of this shape: about 0.05
+    # the test can fail: at another temperature the same draws do not fit
+    hotter = torch.softmax(logits.double() * TEMPERATURE / 1.2, dim=-1)
+    assert _chi_square_p(counts["vllm"], hotter) < P_VALUE
+
+
+def test_the_pad_is_never_sampled_and_responses_stop_on_either_end_id(policy, generator):
+    prompt_ids, prompt_mask = _prompts(policy, TEXTS * 40)
+    generator.sync_weights(policy)
+    out = generator.generate(prompt_ids, prompt_mask)
+    counted = out.response_ids[out.response_mask.bool()]
+    assert policy.tokenizer.pad_token_id not in counted.tolist()  # the likeliest token, masked
+    ends = torch.tensor(policy.eos_token_ids)
+    lengths = out.response_mask.sum(dim=1)
+    last = out.response_ids.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
+    ended = torch.isin(last, ends)
+    assert bool(((lengths == MAX_NEW) | ended).all()), "a response shorter than max_new_tokens ends on an end id"
+    assert {int(t) for t in last[ended]} == set(policy.eos_token_ids), "both end ids seen ending responses"
+    inside = [row[: n - 1] for row, n in zip(out.response_ids, lengths)]
+    assert not any(torch.isin(row, ends).any() for row in inside), "nothing after the first end id"
+
+
+def test_n_samples_per_prompt_come_back_in_order_and_differ(policy, generator):
+    prompt_ids, prompt_mask = _prompts(policy, ["the quick"] * 6 + ["hello world"] * 6)
+    generator.sync_weights(policy)
+    out = generator.generate(prompt_ids, prompt_mask)
+    assert out.response_ids.shape[0] == 12
+    for group in (out.response_ids[:6], out.response_ids[6:]):
+        assert len({tuple(row.tolist()) for row in group}) > 1
+    assert _max_gap(policy, prompt_ids, prompt_mask, out) < LOGPROB_TOLERANCE  # each row's log-probs belong to its own prompt
+
+
+def test_greedy_with_repeated_prompts_matches_transformers_greedy(policy, generator):
+    """vLLM refuses n > 1 at temperature 0: repeated prompts go one request each."""
+    prompt_ids, prompt_mask = _prompts(policy, TEXTS)
+    generator.sync_weights(policy)
+    ours = generator.generate(prompt_ids, prompt_mask, greedy=True)
+    hf = HFGenerator(HFGeneratorConfig(max_new_tokens=MAX_NEW), _context(".", policy)).generate(prompt_ids, prompt_mask, greedy=True)
+    assert torch.equal(ours.response_ids, hf.response_ids) and torch.equal(ours.response_mask, hf.response_mask)
+
+
+def test_the_trainers_autocast_does_not_reach_the_engine(policy, generator):
+    """`mixed_precision = "bf16"` on a CPU: generation runs inside the trainer's autocast."""
+    prompt_ids, prompt_mask = _prompts(policy, TEXTS)
+    generator.sync_weights(policy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generator.generate(prompt_ids, prompt_mask)
+    assert _max_gap(policy, prompt_ids, prompt_mask, out) < LOGPROB_TOLERANCE
+
+
+def test_a_push_that_leaves_weights_out_is_refused(policy, generator):
+    """What a dropped weight would do silently: vLLM keeps its placeholder (or, for the rest of a
+    layer given only part of its tensors, uninitialised memory)."""
+    from rlkit_core.errors import RunError
+    from rlkit_plugins.vllm_generator import vllm_weights
+
+    partial = [(name, w) for name, w in vllm_weights(policy.model) if name == "transformer.h.0.attn.c_attn.weight"]
+    with pytest.raises(RunError, match="the weight push left .* of vLLM's weights unloaded"):
+        generator.engine.load_weights(iter(partial))
+    generator.sync_weights(policy)  # whole again for the tests after this one
+
+
+# --- LoRA on several layers, and the trainer's random streams ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_policy(tmp_path_factory):
+    policy = _policy(_write_model(tmp_path_factory.mktemp("gpt2-4-layers"), layers=4, seed=1),
+                     lora_r=4, lora_target_modules=["c_attn", "c_fc"])
+    _move_lora(policy)
+    return policy
+
+
+def _move_lora(policy, scale=0.3):
+    """As after training: B ≠ 0 (peft starts it at 0)."""
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * scale)
+
+
+def test_a_lora_policys_every_adapted_layer_reaches_the_engine(lora_policy, tmp_path, capsys):
+    """The engine's log-probs are the merged model's, before and after more pushes; the engine's
+    start leaves the trainer's random streams where they were (vLLM seeds them as it starts)."""
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    generator = VLLMGenerator(VLLMGeneratorConfig(**ENGINE), _context(tmp_path, lora_policy, seed=0))
+    assert torch.equal(torch.get_rng_state(), state)
+    prompt_ids, prompt_mask = _prompts(lora_policy, TEXTS)
+    gaps = []
+    for push in range(3):
+        if push:
+            _move_lora(lora_policy, 0.1)
+        generator.sync_weights(lora_policy)
+        out = generator.generate(prompt_ids, prompt_mask)
+        merged = copy.deepcopy(lora_policy.model).merge_and_unload()
+        expected = _logprobs(merged, lora_policy.suppressed_token_ids, prompt_ids, prompt_mask, out)
+        gaps.append(float((expected - out.logprobs)[out.response_mask.bool()].abs().max()))
+    with capsys.disabled():
+        print(f"\nvLLM (CPU) vs the merged LoRA model, max |log-prob gap| per push: {', '.join(f'{g:.1e}' for g in gaps)}")
+    assert max(gaps) < LOGPROB_TOLERANCE
+
+
+# --- rlkit run, end to end ------------------------------------------------------------------------------
+
+
+def _run(document, tmp_path, name) -> list[dict]:
+    from conftest import to_toml
+
+    document = copy.deepcopy(document)
+    document["run"]["output_dir"] = str(tmp_path / name)
+    recipe = tmp_path / f"{name}.toml"
+    recipe.write_text(to_toml(document))
+    rlkit = str(Path(sys.executable).parent / "rlkit")
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([rlkit, "run", str(recipe)], capture_output=True, text=True, timeout=600, env=environment)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "score/mean" in row]  # the training iterations
+
+
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory):
+    """The conftest model with 32-wide heads (vLLM's CPU attention has no 16-wide kernel)."""
+    from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("byte-gpt2")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=384, n_positions=128, n_embd=64, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1,
+                               pad_token_id=0)).save_pretrained(path)
+    ByT5Tokenizer().save_pretrained(path)
+    return path
+
+
+def test_rlkit_run_trains_with_the_vllm_generator_like_with_hf(recipe_document, byte_model, tmp_path, capsys):
+    """The conftest recipe (rewarded for lowercase letters) for a few iterations with each
+    generator on one seed: the reward rises with both, by about as much."""
+    recipe_document["policy"]["model"] = str(byte_model)
+    recipe_document["run"].update(steps=10, device="cpu")
+    recipe_document["ppo"].update(batch_size=32, minibatch_size=16)
+    recipe_document["optim"]["learning_rate"] = 1e-2
+    recipe_document["kl"] = {"type": "fixed", "beta": 0.0}
+    hf = _run(recipe_document, tmp_path, "hf")
+    recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8, "gpu_memory_fraction": 0.02}
+    ours = _run(recipe_document, tmp_path, "vllm")
+
+    def reward(rows, at):
+        return sum(row["score/mean"] for row in rows[at]) / len(rows[at])
+
+    early, late = slice(0, 3), slice(-3, None)
+    gains = {name: reward(rows, late) - reward(rows, early) for name, rows in [("hf", hf), ("vllm", ours)]}
+    with capsys.disabled():
+        print(f"\nrlkit run, reward gain over 10 iterations: hf {gains['hf']:+.3f}, vllm {gains['vllm']:+.3f}; "
+              f"vllm check/logprob_gap max {max(row['check/logprob_gap'] for row in ours):.1e}")
+    assert gains["hf"] > 0.2 and gains["vllm"] > 0.2
+    assert abs(gains["vllm"] - gains["hf"]) < 0.5 * gains["hf"]
+    assert max(row["check/logprob_gap"] for row in ours) < LOGPROB_TOLERANCE
+    assert all(row["time/weight_sync"] > 0 for row in ours)
+
+
+def test_two_processes_under_torchrun_each_run_an_engine_of_their_own(recipe_document, byte_model, tmp_path):
+    """vLLM's external launcher: each gloo rank starts its own engine (data parallel, no weights
+    shared), pushes its own copy of the weights and samples its own prompts."""
+    from test_scaling import rlkit_script, torchrun
+
+    recipe_document["policy"]["model"] = str(byte_model)
+    recipe_document["run"].update(device="cpu", output_dir=str(tmp_path / "run"))
+    recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8, "gpu_memory_fraction": 0.02}
+    recipe = tmp_path / "recipe.toml"
+    from conftest import to_toml
+
+    recipe.write_text(to_toml(recipe_document))
+    torchrun(rlkit_script(), "run", str(recipe), "--quiet", environment={"OMP_NUM_THREADS": "1"})
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "score/mean" in row]
+    assert len(rows) == 2 and all(row["check/logprob_gap"] < LOGPROB_TOLERANCE and row["time/weight_sync"] > 0 for row in rows)
