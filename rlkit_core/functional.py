@@ -291,8 +291,8 @@ def importance_weights(
     ρ = π_old / π_sampler corrects for it (Yao et al. 2025, "Your efficient RL framework secretly
     brings you off-policy RL training"). `level = "token"` takes each token's own ρ_t;
     "sequence" the response's ρ = Π_t ρ_t, the weight of the whole sampled response, on each of its
-    tokens (unbiased for a reward on the response, where a product of token weights is not
-    approximated by each factor alone). `mode = "truncate"` (TIS) uses min(ρ, cap), which bounds
+    tokens: the reward is one per response, and only the product corrects its distribution
+    without bias, at a higher variance. `mode = "truncate"` (TIS) uses min(ρ, cap), which bounds
     the variance rare tokens with a tiny sampler probability bring; "mask" (MIS) uses ρ where
     ρ ≤ cap and 0 above, dropping those tokens or responses outright (the sequence-level forms,
     compared in Qi et al. 2025, "Defeating the Training-Inference Mismatch via FP16",
@@ -316,8 +316,8 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor
     tokens -> [B] penalties ≥ 0, to subtract from the scores.
 
     0 up to max_length - buffer tokens, then rising linearly to `factor` at max_length:
-    factor · (length - (max_length - buffer)) / buffer. A response cut at the limit is then
-    punished gradually, rather than the same for one token too many as for a hundred.
+    factor · (length - (max_length - buffer)) / buffer. Responses that approach the limit are
+    punished by how far into the buffer they run, not all alike, so the signal is graded.
     """
     start = max_length - buffer
     return factor * (lengths.float() - start).clamp(min=0) / buffer

@@ -237,6 +237,21 @@ def test_the_engine_starts_from_the_policys_config_with_placeholder_weights(tiny
     assert started["settings"]["max_model_len"] == 64  # the model's context: no prompt limit without a recipe
 
 
+def test_each_process_starts_its_engine_with_its_own_seed(tiny_model, tmp_path, monkeypatch):
+    """Under torchrun: rank 1 of 2 gets the external launcher and the trainer's sampling seed for rank 1."""
+    from rlkit_core.distributed import sampling_seed
+
+    started = {}
+    monkeypatch.setattr(vllm_generator, "missing_here", lambda config, device: [])
+    monkeypatch.setattr(vllm_generator, "InProcessEngine", lambda settings, sampling, cuda_devices: started.update(settings))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=3, policy=_policy(tiny_model, tmp_path))
+    VLLMGenerator(VLLMGeneratorConfig(), context)
+    assert started["seed"] == sampling_seed(3, 1) != 3
+    assert started["distributed_executor_backend"] == "external_launcher" and started["data_parallel_size"] == 2
+
+
 # --- weight names --------------------------------------------------------------------------------------
 
 
