@@ -105,6 +105,7 @@ def test_the_default_recipe_trips_nothing():
 
 
 def test_stop_on_names_checks():
+    assert all(hasattr(DEFAULTS, name) for name in CHECKS)  # every check has its setting (and off switch)
     assert HealthMonitor(HealthConfig(stop_on=["all"])).stops(detect(DEFAULTS, [{**HEALTHY, "score/std": 0.0}])).check == \
         "zero_reward_variance"
     assert HealthMonitor(HealthConfig(stop_on=["zero_gradients"])).stops(detect(DEFAULTS, [{**HEALTHY, "score/std": 0.0}])) is None
