@@ -39,7 +39,7 @@ class HealthConfig:
     logprob_gap_jump: float = setting(10.0, help="warn when check/logprob_gap exceeds this many times its mean over the earlier iterations (and logprob_gap_floor): the generator samples from other weights than the policy's; 0: off", validator=at_least(0))
     logprob_gap_floor: float = setting(0.05, help="a check/logprob_gap below this (nats per token) never counts as a jump", validator=at_least(0))
     entropy_collapse: float = setting(0.05, help="warn when train/entropy falls below this share of the first iteration's: the policy samples almost deterministically; 0: off", validator=between(0.0, 1.0))
-    kl_over_target: float = setting(3.0, help="warn when kl/ref exceeds this many times the KL controller's target (controllers with a target only); 0: off", validator=at_least(0))
+    kl_over_target: float = setting(10.0, help="warn when kl/ref exceeds this many times the KL controller's target (controllers with a target only; the default recipe peaks at 5); 0: off", validator=at_least(0))
     zero_gradients: bool = setting(True, help="warn when an iteration's gradient norm is exactly zero although its steps were finite: the loss does not depend on the weights")
     stop_on: list[str] = setting(factory=list, help="checks that stop the run when they fire (checkpoint, exit 3), by name or 'all'", validator=_names)
 
