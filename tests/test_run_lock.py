@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from rlkit_core import checkpoint
 from rlkit_core.errors import RlkitError
 from rlkit_core.run_lock import LOCK, Holder, RunLock, read_holder, running
+from test_faults import wait_for
 
 ENV = {**os.environ, "RLKIT_PLUGINS": "none"}
 RUN = [sys.executable, "-m", "rlkit_core.cli", "run", "--quiet"]
@@ -24,14 +24,6 @@ RUN = [sys.executable, "-m", "rlkit_core.cli", "run", "--quiet"]
 def recipe_for(recipe_document, write_recipe, output_dir, name="recipe.toml", **run):
     document = dict(recipe_document, run={**recipe_document["run"], "output_dir": str(output_dir), **run})
     return write_recipe(document, name)
-
-
-def wait_for(condition, process, what, seconds=240):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert process.poll() is None, f"the run ended before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
-        time.sleep(0.05)
 
 
 def iterations(output_dir):
@@ -89,7 +81,7 @@ def test_a_sigkilled_holders_lock_is_taken_over_with_one_line(recipe_document, w
     output_dir = tmp_path / "killed"
     recipe = recipe_for(recipe_document, write_recipe, output_dir, steps=3)
     process = subprocess.Popen(RUN + [recipe], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(lambda: (output_dir / LOCK).exists(), process, "lock")
+    wait_for(process, lambda: (output_dir / LOCK).exists(), "lock")
     holder = read_holder(output_dir / LOCK)
     assert holder.pid == process.pid
     process.send_signal(signal.SIGKILL)
@@ -108,7 +100,7 @@ def test_the_lock_is_released_when_a_run_is_stopped_or_fails(recipe_document, wr
     output_dir = tmp_path / "stopped"
     recipe = recipe_for(recipe_document, write_recipe, output_dir, steps=50)
     process = subprocess.Popen(RUN + [recipe], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: (output_dir / "metrics.jsonl").exists(), process, "first iteration")
+    wait_for(process, lambda: (output_dir / "metrics.jsonl").exists(), "first iteration")
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 143, err[-2000:]
@@ -128,7 +120,7 @@ def test_two_processes_take_one_lock_and_verify_checkpoints_as_one_does(recipe_d
     output_dir = tmp_path / "two"
     recipe = recipe_for(recipe_document, write_recipe, output_dir, steps=2, checkpoint_every=1)
     launch = torchrun(recipe)
-    wait_for(lambda: (output_dir / LOCK).exists(), launch, "lock")
+    wait_for(launch, lambda: (output_dir / LOCK).exists(), "lock")
     holder = read_holder(output_dir / LOCK)
     assert holder.pid != launch.pid and running(holder)  # a worker's (the main process's), not the launcher's
     out, err = launch.communicate(timeout=300)

@@ -18,22 +18,17 @@ from rlkit_core.errors import RecipeError
 from rlkit_core.plugins import load_registry
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "rlkit-example-plugins"
-BROKEN_PYPROJECT = """\
-[build-system]
-requires = ["setuptools>=70.1"]
-build-backend = "setuptools.build_meta"
 
-[project]
-name = "rlkit-broken-demo"
-version = "0.0.1"
 
-[project.entry-points.rlkit]
-broken-demo = "rlkit_broken_demo"
-typo-demo = "rlkit_typo_demo"
+def demo_pyproject(distribution: str, entry_points: dict[str, str]) -> str:
+    """A plugin package's pyproject.toml: one module per entry point, built without isolation."""
+    points = "".join(f'{name} = "{module}"\n' for name, module in entry_points.items())
+    modules = ", ".join(f'"{module}"' for module in entry_points.values())
+    return (f'[build-system]\nrequires = ["setuptools>=70.1"]\nbuild-backend = "setuptools.build_meta"\n\n'
+            f'[project]\nname = "{distribution}"\nversion = "0.0.1"\n\n[project.entry-points.rlkit]\n{points}\n'
+            f'[tool.setuptools]\npy-modules = [{modules}]\n')
 
-[tool.setuptools]
-py-modules = ["rlkit_broken_demo", "rlkit_typo_demo"]
-"""
+
 TYPO_MODULE = """\
 from rlkit_core import hookimpl
 
@@ -142,7 +137,7 @@ def test_rlkit_plugins_selects_plugins_by_name(example):
 def test_a_plugin_that_fails_to_import_is_named_and_the_rest_still_work(request, tmp_path):
     source = tmp_path / "rlkit-broken-demo"
     source.mkdir()
-    (source / "pyproject.toml").write_text(BROKEN_PYPROJECT)
+    (source / "pyproject.toml").write_text(demo_pyproject("rlkit-broken-demo", {"broken-demo": "rlkit_broken_demo", "typo-demo": "rlkit_typo_demo"}))
     (source / "rlkit_broken_demo.py").write_text(f"raise ImportError({BROKEN_ERROR!r})\n")
     (source / "rlkit_typo_demo.py").write_text(TYPO_MODULE)
     install(request, source, "rlkit-broken-demo")
@@ -167,21 +162,6 @@ def test_a_plugin_that_fails_to_import_is_named_and_the_rest_still_work(request,
     assert f"plugins that failed to load: broken-demo (import failed: ImportError: {BROKEN_ERROR})" in str(caught.value)
 
 
-DATACLASS_PYPROJECT = """\
-[build-system]
-requires = ["setuptools>=70.1"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "rlkit-dataclass-demo"
-version = "0.0.1"
-
-[project.entry-points.rlkit]
-dataclass-demo = "rlkit_dataclass_demo"
-
-[tool.setuptools]
-py-modules = ["rlkit_dataclass_demo"]
-"""
 DATACLASS_MODULE = """\
 import dataclasses
 
@@ -202,7 +182,7 @@ def register_rewards(register):
 def test_a_plugin_with_a_dataclass_config_is_listed_broken_and_recipes_without_it_run(request, tmp_path, recipe_document, write_recipe):
     source = tmp_path / "rlkit-dataclass-demo"
     source.mkdir()
-    (source / "pyproject.toml").write_text(DATACLASS_PYPROJECT)
+    (source / "pyproject.toml").write_text(demo_pyproject("rlkit-dataclass-demo", {"dataclass-demo": "rlkit_dataclass_demo"}))
     (source / "rlkit_dataclass_demo.py").write_text(DATACLASS_MODULE)
     install(request, source, "rlkit-dataclass-demo")
 
