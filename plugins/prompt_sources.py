@@ -54,7 +54,7 @@ class JsonlPrompts(PromptSource):
         self.config = config
 
     @staticmethod
-    def check(config: JsonlConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: JsonlConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check` and the start of `rlkit run`: the file reads as records
         with a prompt (reading it is cheap next to a run)."""
         try:
@@ -98,11 +98,11 @@ class HFDatasetPrompts(PromptSource):
         self.config = config
 
     @staticmethod
-    def check(config: HFDatasetConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: HFDatasetConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check` and the start of `rlkit run`: every local data file is
         there (`datasets` would otherwise fail only after setting up its cache)."""
         missing = [pattern for pattern in config.data_files if "://" not in pattern and not glob.glob(pattern)]
-        return [f"$.data.data_files: no file matches {pattern!r} (relative paths start at the working directory)"
+        return [f"{where}.data_files: no file matches {pattern!r} (relative paths start at the working directory)"
                 for pattern in missing], []
 
     def load(self):

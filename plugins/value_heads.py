@@ -112,14 +112,14 @@ class SeparateValueHead(ValueHead):
         self.model.to(context.device)
 
     @staticmethod
-    def check(config: SeparateValueConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: SeparateValueConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check`: the critic's tokenizer against the policy's."""
         problems, notes = [], []
         policy_name = policy_tokenizer_name(recipe)
         if not policy_name:
             return problems, notes
         policy_tokenizer = check_tokenizer(policy_name, "$.policy.model", problems, notes)
-        critic_tokenizer = check_tokenizer(config.model, "$.value_head.model", problems, notes)
+        critic_tokenizer = check_tokenizer(config.model, f"{where}.model", problems, notes)
         if policy_tokenizer is not None and critic_tokenizer is not None:
             problem = critic_vocabulary_problem(config.model, policy_tokenizer, critic_tokenizer, len(critic_tokenizer))
             if problem:

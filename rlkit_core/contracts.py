@@ -112,7 +112,8 @@ class ComponentContract:
 
     @pytest.fixture
     def context(self, recipe, policy) -> BuildContext:
-        return BuildContext(recipe, torch.device("cpu"), recipe.run.output_dir, recipe.run.seed, policy=policy)
+        return BuildContext(recipe, torch.device("cpu"), recipe.run.output_dir, recipe.run.seed, policy=policy,
+                            where=f"$.{TABLE_OF_KIND[self.kind]}")
 
     @pytest.fixture
     def make(self, registered, structured_config, context):
@@ -337,7 +338,7 @@ class PolicyContract(ComponentContract):
     @pytest.fixture
     def context(self, recipe) -> BuildContext:
         """The policy is the first component a run builds: nothing else exists yet."""
-        return BuildContext(recipe, torch.device("cpu"), recipe.run.output_dir, recipe.run.seed)
+        return BuildContext(recipe, torch.device("cpu"), recipe.run.output_dir, recipe.run.seed, where="$.policy")
 
     def test_tokenizer_pads_with_a_token_that_ends_nothing(self, instance):
         tokenizer = instance.tokenizer
