@@ -225,3 +225,11 @@ def test_a_nested_reward_model_that_fails_to_load_names_its_own_place(broken_par
         BuildContext(recipe, torch.device("cpu"), "unused", 0).build(recipe["reward"])
     assert caught.value.problems == [f"$.reward.judge.model: no directory {str(no_model)!r}; give a local model directory "
                                      "(relative paths start at the working directory) or a hub name"]
+
+
+def test_a_prompt_source_check_locates_its_file_under_the_place_it_is_given(tmp_path):
+    from rlkit_plugins.prompt_sources import JsonlConfig, JsonlPrompts
+
+    missing = tmp_path / "gone.jsonl"
+    assert JsonlPrompts.check(JsonlConfig(path=str(missing)), None, "$.mix.sources[0]") == (
+        [f"$.mix.sources[0].path: no file {str(missing)!r} (relative paths start at the working directory)"], [])
