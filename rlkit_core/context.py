@@ -31,8 +31,9 @@ class BuildContext:
       (components are built in the order policy, advantage, value head, generator, reward, KL,
       loss, data, tracker).
     - `where`: the place of the table being built (`$.reward`, or `$.reward.parts[1]` for a nested
-      one), set by `build(choice)` while that factory runs. Locate the errors your factory raises
-      under it (`f"{context.where}.function: ..."`), so a nested part names its own place.
+      one), set by `build(choice)` while that factory runs (empty when a factory is called directly).
+      Locate the errors your factory raises under `building_at(context, "reward")`, which is
+      `where` or else the kind's top-level table, so a nested part names its own place.
     """
 
     recipe: Recipe
@@ -40,7 +41,7 @@ class BuildContext:
     output_dir: str
     seed: int
     policy: Policy | None = None  # set once the policy is built; the value head and generator need it
-    where: str = "$"  # the table `build` is building, restored when it returns (a nested build sets its own)
+    where: str = ""  # the table `build` is building, restored when it returns (a nested build sets its own)
 
     @property
     def registry(self) -> Registry:
@@ -66,5 +67,6 @@ class BuildContext:
 
 def building_at(context: BuildContext | None, table: str) -> str:
     """Where the component being built sits: `context.where`, or its top-level `$.<table>` when a
-    factory is called without a BuildContext (a script, a unit test)."""
-    return context.where if isinstance(context, BuildContext) else f"$.{table}"
+    factory is called other than through `BuildContext.build` (a script, a unit test)."""
+    where = context.where if isinstance(context, BuildContext) else ""
+    return where or f"$.{table}"

@@ -112,8 +112,7 @@ class ComponentContract:
 
     @pytest.fixture
     def context(self, recipe, policy) -> BuildContext:
-        return BuildContext(recipe, torch.device("cpu"), recipe.run.output_dir, recipe.run.seed, policy=policy,
-                            where=f"$.{TABLE_OF_KIND[self.kind]}")
+        return BuildContext(recipe, torch.device("cpu"), recipe.run.output_dir, recipe.run.seed, policy=policy)
 
     @pytest.fixture
     def make(self, registered, structured_config, context):
@@ -338,7 +337,7 @@ class PolicyContract(ComponentContract):
     @pytest.fixture
     def context(self, recipe) -> BuildContext:
         """The policy is the first component a run builds: nothing else exists yet."""
-        return BuildContext(recipe, torch.device("cpu"), recipe.run.output_dir, recipe.run.seed, where="$.policy")
+        return BuildContext(recipe, torch.device("cpu"), recipe.run.output_dir, recipe.run.seed)
 
     def test_tokenizer_pads_with_a_token_that_ends_nothing(self, instance):
         tokenizer = instance.tokenizer

@@ -214,7 +214,7 @@ def test_a_nested_part_that_fails_to_build_names_its_own_place(broken_parts, reg
         context.build(recipe["reward"])
     assert caught.value.problems == [f"$.reward.parts[1].function: no file {str(missing)!r} (relative paths start at the "
                                      "working directory)"]
-    assert context.where == "$"  # restored, so the next component is not reported at the failed part's place
+    assert context.where == ""  # restored, so the next component is not reported at the failed part's place
 
 
 def test_a_nested_reward_model_that_fails_to_load_names_its_own_place(broken_parts, registry, reward_file):
