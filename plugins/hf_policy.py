@@ -128,11 +128,11 @@ class HFPolicy(Policy):
         return self._model
 
     @staticmethod
-    def check(config: HFPolicyConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: HFPolicyConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check`: the tokenizer must load (a missing directory is named)."""
         problems, notes = [], []
-        where = "$.policy.tokenizer" if config.tokenizer else "$.policy.model"
-        check_tokenizer(config.tokenizer or config.model, where, problems, notes, config.trust_remote_code)
+        setting = f"{where}.tokenizer" if config.tokenizer else f"{where}.model"
+        check_tokenizer(config.tokenizer or config.model, setting, problems, notes, config.trust_remote_code)
         return problems, notes
 
     @staticmethod

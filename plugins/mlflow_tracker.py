@@ -121,27 +121,27 @@ class MLflowTracker(Tracker):
         self._names = {}  # metric name -> whether MLflow takes it
 
     @staticmethod
-    def check(config: MLflowConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: MLflowConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check` and the start of `rlkit run`: a URI MLflow cannot
         store to (an unknown scheme, a local store in a folder that is not there). Connects to
         nothing and creates nothing."""
         uri = _absolute_sqlite(config.uri)
         if urllib.parse.urlsplit(uri).password is not None:
-            return ["$.tracker.uri: holds a password, and the recipe is logged with the run; put the credentials in the "
+            return [f"{where}.uri: holds a password, and the recipe is logged with the run; put the credentials in the "
                     "environment instead (MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN)"], []
         if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).parent.is_dir():
             folder = Path(uri[len("sqlite:///"):]).parent
-            return [f"$.tracker.uri: {config.uri!r} puts the store in {str(folder)!r}, which is not a folder; "
+            return [f"{where}.uri: {config.uri!r} puts the store in {str(folder)!r}, which is not a folder; "
                     "create it, or use a path in an existing folder (sqlite:///mlflow.db is the working directory)"], []
         try:
             from mlflow.tracking._tracking_service.utils import _tracking_store_registry as stores  # MLflow's own table of schemes
 
             stores.get_store_builder(uri)
         except ImportError:
-            return [], ["$.tracker.uri: MLflow's table of URI schemes moved; the URI is checked when the run starts"]
+            return [], [f"{where}.uri: MLflow's table of URI schemes moved; the URI is checked when the run starts"]
         except Exception:
             schemes = ", ".join(f"{s}:" for s in sorted(getattr(stores, "_registry", {})) if s)
-            return [f"$.tracker.uri: MLflow cannot store to {config.uri!r}: it takes {schemes} URIs or a local path "
+            return [f"{where}.uri: MLflow cannot store to {config.uri!r}: it takes {schemes} URIs or a local path "
                     "(e.g. 'sqlite:///mlflow.db', 'http://host:5000'); set tracker.type = \"none\" to train without MLflow"], []
         return [], []
 

@@ -10,6 +10,7 @@ import attrs
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, setting
+from rlkit_core.context import building_at
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import PromptSource
 from rlkit_core.prompts import PromptLengthLimit
@@ -50,15 +51,16 @@ def _with_prompt(record: dict, field: str, where: str) -> dict:
 
 
 class JsonlPrompts(PromptSource):
-    def __init__(self, config: JsonlConfig, context=None):
+    def __init__(self, config: JsonlConfig, context=None, where: str = ""):
         self.config = config
+        self.where = where or building_at(context, "data")  # `where` when `check` reads the file
 
     @staticmethod
-    def check(config: JsonlConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: JsonlConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check` and the start of `rlkit run`: the file reads as records
         with a prompt (reading it is cheap next to a run)."""
         try:
-            JsonlPrompts(config).load()
+            JsonlPrompts(config, where=where).load()
         except RecipeError as exc:
             return exc.problems, []
         return [], []
@@ -66,11 +68,11 @@ class JsonlPrompts(PromptSource):
     def load(self):
         path = Path(self.config.path)
         if not path.is_file():
-            raise RecipeError([f"$.data.path: no file {str(path)!r} (relative paths start at the working directory)"])
+            raise RecipeError([f"{self.where}.path: no file {str(path)!r} (relative paths start at the working directory)"])
         try:
             return self._records(path)
         except UnicodeDecodeError as exc:
-            raise RecipeError([f"$.data.path: {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+            raise RecipeError([f"{self.where}.path: {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
                                "give a .jsonl file: one JSON object a line"]) from None
 
     def _records(self, path: Path) -> list[dict]:
@@ -89,36 +91,37 @@ class JsonlPrompts(PromptSource):
                 if self.config.limit and len(records) == self.config.limit:
                     break
         if not records:
-            raise RecipeError([f"$.data.path: {str(path)!r} holds no records; give a file with one JSON object a line"])
+            raise RecipeError([f"{self.where}.path: {str(path)!r} holds no records; give a file with one JSON object a line"])
         return records
 
 
 class HFDatasetPrompts(PromptSource):
     def __init__(self, config: HFDatasetConfig, context=None):
         self.config = config
+        self.where = building_at(context, "data")
 
     @staticmethod
-    def check(config: HFDatasetConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: HFDatasetConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check` and the start of `rlkit run`: every local data file is
         there (`datasets` would otherwise fail only after setting up its cache)."""
         missing = [pattern for pattern in config.data_files if "://" not in pattern and not glob.glob(pattern)]
-        return [f"$.data.data_files: no file matches {pattern!r} (relative paths start at the working directory)"
+        return [f"{where}.data_files: no file matches {pattern!r} (relative paths start at the working directory)"
                 for pattern in missing], []
 
     def load(self):
         try:
             import datasets
         except ImportError:
-            raise RecipeError(["$.data.type: 'hf-dataset' needs the datasets package: pip install 'rlkit[datasets]'"]) from None
+            raise RecipeError([f"{self.where}.type: 'hf-dataset' needs the datasets package: pip install 'rlkit[datasets]'"]) from None
         config = self.config
         kwargs = {"data_files": list(config.data_files)} if config.data_files else {}
         try:
             table = datasets.load_dataset(config.path, config.name or None, split=config.split, **kwargs)
         except (FileNotFoundError, ValueError) as exc:
-            raise RecipeError([f"$.data: cannot load {config.path!r} (split {config.split!r}): {str(exc).splitlines()[0]}"]) from None
+            raise RecipeError([f"{self.where}: cannot load {config.path!r} (split {config.split!r}): {str(exc).splitlines()[0]}"]) from None
         missing = [column for column in config.fields.values() if column not in table.column_names]
         if missing:
-            raise RecipeError([f"$.data.fields: no column {missing[0]!r} in {config.path!r} (columns: {', '.join(table.column_names)})"])
+            raise RecipeError([f"{self.where}.fields: no column {missing[0]!r} in {config.path!r} (columns: {', '.join(table.column_names)})"])
         if config.limit:
             table = table.select(range(min(config.limit, len(table))))
         renamed = {column: name for name, column in config.fields.items()}

@@ -43,6 +43,7 @@ import attrs
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, setting
+from rlkit_core.context import building_at
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import RewardSource
 
@@ -264,13 +265,13 @@ class HttpReward(RewardSource):
 
     def __init__(self, config: HttpRewardConfig, context=None):
         self.config = config
-        self.service = Service(config, "$.reward")
+        self.service = Service(config, building_at(context, "reward"))
 
     @staticmethod
-    def check(config: HttpRewardConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: HttpRewardConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes): the credentials' environment variables are set. Connects to nothing."""
         try:
-            environment_headers(config, "$.reward")
+            environment_headers(config, where)
         except RecipeError as exc:
             return exc.problems, []
         return [], []
@@ -326,11 +327,12 @@ class OpenAIJudge(RewardSource):
         self.config = config
         self.url = config.url.rstrip("/") + "/chat/completions"
         self.pattern = re.compile(config.score_pattern)
-        self.service = Service(config, "$.reward")
+        self.where = building_at(context, "reward")
+        self.service = Service(config, self.where)
 
     @staticmethod
-    def check(config: JudgeConfig, recipe) -> tuple[list[str], list[str]]:
-        return HttpReward.check(config, recipe)
+    def check(config: JudgeConfig, recipe, where: str) -> tuple[list[str], list[str]]:
+        return HttpReward.check(config, recipe, where)
 
     @staticmethod
     def probe(config: JudgeConfig, where: str) -> list[str]:
@@ -354,7 +356,7 @@ class OpenAIJudge(RewardSource):
 
         def fill(match):
             if match.group(1) not in values:
-                raise RecipeError([f"$.reward.template: {{{match.group(1)}}} is not prompt, response or a column of the data "
+                raise RecipeError([f"{self.where}.template: {{{match.group(1)}}} is not prompt, response or a column of the data "
                                    f"(columns: {', '.join(sorted(row)) or 'none'})"])
             return str(values[match.group(1)])
 

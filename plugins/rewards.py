@@ -14,6 +14,7 @@ import torch
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, greater_than, setting
+from rlkit_core.context import building_at
 from rlkit_core.errors import RecipeError
 from rlkit_core.hf_loading import LOAD_ERRORS, check_tokenizer, load_problem
 from rlkit_core.interfaces import RewardSource
@@ -141,29 +142,30 @@ def check_function_statically(spec: str, where: str) -> list[str]:
 class PythonReward(RewardSource):
     def __init__(self, config: PythonRewardConfig, context=None):
         self.name = config.function
-        self.function = import_function(config.function, "$.reward.function")
+        where = f"{building_at(context, 'reward')}.function"
+        self.function = import_function(config.function, where)
         parameters = inspect.signature(self.function).parameters
         self.takes_everything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         self.accepted = set(parameters)
-        problem = _signature_problem(config.function, "$.reward.function", self.accepted, self.takes_everything)
+        problem = _signature_problem(config.function, where, self.accepted, self.takes_everything)
         if problem:
             raise RecipeError([problem])
 
     @staticmethod
-    def check(config: PythonRewardConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: PythonRewardConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check`: the function exists and takes prompts and responses,
         read from its source without running it."""
         try:
-            return [], check_function_statically(config.function, "$.reward.function")
+            return [], check_function_statically(config.function, f"{where}.function")
         except RecipeError as exc:
             return exc.problems, []
 
     @staticmethod
-    def imports(config: PythonRewardConfig) -> list[str]:
+    def imports(config: PythonRewardConfig, where: str) -> list[str]:
         """The code `rlkit run` imports for this reward (listed by `rlkit check`)."""
         target, _, name = config.function.rpartition(":")
         what = f"the file {str(Path(target).resolve())!r}" if target.endswith(".py") else f"the module {target!r}"
-        return [f"{what} for its function {name!r} ($.reward.function)"]
+        return [f"{what} for its function {name!r} ({where}.function)"]
 
     def score(self, prompts, responses, **columns):
         if not self.takes_everything:
@@ -182,14 +184,15 @@ class RewardModel(RewardSource):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.config = config
+        where = building_at(context, "reward")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
             self.model = AutoModelForSequenceClassification.from_pretrained(config.model)
         except LOAD_ERRORS as exc:
-            raise RecipeError([load_problem(config.model, "$.reward.model", "a sequence classifier and its tokenizer", exc)]) from None
+            raise RecipeError([load_problem(config.model, f"{where}.model", "a sequence classifier and its tokenizer", exc)]) from None
         rows = self.model.get_input_embeddings().num_embeddings
         if len(self.tokenizer) > rows:
-            raise RecipeError([f"$.reward.tokenizer: {config.tokenizer or config.model!r} has {len(self.tokenizer)} tokens but "
+            raise RecipeError([f"{where}.tokenizer: {config.tokenizer or config.model!r} has {len(self.tokenizer)} tokens but "
                                f"the reward model's embedding has {rows} rows; give the tokenizer the model was trained with"])
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -200,10 +203,10 @@ class RewardModel(RewardSource):
         self.device = context.device
 
     @staticmethod
-    def check(config: RewardModelConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: RewardModelConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check`: the reward model's tokenizer must load."""
         problems, notes = [], []
-        check_tokenizer(config.tokenizer or config.model, "$.reward.tokenizer" if config.tokenizer else "$.reward.model", problems, notes)
+        check_tokenizer(config.tokenizer or config.model, f"{where}.tokenizer" if config.tokenizer else f"{where}.model", problems, notes)
         return problems, notes
 
     def token_ids(self, prompt: str, response: str, messages) -> list[int]:

@@ -14,6 +14,7 @@ import attrs
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
+from rlkit_core.context import building_at
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import PromptSource, RewardSource
 from rlkit_core.progress import Progress
@@ -75,9 +76,10 @@ class Rouge(RewardSource):
 
     def __init__(self, config: RougeConfig, context=None):
         self.config = config
+        self.where = building_at(context, "reward")
 
     def score(self, prompts, responses, **columns):
-        references = references_in(columns, self.config.reference_field, "$.reward.reference_field")
+        references = references_in(columns, self.config.reference_field, f"{self.where}.reference_field")
         return [summarize_task.summary_reward(r, ref, rouge_l_weight=self.config.rouge_l_weight)
                 + self.config.fact_bonus * summarize_task.fact_copied(r, ref) for r, ref in zip(responses, references)]
 

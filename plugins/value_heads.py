@@ -8,6 +8,7 @@ import torch
 
 from rlkit_core import hookimpl
 from rlkit_core.config import one_of, setting
+from rlkit_core.context import building_at
 from rlkit_core.errors import RecipeError
 from rlkit_core.hf_loading import LOAD_ERRORS, PAD_TOKEN, check_tokenizer, load_problem, vocabulary_mismatch
 from rlkit_core.interfaces import ValueHead
@@ -62,7 +63,7 @@ def policy_tokenizer_name(recipe) -> str:
     return getattr(config, "tokenizer", "") or getattr(config, "model", "")
 
 
-def critic_vocabulary_problem(model: str, policy_tokenizer, critic_tokenizer, critic_rows: int) -> str | None:
+def critic_vocabulary_problem(model: str, policy_tokenizer, critic_tokenizer, critic_rows: int, where: str) -> str | None:
     """The located reason a separate critic cannot read the policy's token ids, or None. rlkit's
     PAD does not count (the critic never sees it); a critic without tokenizer files is checked by
     size alone."""
@@ -75,7 +76,7 @@ def critic_vocabulary_problem(model: str, policy_tokenizer, critic_tokenizer, cr
         reason = f"its embedding table has {critic_rows} rows but the policy's tokenizer has {needed} tokens"
     if not reason:
         return None
-    return (f"$.value_head.model: {model!r}: {reason}; start the critic from a model with the policy's tokenizer, "
+    return (f"{where}.model: {model!r}: {reason}; start the critic from a model with the policy's tokenizer, "
             "or use value_head.type = 'shared'")
 
 
@@ -88,21 +89,22 @@ class SeparateValueHead(ValueHead):
     def __init__(self, config: SeparateValueConfig, context):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        where = building_at(context, "value_head")
         try:
             self.model = AutoModelForSequenceClassification.from_pretrained(config.model, num_labels=1)
         except LOAD_ERRORS as exc:
-            raise RecipeError([load_problem(config.model, "$.value_head.model", "a sequence classifier", exc)]) from None
+            raise RecipeError([load_problem(config.model, f"{where}.model", "a sequence classifier", exc)]) from None
         try:
             critic_tokenizer = AutoTokenizer.from_pretrained(config.model)
         except (OSError, ValueError):
             critic_tokenizer = None
         rows = self.model.get_input_embeddings().num_embeddings
-        problem = critic_vocabulary_problem(config.model, context.policy.tokenizer, critic_tokenizer, rows)
+        problem = critic_vocabulary_problem(config.model, context.policy.tokenizer, critic_tokenizer, rows, where)
         if problem:
             raise RecipeError([problem])
         self.score = getattr(self.model, "score", None)
         if not isinstance(self.score, torch.nn.Linear):
-            raise RecipeError([f"$.value_head.model: {config.model!r} has no linear `score` head to read per token; "
+            raise RecipeError([f"{where}.model: {config.model!r} has no linear `score` head to read per token; "
                                "use a decoder-style model (GPT-2, Llama, ...) or value_head.type = 'shared'"])
         if config.head_init == "zero":
             torch.nn.init.zeros_(self.score.weight)
@@ -112,16 +114,16 @@ class SeparateValueHead(ValueHead):
         self.model.to(context.device)
 
     @staticmethod
-    def check(config: SeparateValueConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: SeparateValueConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check`: the critic's tokenizer against the policy's."""
         problems, notes = [], []
         policy_name = policy_tokenizer_name(recipe)
         if not policy_name:
             return problems, notes
         policy_tokenizer = check_tokenizer(policy_name, "$.policy.model", problems, notes)
-        critic_tokenizer = check_tokenizer(config.model, "$.value_head.model", problems, notes)
+        critic_tokenizer = check_tokenizer(config.model, f"{where}.model", problems, notes)
         if policy_tokenizer is not None and critic_tokenizer is not None:
-            problem = critic_vocabulary_problem(config.model, policy_tokenizer, critic_tokenizer, len(critic_tokenizer))
+            problem = critic_vocabulary_problem(config.model, policy_tokenizer, critic_tokenizer, len(critic_tokenizer), where)
             if problem:
                 problems.append(problem)
         return problems, notes

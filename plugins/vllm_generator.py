@@ -39,6 +39,7 @@ from packaging.version import InvalidVersion, Version
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
+from rlkit_core.context import building_at
 from rlkit_core.distributed import sampling_seed
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import response_mask
@@ -442,7 +443,7 @@ class VLLMGenerator(Generator):
         problems = missing_here(self.config, context.device.type)
         if problems:
             raise RunError("the vllm generator cannot start here: " + "; ".join(problems))
-        if problems := recipe_problems(self.config):
+        if problems := recipe_problems(self.config, building_at(context, "generator")):
             raise RecipeError(problems)
         model = self.policy.model
         base = model.get_base_model() if is_peft(model) else model
@@ -502,20 +503,20 @@ class VLLMGenerator(Generator):
         return reported
 
     @staticmethod
-    def check(config: VLLMGeneratorConfig, recipe) -> tuple[list[str], list[str]]:
+    def check(config: VLLMGeneratorConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check`: what cannot work anywhere is a problem; the vLLM
         found here and what this machine lacks are notes (the recipe may be meant for another)."""
         found = installed_vllm()
         notes = [f"generator: vLLM found: {found}"] if found else []
         notes += [f"generator: the vLLM engine, which this machine cannot run: {lack}"
                   for lack in missing_here(config, recipe.run.device)]
-        return recipe_problems(config), notes
+        return recipe_problems(config, where), notes
 
 
-def recipe_problems(config: VLLMGeneratorConfig) -> list[str]:
-    """What cannot work on any machine."""
+def recipe_problems(config: VLLMGeneratorConfig, where: str) -> list[str]:
+    """What cannot work on any machine; `where` is the generator table's place."""
     if config.tensor_parallel_size > 1:
-        return [f"$.generator.tensor_parallel_size: {config.tensor_parallel_size} cannot work yet: the weight push hands vLLM "
+        return [f"{where}.tensor_parallel_size: {config.tensor_parallel_size} cannot work yet: the weight push hands vLLM "
                 "a function that reaches the model in this process, and with tensor parallelism the model lives in vLLM's "
                 "worker processes (the function and its tensors would be pickled through its queue); set it to 1 "
                 "(under torchrun or accelerate launch each process runs an engine of its own)"]

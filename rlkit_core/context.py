@@ -30,6 +30,10 @@ class BuildContext:
     - `policy` and `tokenizer`: None while the policy itself is built, then set for every other kind
       (components are built in the order policy, advantage, value head, generator, reward, KL,
       loss, data, tracker).
+    - `where`: the place of the table being built (`$.reward`, or `$.reward.parts[1]` for a nested
+      one), set by `build(choice)` while that factory runs (empty when a factory is called directly).
+      Locate the errors your factory raises under `building_at(context, "reward")`, which is
+      `where` or else the kind's top-level table, so a nested part names its own place.
     """
 
     recipe: Recipe
@@ -37,6 +41,7 @@ class BuildContext:
     output_dir: str
     seed: int
     policy: Policy | None = None  # set once the policy is built; the value head and generator need it
+    where: str = ""  # the table `build` is building, restored when it returns (a nested build sets its own)
 
     @property
     def registry(self) -> Registry:
@@ -48,9 +53,20 @@ class BuildContext:
 
     def build(self, choice: ComponentChoice) -> Any:
         """The component a checked table describes, built by its factory and checked to implement its kind."""
-        instance = choice.component.factory(choice.config, self)
+        outer, self.where = self.where, f"$.{choice.table}"
+        try:
+            instance = choice.component.factory(choice.config, self)
+        finally:
+            self.where = outer
         interface = KINDS[choice.component.kind]
         if not isinstance(instance, interface):
             raise RecipeError([Problem(f"$.{choice.table}.type", f"{choice.component.name!r} from plugin {choice.component.plugin!r} "
                                        f"built a {type(instance).__name__}, which is not a {interface.__name__}; the plugin is broken")])
         return instance
+
+
+def building_at(context: BuildContext | None, table: str) -> str:
+    """Where the component being built sits: `context.where`, or its top-level `$.<table>` when a
+    factory is called other than through `BuildContext.build` (a script, a unit test)."""
+    where = context.where if isinstance(context, BuildContext) else ""
+    return where or f"$.{table}"

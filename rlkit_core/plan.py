@@ -57,7 +57,8 @@ def preflight(recipe: Recipe) -> tuple[list[str], list[str]]:
 def code_it_runs(recipe: Recipe) -> list[str]:
     """The third-party code a run imports: every installed plugin that loaded (RLKIT_PLUGINS
     chooses them), and the files the recipe names for components that import them (a factory's
-    `imports(config)`, e.g. the `python` reward's function). `rlkit check` imports none of the files."""
+    `imports(config, where)`, e.g. the `python` reward's function), nested tables included.
+    `rlkit check` imports none of the files."""
     from rlkit_core.plugins import BUILTIN_DISTRIBUTION
 
     registry = recipe.registry
@@ -66,7 +67,7 @@ def code_it_runs(recipe: Recipe) -> list[str]:
     for top in recipe.components.values():
         for choice in with_nested(top):
             imports = getattr(choice.component.factory, "imports", None)
-            lines += [f"[{choice.table}] imports {what}" for what in (imports(choice.config) if imports else [])]
+            lines += [f"[{choice.table}] imports {what}" for what in (imports(choice.config, f"$.{choice.table}") if imports else [])]
     return lines
 
 
@@ -79,16 +80,18 @@ def remote_code_warnings(recipe: Recipe) -> list[str]:
 
 
 def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:
-    """(problems, notes) from every component whose factory has a `check(config, recipe)`: what
-    would fail at run time across tables (a critic that cannot read the policy's ids, a reward
-    model's tokenizer that does not load), found before any weights are loaded."""
+    """(problems, notes) from every component, nested ones included, whose factory has a
+    `check(config, recipe, where)` (`where` is the table's place, `$.reward.parts[1]`): what would
+    fail at run time across tables (a critic that cannot read the policy's ids, a reward model's
+    tokenizer that does not load), found before any weights are loaded."""
     problems, notes = [], []
-    for choice in recipe.components.values():
-        check = getattr(choice.component.factory, "check", None)
-        if check:
-            found, said = check(choice.config, recipe)
-            problems += found
-            notes += said
+    for top in recipe.components.values():
+        for choice in with_nested(top):
+            check = getattr(choice.component.factory, "check", None)
+            if check:
+                found, said = check(choice.config, recipe, f"$.{choice.table}")
+                problems += found
+                notes += said
     return problems, notes
 
 

@@ -70,7 +70,7 @@ def test_python_reward_check_reads_the_source_and_runs_none_of_it(tmp_path, monk
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def check(name):
-        return PythonReward.check(PythonRewardConfig(function=f"acme_rewards.scores:{name}"), recipe=None)
+        return PythonReward.check(PythonRewardConfig(function=f"acme_rewards.scores:{name}"), recipe=None, where="$.reward")
 
     assert check("good") == ([], [])
     problems, _ = check("narrow")

@@ -174,3 +174,62 @@ def test_the_plan_and_the_run_inventory_name_every_nested_component(mix_document
     rows = [(row["table"], row["type"], row["plugin"]) for row in inventory_rows(parse_recipe(mix_document, registry))]
     assert rows[3:7] == [("reward", "mix", "mix"), ("reward.parts.0", "python", "rewards"),
                          ("reward.parts.1", "python", "rewards"), ("reward.judge", "python", "rewards")]
+
+
+@pytest.fixture
+def broken_parts(mix_document, tmp_path):
+    """A python part whose file is not there, and a reward-model judge whose model folder is not there."""
+    missing = tmp_path / "gone.py"
+    mix_document["reward"]["parts"][1] = {"type": "python", "function": f"{missing}:score"}
+    mix_document["reward"]["judge"] = {"type": "reward-model", "model": str(tmp_path / "no-model")}
+    return mix_document, missing, tmp_path / "no-model"
+
+
+def test_the_static_checks_run_on_nested_tables_and_name_their_place(broken_parts, registry):
+    from rlkit_core.plan import preflight
+
+    document, missing, no_model = broken_parts
+    problems, _ = preflight(parse_recipe(document, registry))
+    assert problems == [
+        f"$.reward.parts[1].function: no file {str(missing)!r} (relative paths start at the working directory)",
+        f"$.reward.judge.model: no directory {str(no_model)!r}; give a local model directory (relative paths start at the "
+        "working directory) or a hub name",
+    ]
+
+
+def test_the_plan_lists_a_nested_parts_import_at_its_own_place(mix_document, registry, reward_file):
+    from rlkit_core.plan import code_it_runs
+
+    lines = code_it_runs(parse_recipe(mix_document, registry))
+    assert (f"[reward.parts[1]] imports the file {str(reward_file.resolve())!r} for its function 'lowercase_share' "
+            "($.reward.parts[1].function)") in lines
+    assert lines[-1].endswith("($.reward.judge.function)")
+
+
+def test_a_nested_part_that_fails_to_build_names_its_own_place(broken_parts, registry):
+    document, missing, _ = broken_parts
+    recipe = parse_recipe(document, registry)
+    context = BuildContext(recipe, torch.device("cpu"), "unused", 0)
+    with pytest.raises(RecipeError) as caught:
+        context.build(recipe["reward"])
+    assert caught.value.problems == [f"$.reward.parts[1].function: no file {str(missing)!r} (relative paths start at the "
+                                     "working directory)"]
+    assert context.where == ""  # restored, so the next component is not reported at the failed part's place
+
+
+def test_a_nested_reward_model_that_fails_to_load_names_its_own_place(broken_parts, registry, reward_file):
+    document, _, no_model = broken_parts
+    document["reward"]["parts"][1] = {"type": "python", "function": f"{reward_file}:lowercase_share"}
+    recipe = parse_recipe(document, registry)
+    with pytest.raises(RecipeError) as caught:
+        BuildContext(recipe, torch.device("cpu"), "unused", 0).build(recipe["reward"])
+    assert caught.value.problems == [f"$.reward.judge.model: no directory {str(no_model)!r}; give a local model directory "
+                                     "(relative paths start at the working directory) or a hub name"]
+
+
+def test_a_prompt_source_check_locates_its_file_under_the_place_it_is_given(tmp_path):
+    from rlkit_plugins.prompt_sources import JsonlConfig, JsonlPrompts
+
+    missing = tmp_path / "gone.jsonl"
+    assert JsonlPrompts.check(JsonlConfig(path=str(missing)), None, "$.mix.sources[0]") == (
+        [f"$.mix.sources[0].path: no file {str(missing)!r} (relative paths start at the working directory)"], [])

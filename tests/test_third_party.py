@@ -118,6 +118,19 @@ def test_rlkit_check_names_where_each_component_comes_from(example_recipe, monke
     assert "[reward] weighted-sum   from example-weighted-sum (rlkit-example-plugins 0.1.0)" in plan
 
 
+def test_rlkit_check_checks_the_parts_nested_in_a_third_party_reward(example, example_recipe, monkeypatch, capsys):
+    monkeypatch.delenv("RLKIT_PLUGINS", raising=False)
+    toy = example / "tests" / "toy_rewards.py"
+    assert main(["check", example_recipe]) == 0
+    plan = capsys.readouterr().out
+    assert f"[reward.parts[1]] imports the file {str(toy.resolve())!r} for its function 'exclamations' ($.reward.parts[1].function)" in plan
+    missing = example / "tests" / "gone.py"
+    Path(example_recipe).write_text(Path(example_recipe).read_text().replace(str(toy), str(missing)))
+    assert main(["check", example_recipe]) == 2
+    assert (f"$.reward.parts[1].function: no file {str(missing)!r} (relative paths start at the working directory)"
+            in capsys.readouterr().err)
+
+
 def test_rlkit_plugins_none_hides_the_example(example_recipe, monkeypatch, capsys):
     monkeypatch.setenv("RLKIT_PLUGINS", "none")
     assert main(["check", example_recipe]) == 2

@@ -14,7 +14,8 @@
 
 Each part is a reward table: `type`, that reward's own settings and an optional `weight` (default
 1). rlkit checks every part against its own reward's config class when it reads the recipe, so
-`rlkit check` finds a misspelled part (`$.reward.parts[1].wieght`) before anything is built.
+`rlkit check` finds a misspelled part (`$.reward.parts[1].wieght`) before anything is built, and
+runs each part's own checks at its place (`$.reward.parts[0].function: no file ...`).
 """
 
 from __future__ import annotations
