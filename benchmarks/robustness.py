@@ -35,7 +35,7 @@ def lowercase_share(prompts, responses):
 
 
 def summarize_document(seed: int, folder: Path, steps: int) -> dict:
-    from rlkit_core.recipe import tomllib
+    from rlkit_core.recipe.document import tomllib
 
     document = tomllib.loads((ROOT / "recipes" / "ppo_summarize.toml").read_text())
     document["run"].update(seed=seed, output_dir=str(folder / "run"), checkpoint_every=0)
@@ -82,9 +82,9 @@ def figures(task: str, history: list[dict]) -> dict[str, float]:
 
 
 def run_task(task: str, seeds: list[int], steps: int, overrides: list[str]) -> dict:
-    from rlkit_core.plugins import load_registry
-    from rlkit_core.recipe import apply_overrides, parse_recipe
-    from rlkit_core.run import run_recipe
+    from rlkit_core.recipe.plugins import load_registry
+    from rlkit_core.recipe.document import apply_overrides, parse_recipe
+    from rlkit_core.runtime.run import run_recipe
 
     build, _ = TASKS[task]
     registry = load_registry()

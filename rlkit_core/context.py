@@ -12,14 +12,14 @@ from rlkit_core.interfaces import KINDS
 
 if TYPE_CHECKING:
     from rlkit_core.interfaces import Policy
-    from rlkit_core.recipe import ComponentChoice, Recipe
-    from rlkit_core.registry import Registry
+    from rlkit_core.recipe.document import ComponentChoice, Recipe
+    from rlkit_core.recipe.registry import Registry
 
 
 @attrs.define
 class BuildContext:
     """Everything a factory `factory(config, context)` may rely on, in `rlkit run` and in the
-    contract tests (`rlkit_core.contracts`) alike:
+    contract tests (`rlkit_core.testing.contracts`) alike:
 
     - `recipe`: the whole checked recipe the run trains. Read other tables for facts about the run
       (`recipe.run.steps` is its length in iterations, `recipe.ppo.batch_size` the rollouts per

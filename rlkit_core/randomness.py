@@ -10,6 +10,14 @@ from __future__ import annotations
 
 import torch
 
+SEED_STRIDE = 1_000_003
+
+
+def sampling_seed(seed: int, process_index: int) -> int:
+    """Process 0 keeps the run seed (a single process samples as it always did); the others get
+    their own streams, derived from it, so that they do not draw the same responses."""
+    return seed + SEED_STRIDE * process_index
+
 
 def seeded_generator(seed: int, index: int) -> torch.Generator:
     """A CPU generator for stream `index` of a run seeded with `seed`. The large prime keeps the

@@ -98,6 +98,6 @@ def write_recipe(tmp_path):
 
 @pytest.fixture(scope="session")
 def registry():
-    from rlkit_core.plugins import load_registry
+    from rlkit_core.recipe.plugins import load_registry
 
     return load_registry(environ={"RLKIT_PLUGINS": "none"})

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from rlkit_core.plugins import load_registry
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.trainer import Trainer
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.runtime.trainer import Trainer
 
 
 def flat_weights(trainer) -> torch.Tensor:

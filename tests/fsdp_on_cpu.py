@@ -57,7 +57,7 @@ def main(kind: str, *args: str) -> None:
 
         distributed_worker.main(*args)
     elif kind == "rlkit":
-        from rlkit_core.cli import main as rlkit
+        from rlkit_core.runtime.cli import main as rlkit
 
         sys.exit(rlkit(list(args)))
     else:  # a script, e.g. benchmarks/memory.py

@@ -3,7 +3,7 @@
 Every case must end with exit code 2, a message that names the place and the fix, no traceback,
 and the disk exactly as it was: the working directory, the files the recipe points at, the MLflow
 store and the caches (HOME, XDG_CACHE_HOME and HF_HOME point into the sandbox). Each case runs
-`rlkit check` and `rlkit run` through `rlkit_core.cli.main` in this process (the command's own
+`rlkit check` and `rlkit run` through `rlkit_core.runtime.cli.main` in this process (the command's own
 code, without the start-up time); a sample runs the real command in a subprocess as well, which
 is also where the cache variables fully apply (libraries imported earlier in this process keep
 the values they read then).
@@ -22,8 +22,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from rlkit_core.cli import main
-from rlkit_core.run_lock import Holder
+from rlkit_core.runtime.cli import main
+from rlkit_core.runtime.run_lock import Holder
 
 REWARD = "def score(prompts, responses, **columns):\n    return [float(len(r)) for r in responses]\n"
 BASE = """\
@@ -300,7 +300,7 @@ def test_the_real_command_refuses_a_sample(name, sandbox):
     case = attrs.evolve(case, recipe=recipe.name)
     before = snapshot(sandbox)
     env = {**os.environ, **sandbox_env(sandbox)}
-    result = subprocess.run([sys.executable, "-m", "rlkit_core.cli", *arguments(case, "run")], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", *arguments(case, "run")], capture_output=True, text=True,
                             cwd=sandbox, env=env, timeout=300)
     assert_refused(case, result.returncode, result.stdout, result.stderr)
     assert snapshot(sandbox) == before

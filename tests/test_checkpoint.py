@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlkit_core import checkpoint
 from rlkit_core.errors import RlkitError
-from rlkit_core.export import export_checkpoint
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.run import run_recipe
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime import checkpoint
+from rlkit_core.runtime.export import export_checkpoint
+from rlkit_core.runtime.run import run_recipe
 
 
 def without_timing(rows):
@@ -76,7 +76,7 @@ def test_export_writes_a_model_from_pretrained_loads(recipe_document, registry, 
 
 def test_sigkill_mid_run_then_resume_auto(recipe_document, write_recipe, tmp_path):
     env = {**os.environ, "RLKIT_PLUGINS": "none"}
-    command = [sys.executable, "-m", "rlkit_core.cli", "run", "--quiet"]
+    command = [sys.executable, "-m", "rlkit_core.runtime.cli", "run", "--quiet"]
 
     straight = dict(recipe_document, run={**recipe_document["run"], "steps": 6, "output_dir": str(tmp_path / "straight")})
     subprocess.run(command + [write_recipe(straight, "straight.toml")], env=env, check=True, capture_output=True, timeout=300)

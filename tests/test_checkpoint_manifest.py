@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from rlkit_core import checkpoint
 from rlkit_core.errors import RlkitError
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.run import run_recipe
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime import checkpoint
+from rlkit_core.runtime.run import run_recipe
 
 ENV = {**os.environ, "RLKIT_PLUGINS": "none"}
-RLKIT = [sys.executable, "-m", "rlkit_core.cli"]
+RLKIT = [sys.executable, "-m", "rlkit_core.runtime.cli"]
 
 
 def rlkit(*args):

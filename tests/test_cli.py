@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from rlkit_core.plugins import HOOKS
+from rlkit_core.recipe.plugins import HOOKS
 
 
 def rlkit(*args, cwd=None):
     env = {**os.environ, "RLKIT_PLUGINS": "none"}
-    return subprocess.run([sys.executable, "-m", "rlkit_core.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
 def test_plugins_json_lists_a_builtin_of_every_kind():

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from rlkit_core.errors import RecipeError
-from rlkit_core.faults import checked_scores
 from rlkit_core.functional import response_mask
 from rlkit_core.prompts import encode_prompts
+from rlkit_core.runtime.faults import checked_scores
 from rlkit_plugins.hf_policy import load_tokenizer
 from rlkit_plugins.prompt_sources import JsonlConfig, JsonlPrompts
 from rlkit_plugins.rewards import PythonReward, PythonRewardConfig

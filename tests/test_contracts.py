@@ -1,4 +1,4 @@
-"""The built-in components pass the same contract tests that `rlkit_core.contracts` offers plugin
+"""The built-in components pass the same contract tests that `rlkit_core.testing.contracts` offers plugin
 authors: every component that can be built offline."""
 
 import json
@@ -11,7 +11,9 @@ import pytest
 
 from rlkit_core import hookimpl
 from rlkit_core.config import setting
-from rlkit_core.contracts import (
+from rlkit_core.interfaces import KLController
+from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.testing.contracts import (
     AdvantageEstimatorContract,
     GeneratorContract,
     KLControllerContract,
@@ -22,8 +24,6 @@ from rlkit_core.contracts import (
     TrackerContract,
     ValueHeadContract,
 )
-from rlkit_core.interfaces import KLController
-from rlkit_core.plugins import load_registry
 
 
 class TestFixedKL(KLControllerContract):

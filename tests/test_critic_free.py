@@ -20,11 +20,11 @@ from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import aggregation_weights, masked_sum
 from rlkit_core.interfaces import LossInputs
-from rlkit_core.plugins import load_registry
-from rlkit_core.recipe import load_recipe, parse_recipe
-from rlkit_core.run import run_recipe
+from rlkit_core.recipe.document import load_recipe, parse_recipe
+from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.runtime.run import run_recipe
+from rlkit_core.runtime.trainer import Trainer
 from rlkit_core.testing import rollout_batch
-from rlkit_core.trainer import Trainer
 
 NAN = float("nan")
 RECIPES = Path(__file__).parent.parent / "recipes"
@@ -258,7 +258,7 @@ def test_kl_in_the_loss_defaults_to_k3(recipe_document, registry):
 
 def rlkit(*args):
     env = {**os.environ, "RLKIT_PLUGINS": "none"}
-    return subprocess.run([sys.executable, "-m", "rlkit_core.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_rlkit_check_refuses_a_critic_with_grpo_and_plugins_lists_the_new_parts(recipe_document, write_recipe):

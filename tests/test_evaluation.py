@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from rlkit_core.errors import RecipeError
-from rlkit_core.evaluation import hold_out
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.run import run_recipe
-from rlkit_core.trainer import Trainer
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.evaluation import hold_out
+from rlkit_core.runtime.run import run_recipe
+from rlkit_core.runtime.trainer import Trainer
 
 
 def with_eval(document, steps=3, **settings):
@@ -70,7 +70,7 @@ def test_run_evaluates_before_and_after_and_reports_both(recipe_document, regist
 def test_report_counts_the_samples_that_scored_higher_lower_and_the_same():
     import io
 
-    from rlkit_core.report import print_report
+    from rlkit_core.runtime.report import print_report
 
     history = [{"iteration": 1, "score/mean": 0.5, "kl/ref": 0.0, "time/iteration": 1.0}]
     changes = [(0.2, 0.9), (0.5, 0.5), (0.9, 0.4), (0.1, 0.3), (0.3, 0.3 + 1e-9), (0.0, 1.0), (0.6, 0.7)]
@@ -86,7 +86,7 @@ def test_report_counts_the_samples_that_scored_higher_lower_and_the_same():
 
 def test_a_reward_failing_on_the_reports_samples_leaves_them_unscored(recipe_document, registry, tmp_path, capsys):
     """The run has finished when the report's samples are scored: a failure there is a warning."""
-    from rlkit_core.run import _scored
+    from rlkit_core.runtime.run import _scored
 
     broken = tmp_path / "late_failure.py"
     broken.write_text("def score(prompts, responses, **columns):\n    raise ConnectionError('reward server went away')\n")

@@ -8,9 +8,9 @@ from transformers import AutoModelForCausalLM
 
 from plugins.hf_policy import HFPolicy, HFPolicyConfig
 from rlkit_core.functional import logprobs_from_logits
-from rlkit_core.recipe import parse_recipe
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.trainer import Trainer
 from rlkit_core.testing import policy_inputs
-from rlkit_core.trainer import Trainer
 
 
 @pytest.fixture

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from rlkit_core.errors import RecipeError
-from rlkit_core.health import CHECKS, HealthConfig, HealthMonitor, detect, group_zero_variance_share
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.trainer import Trainer
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.recipe.schema import CHECKS, HealthConfig
+from rlkit_core.runtime.health import HealthMonitor, detect, group_zero_variance_share
+from rlkit_core.runtime.trainer import Trainer
 
 ENV = {**os.environ, "RLKIT_PLUGINS": "none"}
-RUN = [sys.executable, "-m", "rlkit_core.cli", "run", "--quiet"]
+RUN = [sys.executable, "-m", "rlkit_core.runtime.cli", "run", "--quiet"]
 DEFAULTS = HealthConfig()
 HEALTHY = {"score/mean": 0.4, "score/std": 0.2, "response/eos_rate": 0.5, "check/logprob_gap": 0.001,
            "train/entropy": 2.0, "kl/ref": 1.0, "train/grad_norm": 0.3, "train/nonfinite": 0.0}

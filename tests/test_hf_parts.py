@@ -3,8 +3,8 @@ base with adapters off, no second copy), a separate critic, and LoRA export."""
 
 import torch
 
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.trainer import Trainer
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.trainer import Trainer
 
 
 def lora_trainer(recipe_document, registry):
@@ -33,9 +33,9 @@ def test_lora_trains_only_adapters_and_the_reference_is_the_base(recipe_document
 def test_lora_export_merges_when_asked(recipe_document, registry, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlkit_core import checkpoint
-    from rlkit_core.export import export_checkpoint
-    from rlkit_core.run import run_recipe
+    from rlkit_core.runtime import checkpoint
+    from rlkit_core.runtime.export import export_checkpoint
+    from rlkit_core.runtime.run import run_recipe
 
     recipe_document["policy"].update(lora_r=4, lora_alpha=8, lora_target_modules=["c_attn"])
     recipe_document["run"]["steps"] = 1

@@ -12,8 +12,8 @@ from rlkit_core.config import fields_help, nested_component, nested_components, 
 from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import KLController, RewardSource
-from rlkit_core.plugins import load_registry
-from rlkit_core.recipe import ComponentChoice, parse_recipe, structure_table
+from rlkit_core.recipe.document import ComponentChoice, parse_recipe, structure_table
+from rlkit_core.recipe.plugins import load_registry
 
 
 @attrs.frozen
@@ -169,7 +169,7 @@ def test_an_extra_key_that_is_also_the_nested_components_setting_is_refused(regi
 
 
 def test_the_plan_and_the_run_inventory_name_every_nested_component(mix_document, registry):
-    from rlkit_core.inventory import inventory_rows
+    from rlkit_core.recipe.inventory import inventory_rows
 
     rows = [(row["table"], row["type"], row["plugin"]) for row in inventory_rows(parse_recipe(mix_document, registry))]
     assert rows[3:7] == [("reward", "mix", "mix"), ("reward.parts.0", "python", "rewards"),
@@ -186,7 +186,7 @@ def broken_parts(mix_document, tmp_path):
 
 
 def test_the_static_checks_run_on_nested_tables_and_name_their_place(broken_parts, registry):
-    from rlkit_core.plan import preflight
+    from rlkit_core.recipe.plan import preflight
 
     document, missing, no_model = broken_parts
     problems, _ = preflight(parse_recipe(document, registry))
@@ -198,7 +198,7 @@ def test_the_static_checks_run_on_nested_tables_and_name_their_place(broken_part
 
 
 def test_the_plan_lists_a_nested_parts_import_at_its_own_place(mix_document, registry, reward_file):
-    from rlkit_core.plan import code_it_runs
+    from rlkit_core.recipe.plan import code_it_runs
 
     lines = code_it_runs(parse_recipe(mix_document, registry))
     assert (f"[reward.parts[1]] imports the file {str(reward_file.resolve())!r} for its function 'lowercase_share' "

@@ -8,8 +8,8 @@ import pytest
 
 from rlkit_core import hookimpl
 from rlkit_core.errors import PluginError, RecipeError
-from rlkit_core.plugins import load_registry
-from rlkit_core.registry import Component, Registry
+from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.recipe.registry import Component, Registry
 
 KINDS_WITH_BUILTINS = ["policy", "value_head", "reward", "kl_controller", "advantage_estimator", "loss", "generator", "prompt_source", "tracker"]
 

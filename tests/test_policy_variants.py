@@ -17,10 +17,10 @@ from pytest import approx
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import constant_groups
 from rlkit_core.interfaces import LossInputs
-from rlkit_core.offline_models import write_tiny_lm
-from rlkit_core.recipe import parse_recipe
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.trainer import Trainer
 from rlkit_core.testing import rollout_batch
-from rlkit_core.trainer import Trainer
+from rlkit_core.testing.offline_models import write_tiny_lm
 
 # Prompts of the shared prompt file are made of the letters a, b, c, d, f, g. This reward gives
 # every response to a prompt that starts with "a" or "b" the same score, so those groups have

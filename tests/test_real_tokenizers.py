@@ -1,4 +1,4 @@
-"""Real-model tokenizers, built offline (rlkit_core.offline_models): no PAD or PAD = EOS (GPT-2,
+"""Real-model tokenizers, built offline (rlkit_core.testing.offline_models): no PAD or PAD = EOS (GPT-2,
 Pythia), several end ids and a chat template (Llama 3), a reward model with a tokenizer of its
 own, and a hub-style generation_config.json with sampling defaults."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rlkit_core.errors import RecipeError
-from rlkit_core.offline_models import write_tiny_classifier, write_tiny_lm
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.trainer import Trainer
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.trainer import Trainer
+from rlkit_core.testing.offline_models import write_tiny_classifier, write_tiny_lm
 
 RM_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
 
@@ -107,7 +107,7 @@ def test_separate_critic_reads_a_padless_policys_ids(recipe_document, registry, 
 
 
 def test_critic_with_another_vocabulary_is_refused_at_build_and_by_check(recipe_document, registry, gpt2_lm, chat_classifier):
-    from rlkit_core.plan import describe_plan
+    from rlkit_core.recipe.plan import describe_plan
 
     recipe = parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm)},
                                    value_head={"type": "separate", "model": str(chat_classifier)}), registry)
@@ -190,7 +190,7 @@ def test_full_estimator_in_the_loss_is_refused(recipe_document, registry):
 
 
 def test_check_warns_on_k1_in_the_loss(recipe_document, registry):
-    from rlkit_core.plan import describe_plan
+    from rlkit_core.recipe.plan import describe_plan
 
     plan = describe_plan(parse_recipe(document(recipe_document, ppo={"kl_penalty": "loss", "kl_estimator": "k1"}), registry))
     assert "warnings:" in plan and "zero expected gradient" in plan
@@ -279,7 +279,7 @@ def test_a_too_long_prompt_with_truncate_error_names_the_record(recipe_document,
 
 def rlkit(*args, cwd):
     env = {**os.environ, "RLKIT_PLUGINS": "none"}
-    return subprocess.run([sys.executable, "-m", "rlkit_core.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
 def last_metrics(output_dir):
@@ -316,14 +316,14 @@ def test_real_model_recipes_pass_check_offline(name, tmp_path):
 
     recipe = Path(__file__).parent.parent / "recipes" / f"{name}.toml"
     env = {**os.environ, "RLKIT_PLUGINS": "none", "HF_HOME": str(tmp_path / "empty-hf-cache")}
-    result = subprocess.run([sys.executable, "-m", "rlkit_core.cli", "check", "--offline", str(recipe)],
+    result = subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", "check", "--offline", str(recipe)],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "is valid" in result.stdout and "not checked offline" in result.stdout
 
 
 def test_check_names_a_reward_model_tokenizer_that_cannot_be_loaded(recipe_document, registry, gpt2_classifier, tmp_path):
-    from rlkit_core.plan import describe_plan
+    from rlkit_core.recipe.plan import describe_plan
 
     empty = tmp_path / "no-tokenizer-here"
     empty.mkdir()
@@ -338,7 +338,7 @@ def test_check_names_a_reward_model_tokenizer_that_cannot_be_loaded(recipe_docum
 def test_held_out_evaluation_on_chat_prompts_with_two_end_ids(recipe_document, registry, chat_lm, gpt2_classifier, chat_prompts, tmp_path):
     import math
 
-    from rlkit_core.run import run_recipe
+    from rlkit_core.runtime.run import run_recipe
 
     doc = document(recipe_document, policy={"model": str(chat_lm)},
                    reward={"type": "reward-model", "model": str(gpt2_classifier)},

@@ -8,13 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlkit_core import checkpoint
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.resume_check import recipe_changes
-from rlkit_core.run import run_recipe
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.recipe.resume_check import recipe_changes
+from rlkit_core.runtime import checkpoint
+from rlkit_core.runtime.run import run_recipe
 
 ENV = {**os.environ, "RLKIT_PLUGINS": "none"}
-RUN = [sys.executable, "-m", "rlkit_core.cli", "run", "--quiet"]
+RUN = [sys.executable, "-m", "rlkit_core.runtime.cli", "run", "--quiet"]
 
 
 def rows_of(output_dir):

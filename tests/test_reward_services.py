@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from rlkit_plugins.reward_services import HttpReward, HttpRewardConfig, JudgeConfig, OpenAIJudge, ServiceFailure
-from rlkit_core.contracts import RewardContract
 from rlkit_core.errors import RecipeError
+from rlkit_core.testing.contracts import RewardContract
 
 ROOT = Path(__file__).parent.parent
 ENV = {**os.environ, "RLKIT_PLUGINS": "none"}
@@ -233,7 +233,7 @@ def test_a_credential_variable_that_is_not_set_is_a_located_error(monkeypatch):
 
 
 def test_credentials_in_the_recipe_are_refused_without_repeating_them(registry):
-    from rlkit_core.recipe import structure_table
+    from rlkit_core.recipe.document import structure_table
 
     _, problems = structure_table({"url": "http://user:hunter22@127.0.0.1:9/score"}, HttpRewardConfig, "$.reward", registry)
     assert [p.where for p in problems] == ["$.reward.url"]
@@ -370,7 +370,7 @@ def test_the_judge_probe_asks_for_the_model(example_server):
 # --- rlkit check and rlkit run, as a user meets them ------------------------------------------
 
 def cli(*args, env=ENV, timeout=240):
-    return subprocess.run([sys.executable, "-m", "rlkit_core.cli", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -384,7 +384,7 @@ def http_recipe(recipe_document, write_recipe):
 
 
 def test_rlkit_check_probes_the_service_and_offline_skips_the_probe(server, http_recipe, capsys, monkeypatch):
-    from rlkit_core.cli import main
+    from rlkit_core.runtime.cli import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "0"))  # --offline sets it; undone after the test
     recipe = http_recipe(server.url)
@@ -405,7 +405,7 @@ def test_rlkit_check_probes_the_service_and_offline_skips_the_probe(server, http
 
 
 def test_check_and_run_refuse_a_credential_variable_that_is_not_set(server, http_recipe, tmp_path, capsys):
-    from rlkit_core.cli import main
+    from rlkit_core.runtime.cli import main
 
     recipe = http_recipe(server.url, auth_env="RLKIT_TEST_UNSET_TOKEN")
     problem = "$.reward.auth_env: the environment variable RLKIT_TEST_UNSET_TOKEN is not set (or empty)"
@@ -459,7 +459,7 @@ def test_a_batch_the_service_fails_is_skipped_and_counted_under_the_skip_policy(
 
 
 def test_two_processes_each_send_their_share_and_stop_together_when_one_request_fails(server, http_recipe, tmp_path):
-    from rlkit_core import checkpoint
+    from rlkit_core.runtime import checkpoint
 
     server.plan = ["ok", "ok", ("status", 500)]  # iteration 2: whichever process asks first fails, the other is answered
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -533,9 +533,9 @@ def warm_cache(tmp_path_factory):
 def test_the_http_recipe_against_the_example_server_trains_exactly_as_the_in_process_reward(tmp_path, warm_cache):
     import io
 
-    from rlkit_core.plugins import load_registry
-    from rlkit_core.recipe import load_recipe
-    from rlkit_core.run import run_recipe
+    from rlkit_core.recipe.plugins import load_registry
+    from rlkit_core.recipe.document import load_recipe
+    from rlkit_core.runtime.run import run_recipe
 
     def train(recipe, *overrides):
         loaded = load_recipe(ROOT / "recipes" / recipe, load_registry(environ={"RLKIT_PLUGINS": "none"}),
@@ -560,9 +560,9 @@ def test_the_http_recipe_against_the_example_server_trains_exactly_as_the_in_pro
 def test_a_run_graded_by_the_example_judge(example_server, tmp_path, warm_cache):
     import io
 
-    from rlkit_core.plugins import load_registry
-    from rlkit_core.recipe import load_recipe
-    from rlkit_core.run import run_recipe
+    from rlkit_core.recipe.plugins import load_registry
+    from rlkit_core.recipe.document import load_recipe
+    from rlkit_core.runtime.run import run_recipe
 
     judge_table = ('reward={type="openai-judge", url="' + example_server + '/v1", model="rule-judge", max_concurrent=4, '
                    'template="Reference: {reference}\\nSummary: {response}\\nGrade it from 0 to 10."}')

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from rlkit_core import checkpoint
 from rlkit_core.errors import RlkitError
-from rlkit_core.run_lock import LOCK, Holder, RunLock, read_holder, running
+from rlkit_core.runtime import checkpoint
+from rlkit_core.runtime.run_lock import LOCK, Holder, RunLock, read_holder, running
 from test_faults import wait_for
 
 ENV = {**os.environ, "RLKIT_PLUGINS": "none"}
-RUN = [sys.executable, "-m", "rlkit_core.cli", "run", "--quiet"]
+RUN = [sys.executable, "-m", "rlkit_core.runtime.cli", "run", "--quiet"]
 
 
 def recipe_for(recipe_document, write_recipe, output_dir, name="recipe.toml", **run):

@@ -18,11 +18,11 @@ import attrs
 import pytest
 import torch
 
-from rlkit_core import checkpoint
 from rlkit_core.errors import RlkitError
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.run import run_recipe
-from rlkit_core.trainer import Trainer
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime import checkpoint
+from rlkit_core.runtime.run import run_recipe
+from rlkit_core.runtime.trainer import Trainer
 
 import distributed_worker
 import fsdp_on_cpu
@@ -59,7 +59,7 @@ def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
         recipe_document["policy"]["lora_r"] = 4
         recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
     if request.param == "padless-gpt2-separate-critic":  # an added, suppressed PAD and a critic that never sees it
-        from rlkit_core.offline_models import write_tiny_classifier, write_tiny_lm
+        from rlkit_core.testing.offline_models import write_tiny_classifier, write_tiny_lm
 
         recipe_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
         recipe_document["value_head"] = {"type": "separate", "model": str(write_tiny_classifier(tmp_path / "critic", "gpt2"))}
@@ -82,7 +82,7 @@ def test_two_fsdp_processes_make_the_update_of_one(variant, recipe_document, tin
     if variant == "lora":
         recipe_document["policy"]["lora_r"] = 4
     if variant == "padless-gpt2":  # the added PAD row is sharded with the embedding and stays suppressed
-        from rlkit_core.offline_models import write_tiny_lm
+        from rlkit_core.testing.offline_models import write_tiny_lm
 
         recipe_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
     if variant == "bf16":  # float32 shards and gathered weights, bf16 compute under autocast, as without FSDP
@@ -242,9 +242,9 @@ def test_gradient_accumulation_gives_the_same_update(recipe_document, registry, 
 MIXED_PRECISION_SCRIPT = """
 import json, math, sys
 import torch
-from rlkit_core.plugins import load_registry
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.trainer import Trainer
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.runtime.trainer import Trainer
 
 trainer = Trainer(parse_recipe(json.loads(sys.argv[1]), load_registry(environ={"RLKIT_PLUGINS": "none"})))
 seen = set()
@@ -294,7 +294,7 @@ def test_fsdp_on_cpus_is_refused_at_start_as_accelerate_would_run_ddp(recipe_doc
 
 
 def test_fsdp_needs_a_critic_that_is_one_module():
-    from rlkit_core.distributed import critic_problem
+    from rlkit_core.runtime.distributed import critic_problem
     from rlkit_core.interfaces import ValueHead
 
     class Parameters(ValueHead):  # a head that is not one module

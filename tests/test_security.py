@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit_core.checkpoint import write_manifest
-from rlkit_core.cli import main
+from rlkit_core.runtime.checkpoint import write_manifest
+from rlkit_core.runtime.cli import main
 from rlkit_plugins.hf_policy import HFPolicyConfig
 
 from conftest import to_toml
@@ -56,7 +56,7 @@ def finished_run(tmp_path_factory, tiny_model, prompt_file, reward_file):
     }
     (root / "recipe.toml").write_text(to_toml(document))
     env = {**os.environ, **SECRETS, "RLKIT_PLUGINS": "none"}
-    result = subprocess.run([sys.executable, "-m", "rlkit_core.cli", "run", "recipe.toml", "--quiet"], cwd=root, env=env,
+    result = subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", "run", "recipe.toml", "--quiet"], cwd=root, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (root / "mlflow.db").is_file() and (root / "run" / "final_model").is_dir()

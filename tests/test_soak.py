@@ -31,7 +31,7 @@ def test_resident_memory_does_not_grow_with_iterations(recipe_document, write_re
     document = dict(recipe_document,
                     run={**recipe_document["run"], "steps": STEPS, "checkpoint_every": 50, "keep_checkpoints": 1, "sample_every": 25},
                     ppo={"batch_size": 4, "minibatch_size": 4, "epochs": 1}, generator={"max_new_tokens": 4})
-    command = [sys.executable, "-m", "rlkit_core.cli", "run", "--quiet", write_recipe(document)]
+    command = [sys.executable, "-m", "rlkit_core.runtime.cli", "run", "--quiet", write_recipe(document)]
     process = subprocess.Popen(command, env={**os.environ, "RLKIT_PLUGINS": "none"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     samples = []  # (iterations done, resident KB)
     deadline = time.monotonic() + 600

@@ -328,9 +328,9 @@ def test_default_recipe_shrunk_runs_on_its_careless_warm_start(tmp_path):
     import json
     from pathlib import Path
 
-    from rlkit_core.plugins import load_registry
-    from rlkit_core.recipe import load_recipe
-    from rlkit_core.run import run_recipe
+    from rlkit_core.recipe.plugins import load_registry
+    from rlkit_core.recipe.document import load_recipe
+    from rlkit_core.runtime.run import run_recipe
 
     overrides = [
         "run.steps=2", f"run.output_dir={tmp_path / 'run'}", "run.threads=1", "tracker.type=none",

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from rlkit_core.cli import main
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.trainer import Trainer
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.cli import main
+from rlkit_core.runtime.trainer import Trainer
 from rlkit_plugins.hf_generator import HFGenerator
 from rlkit_plugins.kl import AdaptiveKL, FixedKL
 from rlkit_plugins.rewards import PythonReward, RewardModel

@@ -2,7 +2,7 @@
 listed and used through the `rlkit` command, and uninstalled again even when a test fails.
 
 Discovery and training run in a fresh interpreter, as a user's shell would; the other commands run
-`rlkit_core.cli.main` in this process, which is the same code without the start-up time."""
+`rlkit_core.runtime.cli.main` in this process, which is the same code without the start-up time."""
 
 import json
 import os
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rlkit_core.cli import main
 from rlkit_core.errors import RecipeError
-from rlkit_core.plugins import load_registry
+from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.runtime.cli import main
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "rlkit-example-plugins"
 
@@ -57,7 +57,7 @@ def rlkit(*args, plugins=None):
     env = {k: v for k, v in os.environ.items() if k != "RLKIT_PLUGINS"}
     if plugins is not None:
         env["RLKIT_PLUGINS"] = plugins
-    return subprocess.run([sys.executable, "-m", "rlkit_core.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 def plugins_json(plugins=None, exit_code=0) -> dict:

@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.trainer import Trainer
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.trainer import Trainer
 
 
 def make_trainer(document, registry, **changes):

@@ -21,7 +21,7 @@ import torch
 from rlkit_core.context import BuildContext
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.prompts import encode_prompts
-from rlkit_core.recipe import structure_table
+from rlkit_core.recipe.document import structure_table
 from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
 from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, installed_vllm
@@ -44,7 +44,7 @@ def _write_model(path: Path, layers: int, seed: int) -> Path:
     enough (initializer_range 0.2) that the first-token distribution is far from uniform."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from rlkit_core.offline_models import build_bpe_tokenizer
+    from rlkit_core.testing.offline_models import build_bpe_tokenizer
 
     tokenizer = build_bpe_tokenizer("gpt2")
     torch.manual_seed(seed)

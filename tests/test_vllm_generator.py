@@ -14,13 +14,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rlkit_core.cli import main
 from rlkit_core.context import BuildContext
-from rlkit_core.contracts import GeneratorContract
 from rlkit_core.errors import RecipeError, RunError
-from rlkit_core.recipe import structure_table
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts
+from rlkit_core.recipe.document import structure_table
+from rlkit_core.runtime.cli import main
 from rlkit_core.testing import policy_inputs
+from rlkit_core.testing.contracts import GeneratorContract
 from rlkit_plugins import vllm_generator
 from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
 from rlkit_plugins.vllm_generator import (
@@ -239,7 +239,7 @@ def test_the_engine_starts_from_the_policys_config_with_placeholder_weights(tiny
 
 def test_each_process_starts_its_engine_with_its_own_seed(tiny_model, tmp_path, monkeypatch):
     """Under torchrun: rank 1 of 2 gets the external launcher and the trainer's sampling seed for rank 1."""
-    from rlkit_core.distributed import sampling_seed
+    from rlkit_core.randomness import sampling_seed
 
     started = {}
     monkeypatch.setattr(vllm_generator, "missing_here", lambda config, device: [])
@@ -594,8 +594,8 @@ def test_greedy_sends_repeated_prompts_one_by_one(tiny_model, tmp_path):
 
 
 def test_a_ppo_step_through_the_seam_logs_the_sync_time_and_a_zero_gap(recipe_document, registry, monkeypatch):
-    from rlkit_core.recipe import parse_recipe
-    from rlkit_core.trainer import Trainer
+    from rlkit_core.recipe.document import parse_recipe
+    from rlkit_core.runtime.trainer import Trainer
 
     monkeypatch.setattr(VLLMGenerator, "_start_engine", lambda self, context: StandInEngine(self.policy, self.config))
     recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8}
@@ -609,8 +609,8 @@ def test_a_ppo_step_through_the_seam_logs_the_sync_time_and_a_zero_gap(recipe_do
 def test_the_reports_samples_come_from_the_weights_after_the_last_update(recipe_document, registry, monkeypatch):
     """The engine last saw the weights before the last update; the report's samples push them again
     (and that push's time is not charged to the next iteration)."""
-    from rlkit_core.recipe import parse_recipe
-    from rlkit_core.trainer import Trainer
+    from rlkit_core.recipe.document import parse_recipe
+    from rlkit_core.runtime.trainer import Trainer
 
     monkeypatch.setattr(VLLMGenerator, "_start_engine", lambda self, context: StandInEngine(self.policy, self.config))
     recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8}

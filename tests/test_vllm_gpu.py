@@ -14,8 +14,8 @@ import torch
 
 from rlkit_core.context import BuildContext
 from rlkit_core.functional import logprobs_from_logits, masked_mean
-from rlkit_core.recipe import structure_table
 from rlkit_core.prompts import encode_prompts
+from rlkit_core.recipe.document import structure_table
 from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
 from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, missing_here

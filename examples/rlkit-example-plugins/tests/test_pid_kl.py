@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rlkit_core.contracts import KLControllerContract
+from rlkit_core.testing.contracts import KLControllerContract
 from rlkit_example_plugins.pid_kl import PIDKL, PIDKLConfig
 
 

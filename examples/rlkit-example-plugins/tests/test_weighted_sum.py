@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from rlkit_core.context import BuildContext
-from rlkit_core.contracts import RewardContract
 from rlkit_core.errors import RecipeError
-from rlkit_core.plugins import load_registry
-from rlkit_core.recipe import parse_recipe
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.testing.contracts import RewardContract
 
 TOY = Path(__file__).with_name("toy_rewards.py")
 PARTS = [

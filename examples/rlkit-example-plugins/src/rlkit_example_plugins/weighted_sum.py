@@ -28,7 +28,7 @@ from rlkit_core import hookimpl
 from rlkit_core.config import nested_components, setting
 from rlkit_core.errors import RunError
 from rlkit_core.interfaces import RewardSource
-from rlkit_core.recipe import ComponentChoice
+from rlkit_core.recipe.document import ComponentChoice
 
 
 def _finite(instance, attribute, value):

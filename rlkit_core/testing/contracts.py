@@ -5,7 +5,7 @@ every check of the interface contract against it, built exactly as `rlkit run` b
 component's table sits in a whole recipe that is checked with the installed plugins, and the
 factory gets a `BuildContext` holding that recipe, the registry and the recipe's policy:
 
-    from rlkit_core.contracts import KLControllerContract
+    from rlkit_core.testing.contracts import KLControllerContract
 
     class TestPID(KLControllerContract):
         component = "pid"              # the registered name
@@ -33,9 +33,9 @@ from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.interfaces import KINDS, Generation, LossInputs, PolicyOutput
-from rlkit_core.plugins import load_registry
-from rlkit_core.recipe import Recipe, parse_recipe
-from rlkit_core.schema import COMPONENT_TABLES
+from rlkit_core.recipe.document import Recipe, parse_recipe
+from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.recipe.schema import COMPONENT_TABLES
 from rlkit_core.testing import policy_inputs, rollout_batch, write_tiny_causal_lm
 
 __all__ = [

@@ -21,7 +21,7 @@ import pluggy
 
 from rlkit_core import hookspecs
 from rlkit_core.errors import BrokenPluginContract, PluginError
-from rlkit_core.registry import Component, Registry
+from rlkit_core.recipe.registry import Component, Registry
 
 ENTRY_POINT_GROUP = "rlkit"
 BUILTIN_DISTRIBUTION = "rlkit"

@@ -20,22 +20,9 @@ import torch
 from accelerate import Accelerator
 from transformers import get_scheduler
 
-from rlkit_core.assemble import build_components
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.context import BuildContext
-from rlkit_core.distributed import (
-    Processes,
-    TrainableModules,
-    combined_by_max,
-    critic_problem,
-    engine_problem,
-    fsdp_plugin,
-    sampling_seed,
-)
-from rlkit_core.dynamic_sampling import DynamicSampler
 from rlkit_core.errors import RecipeError, RunError
-from rlkit_core.evaluation import hold_out
-from rlkit_core.faults import BadReward, NonFiniteSteps, checked_scores, failure_text
 from rlkit_core.functional import (
     entropy_from_logits,
     explained_variance,
@@ -46,11 +33,23 @@ from rlkit_core.functional import (
     overlong_penalty,
 )
 from rlkit_core.interfaces import LossInputs
-from rlkit_core.metrics_log import MetricsLog
-from rlkit_core.prompt_stream import PromptStream
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts, within_context
-from rlkit_core.randomness import seeded_generator
-from rlkit_core.recipe import Recipe
+from rlkit_core.randomness import sampling_seed, seeded_generator
+from rlkit_core.recipe.assemble import build_components
+from rlkit_core.recipe.document import Recipe
+from rlkit_core.runtime.distributed import (
+    Processes,
+    TrainableModules,
+    combined_by_max,
+    critic_problem,
+    engine_problem,
+    fsdp_plugin,
+)
+from rlkit_core.runtime.dynamic_sampling import DynamicSampler
+from rlkit_core.runtime.evaluation import hold_out
+from rlkit_core.runtime.faults import BadReward, NonFiniteSteps, checked_scores, failure_text
+from rlkit_core.runtime.metrics_log import MetricsLog
+from rlkit_core.runtime.prompt_stream import PromptStream
 
 
 def record_columns(records: list[dict]) -> dict[str, list]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from rlkit_core.errors import RecipeError
-from rlkit_core.inventory import inventory_rows, with_nested
 from rlkit_core.memory import Workload, estimate
 from rlkit_core.memory import describe as describe_memory
-from rlkit_core.recipe import Recipe
-from rlkit_core.schema import kl_warnings, launched_processes, output_dir_problems, sharded_launch
+from rlkit_core.recipe.document import Recipe
+from rlkit_core.recipe.inventory import inventory_rows, with_nested
+from rlkit_core.recipe.schema import kl_warnings, launched_processes, output_dir_problems, sharded_launch
 
 
 def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False) -> str:
@@ -59,7 +59,7 @@ def code_it_runs(recipe: Recipe) -> list[str]:
     chooses them), and the files the recipe names for components that import them (a factory's
     `imports(config, where)`, e.g. the `python` reward's function), nested tables included.
     `rlkit check` imports none of the files."""
-    from rlkit_core.plugins import BUILTIN_DISTRIBUTION
+    from rlkit_core.recipe.plugins import BUILTIN_DISTRIBUTION
 
     registry = recipe.registry
     plugins = sorted({(c.plugin, c.distribution, c.version) for c in registry.all() if c.distribution != BUILTIN_DISTRIBUTION}) if registry else []

@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from rlkit_core.errors import RecipeError, RlkitError
-from rlkit_core.inventory import flatten
-from rlkit_core.recipe import Recipe, parse_recipe
-from rlkit_core.schema import CORE_TABLES
+from rlkit_core.recipe.document import Recipe, parse_recipe
+from rlkit_core.recipe.inventory import flatten
+from rlkit_core.recipe.schema import CORE_TABLES
 
 # settings that cannot change what a run trains; a table name covers all its keys
 HARMLESS = ("run.name", "run.output_dir", "run.checkpoint_every", "run.keep_checkpoints", "run.sample_every",

@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from rlkit_core import checkpoint
 from rlkit_core.context import BuildContext
 from rlkit_core.errors import RlkitError
-from rlkit_core.recipe import parse_recipe
-from rlkit_core.registry import Registry
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.recipe.registry import Registry
+from rlkit_core.runtime import checkpoint
 
 
 def export_checkpoint(path: str, out: str, registry: Registry, merge_lora: bool = False) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from rlkit_core.context import BuildContext
-from rlkit_core.recipe import Recipe
+from rlkit_core.recipe.document import Recipe
 
 
 @attrs.frozen

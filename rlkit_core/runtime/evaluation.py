@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from rlkit_core.errors import RecipeError, RunError
-from rlkit_core.faults import checked_scores
 from rlkit_core.functional import masked_sum
-from rlkit_core.recipe import ComponentChoice
+from rlkit_core.recipe.document import ComponentChoice
+from rlkit_core.runtime.faults import checked_scores
 
 EVAL_SEED_OFFSET = 7_919  # held-out choice and eval sampling get their own stream, apart from the run seed's
 

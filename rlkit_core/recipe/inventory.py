@@ -9,9 +9,9 @@ from typing import Any
 import attrs
 
 from rlkit_core.config import fields_help, nested_spec
-from rlkit_core.recipe import ComponentChoice, Recipe
-from rlkit_core.registry import Registry
-from rlkit_core.schema import CORE_TABLES
+from rlkit_core.recipe.document import ComponentChoice, Recipe
+from rlkit_core.recipe.registry import Registry
+from rlkit_core.recipe.schema import CORE_TABLES
 
 
 def inventory_rows(recipe: Recipe) -> list[dict[str, str]]:

@@ -18,30 +18,10 @@ import math
 import attrs
 import torch
 
-from rlkit_core.config import at_least, between, setting
 from rlkit_core.errors import RunError
+from rlkit_core.recipe.schema import CHECKS, HealthConfig
 
-CHECKS = ("zero_reward_variance", "all_truncated", "logprob_gap_jump", "entropy_collapse", "kl_over_target", "zero_gradients")
 TINY = 1e-12  # a standard deviation or gradient norm this small is zero (float rounding of equal numbers)
-
-
-def _names(instance, attribute, value):
-    unknown = [name for name in value if name not in CHECKS and name != "all"]
-    if unknown:
-        raise ValueError(f"unknown check(s) {', '.join(map(repr, unknown))}; the checks are 'all', {', '.join(map(repr, CHECKS))}")
-
-
-@attrs.frozen
-class HealthConfig:
-    zero_reward_variance: bool = setting(True, help="warn when every score of a batch is the same, or (with samples_per_prompt > 1) when most groups' scores are: no signal to learn from")
-    zero_variance_groups: float = setting(0.9, help="share of groups with equal scores that counts as 'most' for zero_reward_variance", validator=between(0.0, 1.0))
-    all_truncated: int = setting(3, help="warn after this many iterations in a row in which no response ended with EOS (response/eos_rate 0: all cut at max_new_tokens); 0: off", validator=at_least(0))
-    logprob_gap_jump: float = setting(10.0, help="warn when check/logprob_gap exceeds this many times its mean over the earlier iterations (and logprob_gap_floor): the generator samples from other weights than the policy's; 0: off", validator=at_least(0))
-    logprob_gap_floor: float = setting(0.05, help="a check/logprob_gap below this (nats per token) never counts as a jump", validator=at_least(0))
-    entropy_collapse: float = setting(0.05, help="warn when train/entropy falls below this share of the first iteration's: the policy samples almost deterministically; 0: off", validator=between(0.0, 1.0))
-    kl_over_target: float = setting(10.0, help="warn when kl/ref exceeds this many times the KL controller's target (controllers with a target only; the default recipe peaks at 5); 0: off", validator=at_least(0))
-    zero_gradients: bool = setting(True, help="warn when an iteration's gradient norm is exactly zero although its steps were finite: the loss does not depend on the weights")
-    stop_on: list[str] = setting(factory=list, help="checks that stop the run when they fire (checkpoint, exit 3), by name or 'all'", validator=_names)
 
 
 @attrs.frozen

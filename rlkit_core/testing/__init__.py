@@ -1,6 +1,6 @@
 """Small real inputs for tests, built offline in a moment: a tiny causal LM on disk, a scored
 rollout batch, the inputs the loop feeds a policy. Plugin authors' test suites use them as well as
-rlkit's own; the pytest contract classes built on them are in `rlkit_core.contracts`. Needs no
+rlkit's own; the pytest contract classes built on them are in `rlkit_core.testing.contracts`. Needs no
 pytest, so importing it never fails in an environment without the test extra.
 """
 

@@ -16,7 +16,7 @@ import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.functional import constant_groups
-from rlkit_core.prompt_stream import PromptStream
+from rlkit_core.runtime.prompt_stream import PromptStream
 
 EXTRA_STREAM_SEED = 7_919  # added to the run's seed: the extra prompts are a stream of their own
 

@@ -10,23 +10,24 @@ import sys
 import time
 from pathlib import Path
 
-from rlkit_core import __version__, checkpoint
+from rlkit_core import __version__
 from rlkit_core.errors import RlkitError, RunError
-from rlkit_core.evaluation import Evaluator
-from rlkit_core.export import export_checkpoint
-from rlkit_core.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, checked_scores, failure_text, reward_name, save_bad_batch
-from rlkit_core.health import HealthMonitor, HealthStop
 from rlkit_core.interfaces import SilentTracker
-from rlkit_core.inventory import flatten, inventory_rows
-from rlkit_core.metrics_log import MetricsLog
-from rlkit_core.plot import plot_curves
 from rlkit_core.progress import Progress
-from rlkit_core.recipe import Recipe
-from rlkit_core.report import SAMPLES_PRINTED, print_report
-from rlkit_core.resume_check import check_resumed_recipe
-from rlkit_core.run_lock import RunLock, launched_as_main
-from rlkit_core.schema import kl_warnings
-from rlkit_core.trainer import Trainer, record_columns
+from rlkit_core.recipe.document import Recipe
+from rlkit_core.recipe.inventory import flatten, inventory_rows
+from rlkit_core.recipe.resume_check import check_resumed_recipe
+from rlkit_core.recipe.schema import kl_warnings
+from rlkit_core.runtime import checkpoint
+from rlkit_core.runtime.evaluation import Evaluator
+from rlkit_core.runtime.export import export_checkpoint
+from rlkit_core.runtime.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, checked_scores, failure_text, reward_name, save_bad_batch
+from rlkit_core.runtime.health import HealthMonitor, HealthStop
+from rlkit_core.runtime.metrics_log import MetricsLog
+from rlkit_core.runtime.plot import plot_curves
+from rlkit_core.runtime.report import SAMPLES_PRINTED, print_report
+from rlkit_core.runtime.run_lock import RunLock, launched_as_main
+from rlkit_core.runtime.trainer import Trainer, record_columns
 
 SAMPLES_SHOWN = 4
 
@@ -61,7 +62,7 @@ def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, o
                allow_changes: bool = False) -> list[dict]:
     """Train up to `recipe.run.steps` iterations; returns the metrics of every iteration (on the
     main process; the others train alongside it and write nothing). The main process holds the
-    output folder's lock throughout (see `rlkit_core.run_lock`). A resumed run refuses a recipe
+    output folder's lock throughout (see `rlkit_core.runtime.run_lock`). A resumed run refuses a recipe
     that trains differently from the checkpoint's, unless `allow_changes`."""
     with RunLock(recipe.run.output_dir) as lock:
         if launched_as_main() and (took_over := lock.acquire()):

@@ -1,6 +1,6 @@
 """Reading a recipe: TOML in, frozen attrs objects out, every problem located and reported together.
 
-The document is parsed at the edge by one cattrs converter. Core tables become `rlkit_core.schema`
+The document is parsed at the edge by one cattrs converter. Core tables become `rlkit_core.recipe.schema`
 classes; each component table's `type` picks a registered component and the rest of the table is
 structured into that component's own config class. A component table may hold component tables of
 its own (settings declared with `rlkit_core.config.nested_components`); each is read the same way,
@@ -25,8 +25,8 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 
 from rlkit_core.config import nested_spec
 from rlkit_core.errors import Problem, RecipeError
-from rlkit_core.registry import Component, Registry
-from rlkit_core.schema import (
+from rlkit_core.recipe.registry import Component, Registry
+from rlkit_core.recipe.schema import (
     COMPONENT_TABLES,
     CORE_TABLES,
     EvalConfig,

@@ -66,8 +66,8 @@ def _print_fields(fields: list[dict]) -> None:
 
 def _cmd_plugins(args) -> int:
     """Exit 1 when an installed plugin is broken: its components are missing from the listing."""
-    from rlkit_core.inventory import core_table_rows, registry_rows
-    from rlkit_core.plugins import load_registry
+    from rlkit_core.recipe.inventory import core_table_rows, registry_rows
+    from rlkit_core.recipe.plugins import load_registry
 
     registry = load_registry()
     core, rows = core_table_rows(), registry_rows(registry)
@@ -98,7 +98,7 @@ def _cmd_plugins(args) -> int:
 def _plugin_health(registry) -> list[str]:
     """Lines for the top of `rlkit plugins`: broken plugins with their errors and how to leave
     them out, and installed plugins that RLKIT_PLUGINS filters out."""
-    from rlkit_core.plugins import BUILTIN_DISTRIBUTION
+    from rlkit_core.recipe.plugins import BUILTIN_DISTRIBUTION
 
     lines = []
     if registry.broken:
@@ -133,9 +133,9 @@ def accelerate_launch_environment(config_file: str) -> dict[str, str]:
 def _cmd_check(args) -> int:
     if args.offline:
         os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub when it is first imported, below
-    from rlkit_core.plan import describe_plan
-    from rlkit_core.plugins import load_registry
-    from rlkit_core.recipe import load_recipe
+    from rlkit_core.recipe.plan import describe_plan
+    from rlkit_core.recipe.plugins import load_registry
+    from rlkit_core.recipe.document import load_recipe
 
     if args.accelerate_config:
         os.environ.update(accelerate_launch_environment(args.accelerate_config))
@@ -148,10 +148,10 @@ def _cmd_check(args) -> int:
 
 def _cmd_run(args) -> int:
     from rlkit_core.errors import RecipeError
-    from rlkit_core.plan import preflight
-    from rlkit_core.plugins import load_registry
-    from rlkit_core.recipe import load_recipe
-    from rlkit_core.run import run_recipe
+    from rlkit_core.recipe.plan import preflight
+    from rlkit_core.recipe.plugins import load_registry
+    from rlkit_core.recipe.document import load_recipe
+    from rlkit_core.runtime.run import run_recipe
 
     if args.allow_changes and not args.resume:
         raise RlkitError("--allow-changes: only with --resume (it accepts a recipe that differs from the checkpoint's)")
@@ -168,7 +168,7 @@ def _cmd_check_checkpoint(args) -> int:
     usable; 2 when it is damaged or there is none."""
     from pathlib import Path
 
-    from rlkit_core import checkpoint
+    from rlkit_core.runtime import checkpoint
 
     path = Path(args.path)
     if (path / "meta.json").is_file():
@@ -187,8 +187,8 @@ def _cmd_check_checkpoint(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from rlkit_core.export import export_checkpoint
-    from rlkit_core.plugins import load_registry
+    from rlkit_core.runtime.export import export_checkpoint
+    from rlkit_core.recipe.plugins import load_registry
 
     target = export_checkpoint(args.checkpoint, args.out, load_registry(), merge_lora=args.merge_lora)
     print(f"wrote {target}; load it with transformers' AutoModelForCausalLM.from_pretrained({str(target)!r})")
