@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from rlkit_core.batch import RolloutBatch, sequence_inputs
+from rlkit_core.offline_models import write_tiny_model
 
 __all__ = ["RESPONSE_MASK", "policy_inputs", "rollout_batch", "write_tiny_causal_lm"]
 
@@ -55,13 +56,7 @@ def rollout_batch(with_values: bool = True, seed: int = 0) -> RolloutBatch:
 def write_tiny_causal_lm(path: Path) -> Path:
     """A two-layer, 32-wide GPT-2 with the byte-level ByT5 tokenizer: real transformers classes,
     built offline in a moment, so contract tests need no hub."""
-    from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=384, n_positions=128, n_embd=32, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1, pad_token_id=0)
-    GPT2LMHeadModel(config).save_pretrained(path)
-    ByT5Tokenizer().save_pretrained(path)
-    return path
+    return write_tiny_model(path, "byt5")
 
 
 def policy_inputs(tokenizer, prompts=("ab", "abcdef")):

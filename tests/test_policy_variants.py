@@ -17,7 +17,7 @@ from pytest import approx
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import constant_groups
 from rlkit_core.interfaces import LossInputs
-from rlkit_core.offline_models import write_tiny_lm
+from rlkit_core.offline_models import write_tiny_model
 from rlkit_core.recipe import parse_recipe
 from rlkit_core.testing import rollout_batch
 from rlkit_core.trainer import Trainer
@@ -92,7 +92,7 @@ def test_two_processes_agree_on_extra_rounds(grpo_document, write_recipe, tmp_pa
     """Process 1 never gets a group with signal, process 0 always fills its share in the first
     round: process 0 must generate along in every extra round (scoring is a collective), or the
     launch hangs. Pad-less GPT-2-style tokenizer: rounds' prompts are padded with its added PAD."""
-    grpo_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
+    grpo_document["policy"]["model"] = str(write_tiny_model(tmp_path / "gpt2-style", "gpt2"))
     grpo_document["ppo"].update({"batch_size": 16, "minibatch_size": 8})
     output_dir = tmp_path / "run"
     grpo_document["run"]["output_dir"] = str(output_dir)

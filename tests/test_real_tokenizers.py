@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlkit_core.errors import RecipeError
-from rlkit_core.offline_models import write_tiny_classifier, write_tiny_lm
+from rlkit_core.offline_models import write_tiny_model
 from rlkit_core.recipe import parse_recipe
 from rlkit_core.trainer import Trainer
 
@@ -21,12 +21,12 @@ RM_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['c
 
 @pytest.fixture(scope="session")
 def gpt2_lm(tmp_path_factory):
-    return write_tiny_lm(tmp_path_factory.mktemp("gpt2-style"), "gpt2")
+    return write_tiny_model(tmp_path_factory.mktemp("gpt2-style"), "gpt2")
 
 
 @pytest.fixture(scope="session")
 def chat_lm(tmp_path_factory):
-    return write_tiny_lm(tmp_path_factory.mktemp("chat-style"), "chat")
+    return write_tiny_model(tmp_path_factory.mktemp("chat-style"), "chat")
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,7 @@ def gpt2_classifier(tmp_path_factory):
     policy's, so it also serves as a reward model with a tokenizer of its own."""
     from transformers import AutoTokenizer
 
-    path = write_tiny_classifier(tmp_path_factory.mktemp("gpt2-classifier"), "gpt2")
+    path = write_tiny_model(tmp_path_factory.mktemp("gpt2-classifier"), "gpt2", classifier=True)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = RM_TEMPLATE
     tokenizer.save_pretrained(path)
@@ -44,7 +44,7 @@ def gpt2_classifier(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def chat_classifier(tmp_path_factory):
-    return write_tiny_classifier(tmp_path_factory.mktemp("chat-classifier"), "chat")
+    return write_tiny_model(tmp_path_factory.mktemp("chat-classifier"), "chat", classifier=True)
 
 
 @pytest.fixture(scope="session")
@@ -154,7 +154,7 @@ def opinionated_lm(tmp_path_factory):
     only the two likeliest: what a hub checkpoint's sampling defaults can do."""
     from transformers import AutoModelForCausalLM
 
-    path = write_tiny_lm(tmp_path_factory.mktemp("opinionated"), "gpt2")
+    path = write_tiny_model(tmp_path_factory.mktemp("opinionated"), "gpt2")
     model = AutoModelForCausalLM.from_pretrained(path)
     model.generation_config.update(no_repeat_ngram_size=1, repetition_penalty=5.0, top_k=2, do_sample=True)
     model.save_pretrained(path)

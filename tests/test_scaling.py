@@ -59,10 +59,10 @@ def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
         recipe_document["policy"]["lora_r"] = 4
         recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
     if request.param == "padless-gpt2-separate-critic":  # an added, suppressed PAD and a critic that never sees it
-        from rlkit_core.offline_models import write_tiny_classifier, write_tiny_lm
+        from rlkit_core.offline_models import write_tiny_model
 
-        recipe_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
-        recipe_document["value_head"] = {"type": "separate", "model": str(write_tiny_classifier(tmp_path / "critic", "gpt2"))}
+        recipe_document["policy"]["model"] = str(write_tiny_model(tmp_path / "gpt2-style", "gpt2"))
+        recipe_document["value_head"] = {"type": "separate", "model": str(write_tiny_model(tmp_path / "critic", "gpt2", classifier=True))}
     return recipe_document
 
 
@@ -82,9 +82,9 @@ def test_two_fsdp_processes_make_the_update_of_one(variant, recipe_document, tin
     if variant == "lora":
         recipe_document["policy"]["lora_r"] = 4
     if variant == "padless-gpt2":  # the added PAD row is sharded with the embedding and stays suppressed
-        from rlkit_core.offline_models import write_tiny_lm
+        from rlkit_core.offline_models import write_tiny_model
 
-        recipe_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
+        recipe_document["policy"]["model"] = str(write_tiny_model(tmp_path / "gpt2-style", "gpt2"))
     if variant == "bf16":  # float32 shards and gathered weights, bf16 compute under autocast, as without FSDP
         recipe_document["run"]["mixed_precision"] = "bf16"
     fsdp = fsdp_on_cpu.launch_environment()
