@@ -12,8 +12,9 @@ import torch
 
 from rlkit_core.batch import RolloutBatch, sequence_inputs
 from rlkit_core.offline_models import write_tiny_model
+from rlkit_core.recipe import toml_literal
 
-__all__ = ["RESPONSE_MASK", "policy_inputs", "rollout_batch", "write_tiny_causal_lm"]
+__all__ = ["RESPONSE_MASK", "policy_inputs", "recipe_toml", "rollout_batch", "write_tiny_causal_lm"]
 
 RESPONSE_MASK = [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
 
@@ -57,6 +58,16 @@ def write_tiny_causal_lm(path: Path) -> Path:
     """A two-layer, 32-wide GPT-2 with the byte-level ByT5 tokenizer: real transformers classes,
     built offline in a moment, so contract tests need no hub."""
     return write_tiny_model(path, "byt5")
+
+
+def recipe_toml(document: dict) -> str:
+    """A recipe document (tables of settings, as `rlkit_core.recipe` parses them) as TOML text, for
+    tests that run `rlkit` on a recipe file."""
+    lines = []
+    for table, body in document.items():
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {toml_literal(value)}" for key, value in body.items()]
+    return "\n".join(lines) + "\n"
 
 
 def policy_inputs(tokenizer, prompts=("ab", "abcdef")):

@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from rlkit_core.testing import recipe_toml
+
 REWARD_SOURCE = '''
 def lowercase_share(prompts, responses, letter):
     """Share of lowercase letters in an 8-byte response: dense, so trivially learnable."""
@@ -49,22 +51,6 @@ def reward_file(tmp_path_factory):
     return path
 
 
-def to_toml(document: dict) -> str:
-    """Tables of scalars and lists only, which is all a recipe needs."""
-    def literal(value):
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, list):
-            return "[" + ", ".join(literal(v) for v in value) + "]"
-        return json.dumps(value)
-
-    lines = []
-    for table, body in document.items():
-        lines.append(f"[{table}]")
-        lines += [f"{key} = {literal(value)}" for key, value in body.items()]
-    return "\n".join(lines) + "\n"
-
-
 @pytest.fixture
 def recipe_document(tmp_path, tiny_model, prompt_file, reward_file):
     """A small valid recipe as a dict; tests change it and parse or write it."""
@@ -84,7 +70,7 @@ def recipe_document(tmp_path, tiny_model, prompt_file, reward_file):
 def write_recipe(tmp_path):
     def write(document: dict, name: str = "recipe.toml") -> str:
         path = tmp_path / name
-        path.write_text(to_toml(document))
+        path.write_text(recipe_toml(document))
         return str(path)
 
     return write
