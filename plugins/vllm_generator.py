@@ -40,11 +40,11 @@ from packaging.version import InvalidVersion, Version
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
 from rlkit_core.context import building_at
-from rlkit_core.distributed import sampling_seed
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import response_mask
 from rlkit_core.interfaces import Generation, Generator
 from rlkit_core.prompts import PromptLengthLimit
+from rlkit_core.randomness import sampling_seed
 from rlkit_plugins.hf_generator import HFGeneratorConfig
 
 # The tested range (pyproject's extras pin the same): the layerwise reload module and

@@ -17,19 +17,11 @@ from accelerate.utils import DistributedType, gather_object
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.schema import sharded_launch
 
-SEED_STRIDE = 1_000_003
-
 
 def combined_by_max(name: str) -> bool:
     """Terms combined over micro-batches and processes by their maximum (see `Loss`): maxima, and
     the `skipped` flag (one exploded part skips the whole optimiser step)."""
     return name.endswith("_max") or name == "skipped"
-
-
-def sampling_seed(seed: int, process_index: int) -> int:
-    """Process 0 keeps the run seed (a single process samples as it always did); the others get
-    their own streams, derived from it, so that they do not draw the same responses."""
-    return seed + SEED_STRIDE * process_index
 
 
 class TrainableModules(torch.nn.Module):

@@ -30,7 +30,6 @@ from rlkit_core.distributed import (
     critic_problem,
     engine_problem,
     fsdp_plugin,
-    sampling_seed,
 )
 from rlkit_core.dynamic_sampling import DynamicSampler
 from rlkit_core.errors import RecipeError, RunError
@@ -49,7 +48,7 @@ from rlkit_core.interfaces import LossInputs
 from rlkit_core.metrics_log import MetricsLog
 from rlkit_core.prompt_stream import PromptStream
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts, within_context
-from rlkit_core.randomness import seeded_generator
+from rlkit_core.randomness import minibatch_order_generator, sampling_seed
 from rlkit_core.recipe import Recipe
 
 
@@ -279,7 +278,7 @@ class Trainer:
         divided by the minibatch's global token count, so the summed gradients are the same
         however the minibatch is split over processes and micro-batches."""
         ppo, optim = self.recipe.ppo, self.recipe.optim
-        shuffler = seeded_generator(self.recipe.run.seed, self.iteration)
+        shuffler = minibatch_order_generator(self.recipe.run.seed, self.iteration)
         per_process = ppo.minibatch_size // self.processes.count
         micro_size = per_process // ppo.gradient_accumulation_steps
         per_step, count = defaultdict(list), 0  # each step's terms stay tensors: one read from the device at the end

@@ -239,7 +239,7 @@ def test_the_engine_starts_from_the_policys_config_with_placeholder_weights(tiny
 
 def test_each_process_starts_its_engine_with_its_own_seed(tiny_model, tmp_path, monkeypatch):
     """Under torchrun: rank 1 of 2 gets the external launcher and the trainer's sampling seed for rank 1."""
-    from rlkit_core.distributed import sampling_seed
+    from rlkit_core.randomness import sampling_seed
 
     started = {}
     monkeypatch.setattr(vllm_generator, "missing_here", lambda config, device: [])
