@@ -77,7 +77,9 @@ def write_recipe(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def registry():
+def builtin_registry():
+    """The built-in plugins only, whatever else is installed (a contract class's `registry` is
+    every installed plugin's, see `rlkit_core.contracts`)."""
     from rlkit_core.plugins import load_registry
 
     return load_registry(environ={"RLKIT_PLUGINS": "none"})
