@@ -239,8 +239,8 @@ def retype_problems(before: dict, after: dict, registry: Registry) -> list[Probl
         known = {f.name for f in attrs.fields(component.config_class)}
         stale = [key for key in new_table if key != "type" and key not in known and key in old_table]
         if stale:
-            kept = ", ".join([f"type={toml_literal(new)}"] + [f"{key}={toml_literal(value)}" for key, value in new_table.items()
-                                                       if key in known])
+            kept = ", ".join([f"type={toml_literal(new)}"] + [f"{key}={toml_literal(value)}"
+                                                              for key, value in new_table.items() if key in known])
             problems.append(Problem(f"$.{table}", f"the type changed from {old!r} to {new!r}, but {', '.join(stale)} "
                                                   f"{'is a setting' if len(stale) == 1 else 'are settings'} of {old!r} that {new!r} does not "
                                                   f"have; replace the whole table instead: --set '{table}={{{kept}}}'"))
