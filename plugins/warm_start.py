@@ -178,6 +178,7 @@ def _build(out: Path, settings: dict, progress) -> Path:
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, sft_steps // 10)
+    # (s + 1) / warmup, not transformers' constant-with-warmup (s / warmup: no update at step 0, another warm start)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     model.train()
     order: list[int] = []

@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from rlkit_core.testing import recipe_toml
+
 REWARD_SOURCE = '''
 def lowercase_share(prompts, responses, letter):
     """Share of lowercase letters in an 8-byte response: dense, so trivially learnable."""
@@ -26,15 +28,9 @@ def tiny_model(tmp_path_factory):
 def tiny_reward_model(tmp_path_factory):
     """A GPT-2 sequence classifier with one output and the ByT5 tokenizer, built offline: a reward
     model, or the trunk of a separate critic."""
-    import torch
-    from transformers import ByT5Tokenizer, GPT2Config, GPT2ForSequenceClassification
+    from rlkit_core.testing.offline_models import write_tiny_model
 
-    path = tmp_path_factory.mktemp("tiny-reward-model")
-    torch.manual_seed(1)
-    config = GPT2Config(vocab_size=384, n_positions=128, n_embd=32, n_layer=1, n_head=2, num_labels=1, pad_token_id=0, eos_token_id=1)
-    GPT2ForSequenceClassification(config).save_pretrained(path)
-    ByT5Tokenizer().save_pretrained(path)
-    return path
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-reward-model"), "byt5", classifier=True)
 
 
 @pytest.fixture(scope="session")
@@ -53,22 +49,6 @@ def reward_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("reward") / "letter_reward.py"
     path.write_text(REWARD_SOURCE)
     return path
-
-
-def to_toml(document: dict) -> str:
-    """Tables of scalars and lists only, which is all a recipe needs."""
-    def literal(value):
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, list):
-            return "[" + ", ".join(literal(v) for v in value) + "]"
-        return json.dumps(value)
-
-    lines = []
-    for table, body in document.items():
-        lines.append(f"[{table}]")
-        lines += [f"{key} = {literal(value)}" for key, value in body.items()]
-    return "\n".join(lines) + "\n"
 
 
 @pytest.fixture
@@ -90,14 +70,16 @@ def recipe_document(tmp_path, tiny_model, prompt_file, reward_file):
 def write_recipe(tmp_path):
     def write(document: dict, name: str = "recipe.toml") -> str:
         path = tmp_path / name
-        path.write_text(to_toml(document))
+        path.write_text(recipe_toml(document))
         return str(path)
 
     return write
 
 
 @pytest.fixture(scope="session")
-def registry():
+def builtin_registry():
+    """The built-in plugins only, whatever else is installed (a contract class's `registry` is
+    every installed plugin's, see `rlkit_core.testing.contracts`)."""
     from rlkit_core.recipe.plugins import load_registry
 
     return load_registry(environ={"RLKIT_PLUGINS": "none"})

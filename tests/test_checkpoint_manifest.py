@@ -32,11 +32,11 @@ def rows_of(output_dir):
 
 
 @pytest.fixture
-def two_checkpoints(recipe_document, registry, write_recipe, tmp_path):
+def two_checkpoints(recipe_document, builtin_registry, write_recipe, tmp_path):
     """A finished 4-iteration run with checkpoints after iterations 2 and 4: (recipe path, output_dir)."""
     output_dir = tmp_path / "run"
     document = dict(recipe_document, run={**recipe_document["run"], "steps": 4, "checkpoint_every": 2, "output_dir": str(output_dir)})
-    run_recipe(parse_recipe(document, registry), quiet=True)
+    run_recipe(parse_recipe(document, builtin_registry), quiet=True)
     assert [p.name for p in checkpoint.complete_checkpoints(output_dir)] == ["iter_000002", "iter_000004"]
     return write_recipe(document), output_dir
 

@@ -60,47 +60,47 @@ def per_token(values):
     return [[v if m else 0.0 for m in row] for v, row in zip(values, MASK)]
 
 
-def test_grpo_by_hand(registry):
+def test_grpo_by_hand(builtin_registry):
     batch = scored(REWARDS, MASK, GROUPS)
     # group 7: R = [0.9, 0.7, 0.3], mean 0.63333, unbiased std sqrt(0.186667 / 2) = 0.305505
     # group 2: R = [0.3, 1.0], mean 0.65, unbiased std 0.35·√2 = 0.494975
     eps = 1e-6
     expected = [0.266667 / (0.305505 + eps), 0.066667 / (0.305505 + eps), -0.35 / (0.494975 + eps),
                 -0.333333 / (0.305505 + eps), 0.35 / (0.494975 + eps)]
-    advantages, returns = estimator(registry, "grpo").estimate(batch)
+    advantages, returns = estimator(builtin_registry, "grpo").estimate(batch)
     assert advantages.tolist() == [approx(row, abs=2e-5) for row in per_token(expected)]
     assert returns.tolist() == [approx(row) for row in TO_GO]
     # Dr. GRPO: centred only
-    advantages, _ = estimator(registry, "grpo", scale_by_std=False).estimate(batch)
+    advantages, _ = estimator(builtin_registry, "grpo", scale_by_std=False).estimate(batch)
     assert advantages.tolist() == [approx(row, abs=1e-6) for row in per_token([0.266667, 0.066667, -0.35, -0.333333, 0.35])]
 
 
-def test_rloo_by_hand(registry):
+def test_rloo_by_hand(builtin_registry):
     # group 7: 0.9 − (0.7 + 0.3)/2 = 0.4, 0.7 − (0.9 + 0.3)/2 = 0.1, 0.3 − (0.9 + 0.7)/2 = −0.5
     # group 2: 0.3 − 1.0 = −0.7, 1.0 − 0.3 = 0.7
-    advantages, returns = estimator(registry, "rloo").estimate(scored(REWARDS, MASK, GROUPS))
+    advantages, returns = estimator(builtin_registry, "rloo").estimate(scored(REWARDS, MASK, GROUPS))
     assert advantages.tolist() == [approx(row, abs=1e-6) for row in per_token([0.4, 0.1, -0.7, -0.5, 0.7])]
     assert returns.tolist() == [approx(row) for row in TO_GO]
 
 
-def test_reinforce_plus_plus_by_hand(registry):
+def test_reinforce_plus_plus_by_hand(builtin_registry):
     batch = scored(REWARDS, MASK, GROUPS)
     # γ = 1: the 11 counted rewards-to-go of TO_GO have mean 0.627273 and (biased) std 0.266598
-    advantages, returns = estimator(registry, "reinforce++").estimate(batch)
+    advantages, returns = estimator(builtin_registry, "reinforce++").estimate(batch)
     assert advantages.tolist() == [approx(row, abs=1e-5) for row in [
         [1.022992, 1.022992, 1.398088], [0.272798, -0.477396, 0.0], [-1.227590, 0.0, 0.0],
         [-1.227590, -0.852493, -0.852493], [1.398088, -0.477396, 0.0]]]
     assert returns.tolist() == [approx(row) for row in TO_GO]
     # γ = 0.5: row 0 is 0 + 0.5·(−0.1 + 0.5·1.0) = 0.2, −0.1 + 0.5 = 0.4, 1.0
-    _, returns = estimator(registry, "reinforce++", gamma=0.5).estimate(batch)
+    _, returns = estimator(builtin_registry, "reinforce++", gamma=0.5).estimate(batch)
     assert returns.tolist() == [approx(row) for row in [
         [0.2, 0.4, 1.0], [0.45, 0.5, 0.0], [0.3, 0.0, 0.0], [0.0, 0.2, 0.4], [0.75, 0.5, 0.0]]]
 
 
-def test_remax_by_hand(registry):
+def test_remax_by_hand(builtin_registry):
     # the greedy response of group 7 scored 0.5, that of group 2 scored 0.2: A_t = G_t − b
     batch = scored(REWARDS, MASK, GROUPS, baseline_scores=[0.5, 0.5, 0.2, 0.5, 0.2])
-    advantages, returns = estimator(registry, "remax").estimate(batch)
+    advantages, returns = estimator(builtin_registry, "remax").estimate(batch)
     assert advantages.tolist() == [approx(row, abs=1e-6) for row in [
         [0.4, 0.4, 0.5], [0.2, 0.0, 0.0], [0.1, 0.0, 0.0], [-0.2, -0.1, -0.1], [0.8, 0.3, 0.0]]]
     assert returns.tolist() == [approx(row) for row in TO_GO]
@@ -126,7 +126,7 @@ def to_go_loop(rewards, length, gamma):
 
 @pytest.mark.parametrize("name, config", [("grpo", {}), ("grpo", {"scale_by_std": False}), ("rloo", {}),
                                           ("reinforce++", {"gamma": 0.9}), ("remax", {})])
-def test_estimators_match_a_plain_loop(registry, name, config):
+def test_estimators_match_a_plain_loop(builtin_registry, name, config):
     batch = random_batch()
     lengths = batch.response_mask.sum(1).tolist()
     rewards, groups = batch.rewards.tolist(), batch.group_ids.tolist()
@@ -151,7 +151,7 @@ def test_estimators_match_a_plain_loop(registry, name, config):
             mean, std = statistics.mean(counted), statistics.pstdev(counted)
             row = [(g - mean) / math.sqrt(std**2 + 1e-8) for g in to_go[i][:n]]
         expected.append(row + [0.0] * (len(rewards[i]) - n))
-    advantages, returns = estimator(registry, name, **config).estimate(batch)
+    advantages, returns = estimator(builtin_registry, name, **config).estimate(batch)
     assert advantages.tolist() == [approx(row, rel=1e-5, abs=1e-6) for row in expected]  # float32
     assert returns.tolist() == [approx(row, rel=1e-5, abs=1e-6) for row in to_go]
 
@@ -186,8 +186,8 @@ def build_loss(recipe_document, registry, **loss):
     ("seq-mean-token-mean", -(1 + 2) / 8),
     ("seq-mean-token-sum-norm", -(3 * 1 / 8 + 2 / 8) / 8),  # generator.max_new_tokens = 8
 ])
-def test_ppo_clip_aggregates_by_hand(recipe_document, registry, mode, expected):
-    loss = build_loss(recipe_document, registry, aggregation=mode, entropy_coef=0.5)
+def test_ppo_clip_aggregates_by_hand(recipe_document, builtin_registry, mode, expected):
+    loss = build_loss(recipe_document, builtin_registry, aggregation=mode, entropy_coef=0.5)
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
     old = torch.tensor([[-1.0, -2.0, -0.5, NAN], [-1.5, NAN, NAN, NAN]])
     batch = rollout_batch(with_values=False).select(torch.tensor([0, 1])).with_(
@@ -201,8 +201,8 @@ def test_ppo_clip_aggregates_by_hand(recipe_document, registry, mode, expected):
     assert "loss_value" not in terms and "value_loss" not in terms
 
 
-def test_token_sum_norm_can_be_set(recipe_document, registry):
-    loss = build_loss(recipe_document, registry, aggregation="seq-mean-token-sum-norm", token_sum_norm=2.0)
+def test_token_sum_norm_can_be_set(recipe_document, builtin_registry):
+    loss = build_loss(recipe_document, builtin_registry, aggregation="seq-mean-token-sum-norm", token_sum_norm=2.0)
     weights, divisor = loss.aggregation(rollout_batch(), 10.0)
     assert divisor == 8 and torch.all(weights == 0.5)
 
@@ -228,32 +228,32 @@ def critic_free(recipe_document, estimator_name="grpo", samples=4):
      "$.value_head.type: 'none' builds no critic, but advantage estimator 'gae' needs values; use 'shared' or 'separate', "
      "or a critic-free estimator such as 'grpo'"),
 ])
-def test_recipes_that_cannot_work_are_refused_where_they_go_wrong(recipe_document, registry, change, message):
+def test_recipes_that_cannot_work_are_refused_where_they_go_wrong(recipe_document, builtin_registry, change, message):
     document = critic_free(recipe_document)
     change(document)
     with pytest.raises(RecipeError) as caught:
-        parse_recipe(document, registry)
+        parse_recipe(document, builtin_registry)
     assert [str(p) for p in caught.value.problems] == [message]
 
 
-def test_rloo_needs_groups_and_reinforce_plus_plus_and_remax_do_not(recipe_document, registry):
+def test_rloo_needs_groups_and_reinforce_plus_plus_and_remax_do_not(recipe_document, builtin_registry):
     with pytest.raises(RecipeError, match=r"\$\.ppo\.samples_per_prompt: advantage estimator 'rloo'"):
-        parse_recipe(critic_free(recipe_document, "rloo", samples=1), registry)
+        parse_recipe(critic_free(recipe_document, "rloo", samples=1), builtin_registry)
     for name in ("reinforce++", "remax"):
-        assert parse_recipe(critic_free(recipe_document, name, samples=1), registry)["value_head"].component.name == "none"
+        assert parse_recipe(critic_free(recipe_document, name, samples=1), builtin_registry)["value_head"].component.name == "none"
 
 
-def test_value_head_defaults_to_none_for_a_critic_free_estimator(recipe_document, registry):
-    assert parse_recipe(recipe_document, registry)["value_head"].component.name == "shared"
-    assert parse_recipe(critic_free(recipe_document), registry)["value_head"].component.name == "none"
+def test_value_head_defaults_to_none_for_a_critic_free_estimator(recipe_document, builtin_registry):
+    assert parse_recipe(recipe_document, builtin_registry)["value_head"].component.name == "shared"
+    assert parse_recipe(critic_free(recipe_document), builtin_registry)["value_head"].component.name == "none"
 
 
-def test_kl_in_the_loss_defaults_to_k3(recipe_document, registry):
-    assert parse_recipe(recipe_document, registry).ppo.kl_estimator == "k1"
+def test_kl_in_the_loss_defaults_to_k3(recipe_document, builtin_registry):
+    assert parse_recipe(recipe_document, builtin_registry).ppo.kl_estimator == "k1"
     recipe_document["ppo"]["kl_penalty"] = "loss"
-    assert parse_recipe(recipe_document, registry).ppo.kl_estimator == "k3"
+    assert parse_recipe(recipe_document, builtin_registry).ppo.kl_estimator == "k3"
     recipe_document["ppo"]["kl_estimator"] = "k2"  # what a recipe says wins
-    assert parse_recipe(recipe_document, registry).ppo.kl_estimator == "k2"
+    assert parse_recipe(recipe_document, builtin_registry).ppo.kl_estimator == "k2"
 
 
 def rlkit(*args):
@@ -281,10 +281,10 @@ def test_rlkit_check_refuses_a_critic_with_grpo_and_plugins_lists_the_new_parts(
 # ---------------------------------------------------------------- the loop without a critic
 
 
-def test_remax_baseline_is_the_score_of_the_greedy_response(recipe_document, registry):
+def test_remax_baseline_is_the_score_of_the_greedy_response(recipe_document, builtin_registry):
     document = critic_free(recipe_document, "remax", samples=2)
     document["ppo"]["missing_eos_penalty"] = 0.25  # the baseline is shaped as the samples' scores are
-    trainer = Trainer(parse_recipe(document, registry))
+    trainer = Trainer(parse_recipe(document, builtin_registry))
     records = trainer.stream.batch(0)
     batch, _ = trainer.rollout(records)
     with_baseline, timing = trainer.greedy_baseline(records, batch)
@@ -296,14 +296,14 @@ def test_remax_baseline_is_the_score_of_the_greedy_response(recipe_document, reg
     assert timing["time/baseline"] > 0
 
 
-def test_a_critic_free_run_has_no_critic_anywhere(recipe_document, registry, tmp_path):
+def test_a_critic_free_run_has_no_critic_anywhere(recipe_document, builtin_registry, tmp_path):
     """No value head is built or trained, and nothing about one is logged or checkpointed."""
     document = critic_free(recipe_document, "rloo")
     document["run"]["steps"] = 1
-    trainer = Trainer(parse_recipe(document, registry))
+    trainer = Trainer(parse_recipe(document, builtin_registry))
     assert trainer.value_head is None
     assert len(trainer.parameters) == len(list(trainer.policy.parameters()))
-    run_recipe(parse_recipe(document, registry), quiet=True, out=io.StringIO())
+    run_recipe(parse_recipe(document, builtin_registry), quiet=True, out=io.StringIO())
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert "train/loss_policy" in row
     assert not [name for name in row if "value" in name or "explained" in name]

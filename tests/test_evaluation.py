@@ -36,15 +36,15 @@ def test_hold_out_is_seeded_and_disjoint():
         hold_out(records, 20, seed=3)
 
 
-def test_held_out_prompts_never_reach_a_training_batch(recipe_document, registry):
-    trainer = Trainer(parse_recipe(with_eval(recipe_document), registry))
+def test_held_out_prompts_never_reach_a_training_batch(recipe_document, builtin_registry):
+    trainer = Trainer(parse_recipe(with_eval(recipe_document), builtin_registry))
     held = {r["prompt"] for r in trainer.eval_records}
     assert len(held) == 8
     seen = {r["prompt"] for i in range(20) for r in trainer.stream.batch(i)}  # several passes over the data
     assert seen and held.isdisjoint(seen)
 
 
-def test_run_evaluates_before_and_after_and_reports_both(recipe_document, registry, tmp_path):
+def test_run_evaluates_before_and_after_and_reports_both(recipe_document, builtin_registry, tmp_path):
     data = tmp_path / "with_references.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"say {w}", "reference": w, "letter": "e"}) + "\n"
                             for w in ["cat", "dog", "egg", "fig", "hat", "ink", "jam", "kit"] * 4))
@@ -53,7 +53,7 @@ def test_run_evaluates_before_and_after_and_reports_both(recipe_document, regist
     document["run"]["output_dir"] = str(tmp_path / "run")
     out = tmp_path / "report.txt"
     with out.open("w") as report:
-        run_recipe(parse_recipe(document, registry), quiet=True, out=report)
+        run_recipe(parse_recipe(document, builtin_registry), quiet=True, out=report)
     logged = rows(tmp_path / "run")
     evaluated = [r["iteration"] for r in logged if "eval/score" in r]
     assert evaluated == [0, 2, 3]  # before training, every 2, and after the last
@@ -61,7 +61,7 @@ def test_run_evaluates_before_and_after_and_reports_both(recipe_document, regist
     text = out.read_text()
     assert "held-out evaluation, iteration 0 → 3:" in text and "  score " in text
     samples = json.loads((tmp_path / "run" / "samples_before.json").read_text())
-    trainer = Trainer(parse_recipe(document, registry))
+    trainer = Trainer(parse_recipe(document, builtin_registry))
     assert [s["prompt"] for s in samples] == [r["prompt"] for r in trainer.eval_records]  # all 8, fixed before training
     assert "greedy responses to 8 held-out prompts, after training: " in text
     assert text.count("\nsample ") == 5 and "(score " in text
@@ -84,49 +84,49 @@ def test_report_counts_the_samples_that_scored_higher_lower_and_the_same():
     assert "  before: 'b' (score 0.200)\n  after:  'a' (score 0.900)" in text
 
 
-def test_a_reward_failing_on_the_reports_samples_leaves_them_unscored(recipe_document, registry, tmp_path, capsys):
+def test_a_reward_failing_on_the_reports_samples_leaves_them_unscored(recipe_document, builtin_registry, tmp_path, capsys):
     """The run has finished when the report's samples are scored: a failure there is a warning."""
     from rlkit_core.runtime.run import _scored
 
     broken = tmp_path / "late_failure.py"
     broken.write_text("def score(prompts, responses, **columns):\n    raise ConnectionError('reward server went away')\n")
     recipe_document["reward"]["function"] = f"{broken}:score"
-    trainer = Trainer(parse_recipe(with_eval(recipe_document), registry))
+    trainer = Trainer(parse_recipe(with_eval(recipe_document), builtin_registry))
     samples = [{"prompt": r["prompt"], "before": "x", "after": "y"} for r in trainer.eval_records]
     assert _scored(trainer, trainer.eval_records, samples) == samples
     warning = capsys.readouterr().err
     assert "rlkit run: warning: " in warning and "reward server went away" in warning and "shown unscored" in warning
 
 
-def test_unknown_eval_metric_is_located(recipe_document, registry):
+def test_unknown_eval_metric_is_located(recipe_document, builtin_registry):
     with pytest.raises(RecipeError, match=r"\$\.eval\.metrics\[1\]: unknown reward 'rogue'"):
-        parse_recipe(with_eval(recipe_document, metrics=["rouge", "rogue"]), registry)
+        parse_recipe(with_eval(recipe_document, metrics=["rouge", "rogue"]), builtin_registry)
     with pytest.raises(RecipeError, match=r"\$\.eval\.metrics\[0\]: reward 'python' needs settings \(function\)"):
-        parse_recipe(with_eval(recipe_document, metrics=["python"]), registry)
+        parse_recipe(with_eval(recipe_document, metrics=["python"]), builtin_registry)
 
 
-def test_evaluation_does_not_disturb_training(recipe_document, registry, tmp_path):
+def test_evaluation_does_not_disturb_training(recipe_document, builtin_registry, tmp_path):
     """Evaluating after every iteration (sampled, so it draws random numbers) leaves the training
     figures exactly as with evaluation only before and after."""
     often = with_eval(recipe_document, every=1, greedy=False)
     often["run"]["output_dir"] = str(tmp_path / "often")
     rarely = with_eval(recipe_document, every=0, greedy=False)
     rarely["run"]["output_dir"] = str(tmp_path / "rarely")
-    run_recipe(parse_recipe(often, registry), quiet=True)
-    run_recipe(parse_recipe(rarely, registry), quiet=True)
+    run_recipe(parse_recipe(often, builtin_registry), quiet=True)
+    run_recipe(parse_recipe(rarely, builtin_registry), quiet=True)
     assert training_rows(tmp_path / "often") == training_rows(tmp_path / "rarely")
     assert "eval/kl" in rows(tmp_path / "often")[0]
 
 
-def test_resume_with_evaluation_matches_an_uninterrupted_run(recipe_document, registry, tmp_path):
+def test_resume_with_evaluation_matches_an_uninterrupted_run(recipe_document, builtin_registry, tmp_path):
     straight = with_eval(recipe_document, steps=4, every=1)
     straight["run"]["output_dir"] = str(tmp_path / "straight")
-    run_recipe(parse_recipe(straight, registry), quiet=True)
+    run_recipe(parse_recipe(straight, builtin_registry), quiet=True)
     first = with_eval(recipe_document, steps=2, every=1)
     first["run"]["output_dir"] = str(tmp_path / "split")
-    run_recipe(parse_recipe(first, registry), quiet=True)
+    run_recipe(parse_recipe(first, builtin_registry), quiet=True)
     second = with_eval(recipe_document, steps=4, every=1)
     second["run"]["output_dir"] = str(tmp_path / "split")
-    run_recipe(parse_recipe(second, registry), quiet=True, resume="auto")
+    run_recipe(parse_recipe(second, builtin_registry), quiet=True, resume="auto")
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]  # noqa: E731
     assert strip(rows(tmp_path / "split")) == strip(rows(tmp_path / "straight"))

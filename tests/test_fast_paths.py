@@ -44,8 +44,8 @@ def test_models_without_logits_to_keep_or_a_trunk_give_the_same(policy, inputs):
     assert torch.allclose(fast.hidden, plain.hidden, atol=1e-6)
 
 
-def test_response_logprobs_equal_the_ones_from_every_position(recipe_document, registry):
-    trainer = Trainer(parse_recipe(recipe_document, registry))
+def test_response_logprobs_equal_the_ones_from_every_position(recipe_document, builtin_registry):
+    trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
     batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
     sequence = batch.sequence()
     with torch.no_grad():

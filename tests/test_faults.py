@@ -120,9 +120,9 @@ def test_every_way_of_breaking_the_reward_contract_is_caught_where_scores_enter_
 def test_a_padless_policys_bad_batch_is_skipped_and_saved_as_text(faulty, recipe_document, tmp_path):
     """GPT-2-style: no PAD of its own (rlkit adds one) and responses of varied lengths; the bad batch
     is skipped, saved as the prompts and responses the reward saw, and the run goes on."""
-    from rlkit_core.testing.offline_models import write_tiny_lm
+    from rlkit_core.testing.offline_models import write_tiny_model
 
-    recipe_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
+    recipe_document["policy"]["model"] = str(write_tiny_model(tmp_path / "gpt2-style", "gpt2"))
     recipe, output_dir, _ = faulty({2: MISBEHAVIOURS["nan"][0]}, on_bad_reward="skip")
     result = run(recipe)
     assert result.returncode == 0, result.stderr

@@ -112,10 +112,10 @@ def test_stop_on_names_checks():
     assert HealthMonitor(HealthConfig(stop_on=["zero_gradients"])).stops(detect(DEFAULTS, [{**HEALTHY, "score/std": 0.0}])) is None
 
 
-def test_an_unknown_check_in_stop_on_is_a_located_error(recipe_document, registry):
+def test_an_unknown_check_in_stop_on_is_a_located_error(recipe_document, builtin_registry):
     with pytest.raises(RecipeError, match=r"\$\.health\.stop_on: unknown check\(s\) 'zero_grad'; the checks are 'all', "
                                           "'zero_reward_variance'"):
-        parse_recipe(dict(recipe_document, health={"stop_on": ["zero_grad"]}), registry)
+        parse_recipe(dict(recipe_document, health={"stop_on": ["zero_grad"]}), builtin_registry)
 
 
 # --- each check on a tiny run built to trip it -----------------------------------------------------
@@ -141,44 +141,44 @@ def constant_reward(tmp_path):
     return {"type": "python", "function": f"{path}:score"}
 
 
-def test_a_constant_reward_trips_zero_variance_and_under_grpo_zero_gradients(recipe_document, registry, constant_reward):
+def test_a_constant_reward_trips_zero_variance_and_under_grpo_zero_gradients(recipe_document, builtin_registry, constant_reward):
     grpo = dict(recipe_document, reward=constant_reward, advantage={"type": "grpo"}, value_head={"type": "none"},
                 ppo={**recipe_document["ppo"], "samples_per_prompt": 4})
-    found = trained(grpo, registry, 1)
+    found = trained(grpo, builtin_registry, 1)
     assert found["zero_reward_variance"] == 1 and found["zero_gradients"] == 1
     quiet = trained(dict(recipe_document, advantage={"type": "grpo"}, value_head={"type": "none"},
-                         ppo={**recipe_document["ppo"], "samples_per_prompt": 4}), registry, 1)
+                         ppo={**recipe_document["ppo"], "samples_per_prompt": 4}), builtin_registry, 1)
     assert "zero_reward_variance" not in quiet and "zero_gradients" not in quiet
 
 
-def test_responses_all_cut_at_the_limit_trip_all_truncated(recipe_document, registry):
+def test_responses_all_cut_at_the_limit_trip_all_truncated(recipe_document, builtin_registry):
     cut = dict(recipe_document, generator={"max_new_tokens": 8, "min_new_tokens": 8}, health={"all_truncated": 2})
-    assert trained(cut, registry, 2)["all_truncated"] == 2
+    assert trained(cut, builtin_registry, 2)["all_truncated"] == 2
 
 
-def test_a_generator_left_on_the_first_weights_trips_the_logprob_gap(recipe_document, registry):
+def test_a_generator_left_on_the_first_weights_trips_the_logprob_gap(recipe_document, builtin_registry):
     """The sleep-mode bug (TRL#5312): the generator samples from weights that are never synced."""
     fast = dict(recipe_document, optim={"learning_rate": 1e-2})
 
     def stale(trainer):
         trainer.parts.generator.policy = copy.deepcopy(trainer.policy)  # its own model, never updated
 
-    assert trained(fast, registry, 3, stale).get("logprob_gap_jump") == 2
-    assert "logprob_gap_jump" not in trained(fast, registry, 3)
+    assert trained(fast, builtin_registry, 3, stale).get("logprob_gap_jump") == 2
+    assert "logprob_gap_jump" not in trained(fast, builtin_registry, 3)
 
 
-def test_a_kl_target_the_policy_runs_past_trips_kl_over_target(recipe_document, registry):
+def test_a_kl_target_the_policy_runs_past_trips_kl_over_target(recipe_document, builtin_registry):
     far = dict(recipe_document, kl={"type": "adaptive", "target": 0.001, "beta": 0.01})
-    assert trained(far, registry, 2)["kl_over_target"] == 2
-    assert "kl_over_target" not in trained(recipe_document, registry, 2)
+    assert trained(far, builtin_registry, 2)["kl_over_target"] == 2
+    assert "kl_over_target" not in trained(recipe_document, builtin_registry, 2)
 
 
-def test_entropy_collapse_on_a_policy_driven_to_one_response(recipe_document, registry):
+def test_entropy_collapse_on_a_policy_driven_to_one_response(recipe_document, builtin_registry):
     """A learning rate far too high, unclipped, without a KL penalty: every sample the same by iteration 3."""
     sharp = dict(recipe_document, optim={"learning_rate": 0.2, "max_grad_norm": 0.0}, ppo={**recipe_document["ppo"], "epochs": 4},
                  kl={"type": "fixed", "beta": 0.0})
-    assert trained(sharp, registry, 3)["entropy_collapse"] == 3
-    assert "entropy_collapse" not in trained(recipe_document, registry, 2)
+    assert trained(sharp, builtin_registry, 3)["entropy_collapse"] == 3
+    assert "entropy_collapse" not in trained(recipe_document, builtin_registry, 2)
 
 
 # --- the loop: reported once, everywhere, and stopping when told to -----------------------------------

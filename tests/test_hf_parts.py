@@ -13,8 +13,8 @@ def lora_trainer(recipe_document, registry):
     return Trainer(parse_recipe(recipe_document, registry))
 
 
-def test_lora_trains_only_adapters_and_the_reference_is_the_base(recipe_document, registry):
-    trainer = lora_trainer(recipe_document, registry)
+def test_lora_trains_only_adapters_and_the_reference_is_the_base(recipe_document, builtin_registry):
+    trainer = lora_trainer(recipe_document, builtin_registry)
     policy = trainer.policy
     assert policy._reference is None  # no frozen copy: the base with adapters disabled serves
     names = [name for name, p in policy.model.named_parameters() if p.requires_grad]
@@ -30,7 +30,7 @@ def test_lora_trains_only_adapters_and_the_reference_is_the_base(recipe_document
     assert not torch.allclose(policy_after, reference_before)  # the adapters did
 
 
-def test_lora_export_merges_when_asked(recipe_document, registry, tmp_path):
+def test_lora_export_merges_when_asked(recipe_document, builtin_registry, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rlkit_core.runtime import checkpoint
@@ -39,18 +39,18 @@ def test_lora_export_merges_when_asked(recipe_document, registry, tmp_path):
 
     recipe_document["policy"].update(lora_r=4, lora_alpha=8, lora_target_modules=["c_attn"])
     recipe_document["run"]["steps"] = 1
-    run_recipe(parse_recipe(recipe_document, registry), quiet=True)
+    run_recipe(parse_recipe(recipe_document, builtin_registry), quiet=True)
     source = checkpoint.resolve("auto", recipe_document["run"]["output_dir"])
-    merged = export_checkpoint(str(source), str(tmp_path / "merged"), registry, merge_lora=True)
+    merged = export_checkpoint(str(source), str(tmp_path / "merged"), builtin_registry, merge_lora=True)
     model = AutoModelForCausalLM.from_pretrained(merged)
     assert not any("lora_" in name for name, _ in model.named_parameters())
-    adapters = export_checkpoint(str(source), str(tmp_path / "adapters"), registry, merge_lora=False)
+    adapters = export_checkpoint(str(source), str(tmp_path / "adapters"), builtin_registry, merge_lora=False)
     assert (adapters / "adapter_config.json").is_file()
 
 
-def test_separate_critic_has_its_own_model(recipe_document, registry, tiny_reward_model):
+def test_separate_critic_has_its_own_model(recipe_document, builtin_registry, tiny_reward_model):
     recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
-    trainer = Trainer(parse_recipe(recipe_document, registry))
+    trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
     batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
     assert torch.count_nonzero(batch.values) == 0  # zero-initialised head: values start at 0
     metrics = trainer.train_on(batch)

@@ -26,11 +26,11 @@ def plugin_module(name, **hooks):
     return module
 
 
-def test_every_kind_has_a_builtin(registry):
+def test_every_kind_has_a_builtin(builtin_registry):
     for kind in KINDS_WITH_BUILTINS:
-        assert registry.names(kind), kind
-    assert registry.get("kl_controller", "adaptive", "$.kl.type").distribution == "rlkit"
-    assert registry.broken == {}
+        assert builtin_registry.names(kind), kind
+    assert builtin_registry.get("kl_controller", "adaptive", "$.kl.type").distribution == "rlkit"
+    assert builtin_registry.broken == {}
 
 
 def test_duplicate_name_names_both_plugins():

@@ -20,7 +20,7 @@ from rlkit_core.interfaces import LossInputs
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime.trainer import Trainer
 from rlkit_core.testing import rollout_batch
-from rlkit_core.testing.offline_models import write_tiny_lm
+from rlkit_core.testing.offline_models import write_tiny_model
 
 # Prompts of the shared prompt file are made of the letters a, b, c, d, f, g. This reward gives
 # every response to a prompt that starts with "a" or "b" the same score, so those groups have
@@ -50,9 +50,9 @@ def groups_of(batch, k):
     return [list(range(start, start + k)) for start in range(0, len(batch), k)]
 
 
-def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch(grpo_document, registry, monkeypatch):
+def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch(grpo_document, builtin_registry, monkeypatch):
     monkeypatch.delenv("FLAT_RANK", raising=False)
-    trainer = Trainer(parse_recipe(grpo_document, registry))
+    trainer = Trainer(parse_recipe(grpo_document, builtin_registry))
     records = trainer.stream.batch(0)
     flat_prompts = sum(r["prompt"][0] in "ab" for r in records)
     assert flat_prompts  # the first batch has prompts whose groups are flat
@@ -71,9 +71,9 @@ def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch(grpo_document, r
                                            for p, r in zip(batch.prompts, batch.responses)])
 
 
-def test_dynamic_sampling_out_of_rounds_fills_with_flat_groups(grpo_document, registry, monkeypatch):
+def test_dynamic_sampling_out_of_rounds_fills_with_flat_groups(grpo_document, builtin_registry, monkeypatch):
     monkeypatch.setenv("FLAT_RANK", "0")  # every group flat on this (the only) process
-    trainer = Trainer(parse_recipe(grpo_document, registry))
+    trainer = Trainer(parse_recipe(grpo_document, builtin_registry))
     batch, metrics = trainer.dynamic_sampler.rollout(trainer.stream.batch(0))
     # 4 prompts a round, 1 + 2 rounds: 12 flat groups, 4 of them fill the batch, 8 dropped
     assert metrics["batch/extra_rounds"] == 2
@@ -83,8 +83,8 @@ def test_dynamic_sampling_out_of_rounds_fills_with_flat_groups(grpo_document, re
     assert row["batch/extra_rounds"] == 2 and row["train/loss_policy"] == approx(0.0, abs=1e-6)
 
 
-def test_without_dynamic_sampling_nothing_is_logged_about_it(recipe_document, registry):
-    row = Trainer(parse_recipe(recipe_document, registry)).step()
+def test_without_dynamic_sampling_nothing_is_logged_about_it(recipe_document, builtin_registry):
+    row = Trainer(parse_recipe(recipe_document, builtin_registry)).step()
     assert not [name for name in row if name.startswith("batch/")]
 
 
@@ -92,7 +92,7 @@ def test_two_processes_agree_on_extra_rounds(grpo_document, write_recipe, tmp_pa
     """Process 1 never gets a group with signal, process 0 always fills its share in the first
     round: process 0 must generate along in every extra round (scoring is a collective), or the
     launch hangs. Pad-less GPT-2-style tokenizer: rounds' prompts are padded with its added PAD."""
-    grpo_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
+    grpo_document["policy"]["model"] = str(write_tiny_model(tmp_path / "gpt2-style", "gpt2"))
     grpo_document["ppo"].update({"batch_size": 16, "minibatch_size": 8})
     output_dir = tmp_path / "run"
     grpo_document["run"]["output_dir"] = str(output_dir)
@@ -124,34 +124,34 @@ def test_two_processes_agree_on_extra_rounds(grpo_document, write_recipe, tmp_pa
     (lambda d: d["loss"].update(ratio_level="sentence"),
      "$.loss.ratio_level: must be one of 'token', 'sequence', got 'sentence'"),
 ])
-def test_settings_that_cannot_work_are_refused_where_they_go_wrong(recipe_document, registry, change, message):
+def test_settings_that_cannot_work_are_refused_where_they_go_wrong(recipe_document, builtin_registry, change, message):
     recipe_document["loss"] = {"type": "ppo-clip"}
     change(recipe_document)
     with pytest.raises(RecipeError) as caught:
-        parse_recipe(recipe_document, registry)
+        parse_recipe(recipe_document, builtin_registry)
     assert [str(p) for p in caught.value.problems] == [message]
 
 
-def test_clip_low_and_high_default_to_clip(recipe_document, registry):
+def test_clip_low_and_high_default_to_clip(recipe_document, builtin_registry):
     recipe_document["loss"] = {"type": "ppo-clip", "clip": 0.3}
-    config = parse_recipe(recipe_document, registry)["loss"].config
+    config = parse_recipe(recipe_document, builtin_registry)["loss"].config
     assert (config.clip_low, config.clip_high, config.dual_clip, config.ratio_level) == (0.3, 0.3, 0.0, "token")
     recipe_document["loss"]["clip_high"] = 0.28
-    config = parse_recipe(recipe_document, registry)["loss"].config
+    config = parse_recipe(recipe_document, builtin_registry)["loss"].config
     assert (config.clip_low, config.clip_high) == (0.3, 0.28)
 
 
-def test_overlong_penalty_shapes_the_scores(recipe_document, registry):
+def test_overlong_penalty_shapes_the_scores(recipe_document, builtin_registry):
     recipe_document["ppo"].update({"overlong_buffer": 4, "overlong_penalty": 1.0, "missing_eos_penalty": 0.25})
-    trainer = Trainer(parse_recipe(recipe_document, registry))
+    trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
     # max_new_tokens 8, buffer 4: lengths 3, 6, 8 lose 0, (6 - 4)/4 = 0.5, 1; the last never ended: 0.25 more
     shaped = trainer._shaped(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([True, True, False]), torch.tensor([3, 6, 8]))
     assert shaped.tolist() == approx([1.0, 0.5, -0.25])
 
 
-def test_mask_truncated_leaves_responses_without_eos_out_of_the_loss(recipe_document, registry):
+def test_mask_truncated_leaves_responses_without_eos_out_of_the_loss(recipe_document, builtin_registry):
     recipe_document["loss"] = {"type": "ppo-clip", "mask_truncated": True}
-    recipe = parse_recipe(recipe_document, registry)
+    recipe = parse_recipe(recipe_document, builtin_registry)
     choice = recipe["loss"]
     loss = choice.component.factory(choice.config, type("Context", (), {"recipe": recipe})())
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
@@ -166,9 +166,9 @@ def test_mask_truncated_leaves_responses_without_eos_out_of_the_loss(recipe_docu
     assert weights.tolist() == [[1.0] * 4, [0.0] * 4] and divisor == 7.0
 
 
-def test_sequence_level_masked_importance_weights_in_the_loss(recipe_document, registry):
+def test_sequence_level_masked_importance_weights_in_the_loss(recipe_document, builtin_registry):
     recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0, "is_level": "sequence", "is_mode": "mask"}
-    recipe = parse_recipe(recipe_document, registry)
+    recipe = parse_recipe(recipe_document, builtin_registry)
     choice = recipe["loss"]
     loss = choice.component.factory(choice.config, type("Context", (), {"recipe": recipe})())
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])

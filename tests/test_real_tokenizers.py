@@ -14,19 +14,19 @@ import torch
 from rlkit_core.errors import RecipeError
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime.trainer import Trainer
-from rlkit_core.testing.offline_models import write_tiny_classifier, write_tiny_lm
+from rlkit_core.testing.offline_models import write_tiny_model
 
 RM_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
 
 
 @pytest.fixture(scope="session")
 def gpt2_lm(tmp_path_factory):
-    return write_tiny_lm(tmp_path_factory.mktemp("gpt2-style"), "gpt2")
+    return write_tiny_model(tmp_path_factory.mktemp("gpt2-style"), "gpt2")
 
 
 @pytest.fixture(scope="session")
 def chat_lm(tmp_path_factory):
-    return write_tiny_lm(tmp_path_factory.mktemp("chat-style"), "chat")
+    return write_tiny_model(tmp_path_factory.mktemp("chat-style"), "chat")
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,7 @@ def gpt2_classifier(tmp_path_factory):
     policy's, so it also serves as a reward model with a tokenizer of its own."""
     from transformers import AutoTokenizer
 
-    path = write_tiny_classifier(tmp_path_factory.mktemp("gpt2-classifier"), "gpt2")
+    path = write_tiny_model(tmp_path_factory.mktemp("gpt2-classifier"), "gpt2", classifier=True)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = RM_TEMPLATE
     tokenizer.save_pretrained(path)
@@ -44,7 +44,7 @@ def gpt2_classifier(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def chat_classifier(tmp_path_factory):
-    return write_tiny_classifier(tmp_path_factory.mktemp("chat-classifier"), "chat")
+    return write_tiny_model(tmp_path_factory.mktemp("chat-classifier"), "chat", classifier=True)
 
 
 @pytest.fixture(scope="session")
@@ -70,14 +70,14 @@ def document(base, **tables):
 # --- no PAD: rlkit adds one that no model ever sees and the policy never samples ----------------
 
 
-def test_padless_tokenizer_gets_a_pad_that_is_never_sampled(recipe_document, registry, gpt2_lm):
+def test_padless_tokenizer_gets_a_pad_that_is_never_sampled(recipe_document, builtin_registry, gpt2_lm):
     from transformers import AutoTokenizer
 
     original = AutoTokenizer.from_pretrained(gpt2_lm)
     assert original.pad_token_id is None
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm)},
                                             generator={"max_new_tokens": 32, "temperature": 2.0},
-                                            ppo={"batch_size": 64, "minibatch_size": 32}), registry))
+                                            ppo={"batch_size": 64, "minibatch_size": 32}), builtin_registry))
     tokenizer, policy = trainer.tokenizer, trainer.policy
     assert tokenizer.pad_token_id == len(original) and tokenizer.pad_token_id not in policy.eos_token_ids
     assert policy.suppressed_token_ids == (tokenizer.pad_token_id,)
@@ -89,28 +89,28 @@ def test_padless_tokenizer_gets_a_pad_that_is_never_sampled(recipe_document, reg
     assert (batch.old_logprobs - batch.sampled_logprobs)[counted].abs().max() < 1e-4
 
 
-def test_spare_embedding_rows_take_the_pad_without_a_resize(recipe_document, registry, chat_lm):
+def test_spare_embedding_rows_take_the_pad_without_a_resize(recipe_document, builtin_registry, chat_lm):
     from transformers import AutoConfig
 
     rows = AutoConfig.from_pretrained(chat_lm).vocab_size
-    trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm)}), registry))
+    trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm)}), builtin_registry))
     assert trainer.policy.model.get_input_embeddings().num_embeddings == rows
     assert trainer.tokenizer.pad_token_id < rows
 
 
-def test_separate_critic_reads_a_padless_policys_ids(recipe_document, registry, gpt2_lm, gpt2_classifier):
+def test_separate_critic_reads_a_padless_policys_ids(recipe_document, builtin_registry, gpt2_lm, gpt2_classifier):
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm)},
-                                            value_head={"type": "separate", "model": str(gpt2_classifier)}), registry))
+                                            value_head={"type": "separate", "model": str(gpt2_classifier)}), builtin_registry))
     assert trainer.tokenizer.pad_token_id >= trainer.value_head.model.get_input_embeddings().num_embeddings
     batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
     assert trainer.train_on(batch)["train/value_loss"] > 0
 
 
-def test_critic_with_another_vocabulary_is_refused_at_build_and_by_check(recipe_document, registry, gpt2_lm, chat_classifier):
+def test_critic_with_another_vocabulary_is_refused_at_build_and_by_check(recipe_document, builtin_registry, gpt2_lm, chat_classifier):
     from rlkit_core.recipe.plan import describe_plan
 
     recipe = parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm)},
-                                   value_head={"type": "separate", "model": str(chat_classifier)}), registry)
+                                   value_head={"type": "separate", "model": str(chat_classifier)}), builtin_registry)
     with pytest.raises(RecipeError, match=r"\$\.value_head\.model: .*vocabulary is not the policy's .*value_head.type = 'shared'"):
         describe_plan(recipe)
     with pytest.raises(RecipeError, match=r"\$\.value_head\.model: .*vocabulary is not the policy's"):
@@ -120,9 +120,9 @@ def test_critic_with_another_vocabulary_is_refused_at_build_and_by_check(recipe_
 # --- several end ids: a response that ends on the other one has ended ----------------------------
 
 
-def test_a_response_ending_on_the_second_end_id_counts_as_ended(recipe_document, registry, chat_lm):
+def test_a_response_ending_on_the_second_end_id_counts_as_ended(recipe_document, builtin_registry, chat_lm):
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm)},
-                                            ppo={"missing_eos_penalty": 1.0}), registry))
+                                            ppo={"missing_eos_penalty": 1.0}), builtin_registry))
     tokenizer = trainer.tokenizer
     end_of_turn = tokenizer.convert_tokens_to_ids("<|eot_id|>")
     assert trainer.policy.eos_token_ids == (tokenizer.eos_token_id, end_of_turn)
@@ -138,11 +138,11 @@ def test_a_response_ending_on_the_second_end_id_counts_as_ended(recipe_document,
     assert torch.allclose(batch.rewards[:, 0], batch.scores - trainer.parts.kl.beta * batch.kl[:, 0])  # no missing-EOS penalty
 
 
-def test_end_tokens_from_the_recipe_join_the_end_ids(recipe_document, registry, gpt2_lm, chat_lm):
-    trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm), "end_tokens": ["<|start_header_id|>"]}), registry))
+def test_end_tokens_from_the_recipe_join_the_end_ids(recipe_document, builtin_registry, gpt2_lm, chat_lm):
+    trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm), "end_tokens": ["<|start_header_id|>"]}), builtin_registry))
     assert trainer.policy.eos_token_ids[-1] == trainer.tokenizer.convert_tokens_to_ids("<|start_header_id|>")
     with pytest.raises(RecipeError, match=r"\$\.policy\.end_tokens: '<\|im_end\|>' is not a token of the policy's tokenizer"):
-        Trainer(parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm), "end_tokens": ["<|im_end|>"]}), registry))
+        Trainer(parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm), "end_tokens": ["<|im_end|>"]}), builtin_registry))
 
 
 # --- sampling is exactly π/T whatever the checkpoint's generation_config says --------------------
@@ -154,17 +154,17 @@ def opinionated_lm(tmp_path_factory):
     only the two likeliest: what a hub checkpoint's sampling defaults can do."""
     from transformers import AutoModelForCausalLM
 
-    path = write_tiny_lm(tmp_path_factory.mktemp("opinionated"), "gpt2")
+    path = write_tiny_model(tmp_path_factory.mktemp("opinionated"), "gpt2")
     model = AutoModelForCausalLM.from_pretrained(path)
     model.generation_config.update(no_repeat_ngram_size=1, repetition_penalty=5.0, top_k=2, do_sample=True)
     model.save_pretrained(path)
     return path
 
 
-def test_checkpoint_sampling_defaults_are_ignored(recipe_document, registry, opinionated_lm):
+def test_checkpoint_sampling_defaults_are_ignored(recipe_document, builtin_registry, opinionated_lm):
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(opinionated_lm)},
                                             generator={"max_new_tokens": 32, "temperature": 2.0},
-                                            ppo={"batch_size": 32, "minibatch_size": 16}), registry))
+                                            ppo={"batch_size": 32, "minibatch_size": 16}), builtin_registry))
     batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
     counted = batch.response_mask.bool()
     rows = [ids[mask].tolist() for ids, mask in zip(batch.response_ids, counted)]
@@ -174,9 +174,9 @@ def test_checkpoint_sampling_defaults_are_ignored(recipe_document, registry, opi
     assert (batch.old_logprobs - batch.sampled_logprobs)[counted].abs().max() < 1e-4
 
 
-def test_top_k_asked_for_shows_in_the_logprob_gap(recipe_document, registry, gpt2_lm):
+def test_top_k_asked_for_shows_in_the_logprob_gap(recipe_document, builtin_registry, gpt2_lm):
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm)},
-                                            generator={"max_new_tokens": 16, "temperature": 2.0, "top_k": 5}), registry))
+                                            generator={"max_new_tokens": 16, "temperature": 2.0, "top_k": 5}), builtin_registry))
     metrics = trainer.step()
     assert metrics["check/logprob_gap"] > 0.05  # the sampler renormalises over 5 of ~320 tokens
 
@@ -184,22 +184,22 @@ def test_top_k_asked_for_shows_in_the_logprob_gap(recipe_document, registry, gpt
 # --- KL in the loss, entropy ---------------------------------------------------------------------
 
 
-def test_full_estimator_in_the_loss_is_refused(recipe_document, registry):
+def test_full_estimator_in_the_loss_is_refused(recipe_document, builtin_registry):
     with pytest.raises(RecipeError, match=r'\$\.ppo\.kl_estimator: "full" .* use "k3"'):
-        parse_recipe(document(recipe_document, ppo={"kl_penalty": "loss", "kl_estimator": "full"}), registry)
+        parse_recipe(document(recipe_document, ppo={"kl_penalty": "loss", "kl_estimator": "full"}), builtin_registry)
 
 
-def test_check_warns_on_k1_in_the_loss(recipe_document, registry):
+def test_check_warns_on_k1_in_the_loss(recipe_document, builtin_registry):
     from rlkit_core.recipe.plan import describe_plan
 
-    plan = describe_plan(parse_recipe(document(recipe_document, ppo={"kl_penalty": "loss", "kl_estimator": "k1"}), registry))
+    plan = describe_plan(parse_recipe(document(recipe_document, ppo={"kl_penalty": "loss", "kl_estimator": "k1"}), builtin_registry))
     assert "warnings:" in plan and "zero expected gradient" in plan
-    assert "warnings:" not in describe_plan(parse_recipe(document(recipe_document, ppo={"kl_penalty": "loss", "kl_estimator": "k3"}), registry))
+    assert "warnings:" not in describe_plan(parse_recipe(document(recipe_document, ppo={"kl_penalty": "loss", "kl_estimator": "k3"}), builtin_registry))
 
 
 @pytest.mark.parametrize("coef, graphed", [(0.0, False), (0.01, True)])
-def test_entropy_keeps_a_graph_only_when_the_loss_uses_it(recipe_document, registry, coef, graphed):
-    trainer = Trainer(parse_recipe(document(recipe_document, loss={"entropy_coef": coef}), registry))
+def test_entropy_keeps_a_graph_only_when_the_loss_uses_it(recipe_document, builtin_registry, coef, graphed):
+    trainer = Trainer(parse_recipe(document(recipe_document, loss={"entropy_coef": coef}), builtin_registry))
     batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
     _, _, entropy, _ = trainer._response_view(batch, batch.sequence(), grad=True)
     assert entropy.requires_grad is graphed
@@ -210,7 +210,7 @@ def test_entropy_keeps_a_graph_only_when_the_loss_uses_it(recipe_document, regis
 
 
 def test_chat_records_render_with_the_policys_template_and_rewards_see_text_and_messages(
-        recipe_document, registry, chat_lm, chat_prompts, tmp_path):
+        recipe_document, builtin_registry, chat_lm, chat_prompts, tmp_path):
     seen = tmp_path / "seen.json"
     reward = tmp_path / "chat_reward.py"
     reward.write_text(f"import json\ndef score(prompts, responses, messages, topic):\n"
@@ -218,7 +218,7 @@ def test_chat_records_render_with_the_policys_template_and_rewards_see_text_and_
                       f"    return [float(len(r)) for r in responses]\n")
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm)},
                                             reward={"function": f"{reward}:score"},
-                                            data={"path": str(chat_prompts)}, ppo={"batch_size": 8, "minibatch_size": 4}), registry))
+                                            data={"path": str(chat_prompts)}, ppo={"batch_size": 8, "minibatch_size": 4}), builtin_registry))
     trainer.step()
     got = json.loads(seen.read_text())
     assert got["prompt"].startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>")
@@ -258,18 +258,18 @@ def test_reward_model_with_a_tokenizer_too_big_for_it_is_refused(gpt2_classifier
 
 
 @pytest.mark.parametrize("truncate, kept, cut, skipped", [("left", 16, 9, 0), ("skip", 7, 0, 9)])
-def test_long_prompts_are_cut_or_skipped_and_counted(recipe_document, registry, chat_lm, chat_prompts, truncate, kept, cut, skipped):
+def test_long_prompts_are_cut_or_skipped_and_counted(recipe_document, builtin_registry, chat_lm, chat_prompts, truncate, kept, cut, skipped):
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm)},
-                                            data={"path": str(chat_prompts), "max_prompt_tokens": 70, "truncate": truncate}), registry))
+                                            data={"path": str(chat_prompts), "max_prompt_tokens": 70, "truncate": truncate}), builtin_registry))
     assert trainer.prompt_counts == {"loaded": 16, "cut": cut, "skipped": skipped, "empty": 0}
     assert len(trainer.records) == kept
     batch, _ = trainer.rollout(trainer.stream.batch(0))
     assert batch.prompt_ids.shape[1] <= 70
 
 
-def test_a_too_long_prompt_with_truncate_error_names_the_record(recipe_document, registry, chat_lm, chat_prompts):
+def test_a_too_long_prompt_with_truncate_error_names_the_record(recipe_document, builtin_registry, chat_lm, chat_prompts):
     recipe = parse_recipe(document(recipe_document, policy={"model": str(chat_lm)},
-                                   data={"path": str(chat_prompts), "max_prompt_tokens": 70, "truncate": "error"}), registry)
+                                   data={"path": str(chat_prompts), "max_prompt_tokens": 70, "truncate": "error"}), builtin_registry)
     with pytest.raises(RecipeError, match=r"\$\.data\.max_prompt_tokens: record 2 has 73 prompt tokens, over the limit of 70"):
         Trainer(recipe)
 
@@ -322,7 +322,7 @@ def test_real_model_recipes_pass_check_offline(name, tmp_path):
     assert "is valid" in result.stdout and "not checked offline" in result.stdout
 
 
-def test_check_names_a_reward_model_tokenizer_that_cannot_be_loaded(recipe_document, registry, gpt2_classifier, tmp_path):
+def test_check_names_a_reward_model_tokenizer_that_cannot_be_loaded(recipe_document, builtin_registry, gpt2_classifier, tmp_path):
     from rlkit_core.recipe.plan import describe_plan
 
     empty = tmp_path / "no-tokenizer-here"
@@ -330,12 +330,12 @@ def test_check_names_a_reward_model_tokenizer_that_cannot_be_loaded(recipe_docum
     for tokenizer, message in [(str(tmp_path / "missing"), r"\$\.reward\.tokenizer: no directory"),
                                (str(empty), r"\$\.reward\.tokenizer: cannot load a tokenizer from")]:
         recipe = parse_recipe(document(recipe_document, reward={"type": "reward-model", "model": str(gpt2_classifier),
-                                                                "tokenizer": tokenizer}), registry)
+                                                                "tokenizer": tokenizer}), builtin_registry)
         with pytest.raises(RecipeError, match=message):
             describe_plan(recipe)
 
 
-def test_held_out_evaluation_on_chat_prompts_with_two_end_ids(recipe_document, registry, chat_lm, gpt2_classifier, chat_prompts, tmp_path):
+def test_held_out_evaluation_on_chat_prompts_with_two_end_ids(recipe_document, builtin_registry, chat_lm, gpt2_classifier, chat_prompts, tmp_path):
     import math
 
     from rlkit_core.runtime.run import run_recipe
@@ -344,7 +344,7 @@ def test_held_out_evaluation_on_chat_prompts_with_two_end_ids(recipe_document, r
                    reward={"type": "reward-model", "model": str(gpt2_classifier)},
                    data={"path": str(chat_prompts)}, ppo={"batch_size": 8, "minibatch_size": 4},
                    eval={"size": 4, "greedy": False})
-    history = run_recipe(parse_recipe(doc, registry), quiet=True, out=open(os.devnull, "w"))
+    history = run_recipe(parse_recipe(doc, builtin_registry), quiet=True, out=open(os.devnull, "w"))
     evaluations = [h for h in history if "eval/score" in h]
     assert [h["iteration"] for h in evaluations] == [0, 2]
     assert all(math.isfinite(h["eval/score"]) and math.isfinite(h["eval/kl"]) for h in evaluations)
@@ -356,7 +356,7 @@ def test_held_out_evaluation_on_chat_prompts_with_two_end_ids(recipe_document, r
 
 
 @pytest.mark.parametrize("estimator, samples, model", [("remax", 1, "chat_lm"), ("grpo", 2, "gpt2_lm")])
-def test_critic_free_estimators_on_real_style_tokenizers(recipe_document, registry, chat_prompts, tmp_path, request,
+def test_critic_free_estimators_on_real_style_tokenizers(recipe_document, builtin_registry, chat_prompts, tmp_path, request,
                                                          estimator, samples, model):
     """ReMax's extra greedy generation on chat-templated prompts with two end ids, and GRPO's groups
     on a pad-less policy: one whole iteration each, with no critic."""
@@ -367,7 +367,7 @@ def test_critic_free_estimators_on_real_style_tokenizers(recipe_document, regist
                   ppo={"batch_size": 8, "minibatch_size": 4, "samples_per_prompt": samples})
     if model == "chat_lm":
         tables["data"] = {"path": str(chat_prompts)}
-    trainer = Trainer(parse_recipe(document(recipe_document, **tables), registry))
+    trainer = Trainer(parse_recipe(document(recipe_document, **tables), builtin_registry))
     metrics = trainer.step()
     assert trainer.value_head is None and not [name for name in metrics if "value" in name]
     assert all(math.isfinite(value) for value in metrics.values())

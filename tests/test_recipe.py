@@ -12,52 +12,52 @@ def problems_of(document, registry):
     return caught.value.problems
 
 
-def test_valid_recipe_structures_every_table(recipe_document, registry):
-    recipe = parse_recipe(recipe_document, registry)
+def test_valid_recipe_structures_every_table(recipe_document, builtin_registry):
+    recipe = parse_recipe(recipe_document, builtin_registry)
     assert recipe.run.steps == 2
     assert recipe["kl"].component.name == "adaptive"  # default type when the table is absent
     assert recipe["kl"].config.target == 6.0
     assert recipe["generator"].config.max_new_tokens == 8
 
 
-def test_typo_key_is_located_with_a_suggestion(recipe_document, registry):
+def test_typo_key_is_located_with_a_suggestion(recipe_document, builtin_registry):
     recipe_document["run"]["stpes"] = 3
-    assert problems_of(recipe_document, registry) == ["$.run.stpes: unknown key; did you mean 'steps'?"]
+    assert problems_of(recipe_document, builtin_registry) == ["$.run.stpes: unknown key; did you mean 'steps'?"]
 
 
-def test_wrong_type_is_located(recipe_document, registry):
+def test_wrong_type_is_located(recipe_document, builtin_registry):
     recipe_document["ppo"]["batch_size"] = "sixteen"
-    assert problems_of(recipe_document, registry) == ["$.ppo.batch_size: expected an integer, got 'sixteen' (str)"]
+    assert problems_of(recipe_document, builtin_registry) == ["$.ppo.batch_size: expected an integer, got 'sixteen' (str)"]
 
 
-def test_float_for_int_and_bool_for_number_are_refused(recipe_document, registry):
+def test_float_for_int_and_bool_for_number_are_refused(recipe_document, builtin_registry):
     recipe_document["ppo"]["epochs"] = 2.5
     recipe_document["optim"]["learning_rate"] = True
-    assert problems_of(recipe_document, registry) == [
+    assert problems_of(recipe_document, builtin_registry) == [
         "$.ppo.epochs: expected an integer, got 2.5 (float)",
         "$.optim.learning_rate: expected a number, got True (bool)",
     ]
 
 
-def test_out_of_range_in_a_component_table(recipe_document, registry):
+def test_out_of_range_in_a_component_table(recipe_document, builtin_registry):
     recipe_document["kl"] = {"type": "adaptive", "target": -1}
-    assert problems_of(recipe_document, registry) == ["$.kl.target: must be > 0, got -1.0"]
+    assert problems_of(recipe_document, builtin_registry) == ["$.kl.target: must be > 0, got -1.0"]
 
 
-def test_unknown_type_lists_registered_names_and_closest(recipe_document, registry):
+def test_unknown_type_lists_registered_names_and_closest(recipe_document, builtin_registry):
     recipe_document["kl"] = {"type": "adaptve"}
-    assert problems_of(recipe_document, registry) == [
+    assert problems_of(recipe_document, builtin_registry) == [
         "$.kl.type: unknown kl_controller 'adaptve'; registered: adaptive, fixed; did you mean 'adaptive'?"
     ]
 
 
-def test_all_problems_are_reported_together(recipe_document, registry):
+def test_all_problems_are_reported_together(recipe_document, builtin_registry):
     recipe_document["run"]["stpes"] = 3
     recipe_document["run"]["seed"] = "zero"
     recipe_document["ppo"]["minibatch_size"] = 5
     recipe_document["kl"] = {"type": "fixed", "beta": -0.1}
     recipe_document["lossy"] = {}
-    problems = problems_of(recipe_document, registry)
+    problems = problems_of(recipe_document, builtin_registry)
     assert problems == [
         "$.lossy: unknown table; did you mean [loss]?",
         "$.run.seed: expected an integer, got 'zero' (str)",
@@ -67,28 +67,28 @@ def test_all_problems_are_reported_together(recipe_document, registry):
     ]
 
 
-def test_batch_arithmetic(recipe_document, registry):
+def test_batch_arithmetic(recipe_document, builtin_registry):
     recipe_document["ppo"].update(batch_size=10, samples_per_prompt=4, minibatch_size=20)
-    assert problems_of(recipe_document, registry) == [
+    assert problems_of(recipe_document, builtin_registry) == [
         "$.ppo.batch_size: 10 rollouts do not split into groups of samples_per_prompt=4; use a multiple of 4",
         "$.ppo.minibatch_size: 20 is larger than batch_size=10; use a divisor of 10",
     ]
 
 
-def test_missing_required_table_and_key(recipe_document, registry):
+def test_missing_required_table_and_key(recipe_document, builtin_registry):
     del recipe_document["reward"]
     del recipe_document["policy"]["model"]
-    problems = problems_of(recipe_document, registry)
+    problems = problems_of(recipe_document, builtin_registry)
     assert problems[0] == "$.policy.model: required key is missing"
     assert problems[1].startswith("$.reward: this table is required; add [reward] with type = one of ")
 
 
-def test_overrides_go_through_the_same_validation(recipe_document, registry, write_recipe):
+def test_overrides_go_through_the_same_validation(recipe_document, builtin_registry, write_recipe):
     path = write_recipe(recipe_document)
-    recipe = load_recipe(path, registry, ["kl.target=4", "run.steps=10", "kl.type=\"adaptive\""])
+    recipe = load_recipe(path, builtin_registry, ["kl.target=4", "run.steps=10", "kl.type=\"adaptive\""])
     assert recipe["kl"].config.target == 4.0 and recipe.run.steps == 10
     with pytest.raises(RecipeError) as caught:
-        load_recipe(path, registry, ["kl.target=-4"])
+        load_recipe(path, builtin_registry, ["kl.target=-4"])
     assert caught.value.problems == ["$.kl.target: must be > 0, got -4.0"]
 
 
@@ -106,71 +106,71 @@ def test_override_values_are_toml_literals_or_plain_strings():
     assert document == {"a": {"n": 4, "f": 0.5, "b": True, "s": "hello", "l": [1, 2]}}
 
 
-def test_missing_file_and_bad_toml(tmp_path, registry):
+def test_missing_file_and_bad_toml(tmp_path, builtin_registry):
     with pytest.raises(RecipeError, match="no recipe at"):
-        load_recipe(tmp_path / "nope.toml", registry)
+        load_recipe(tmp_path / "nope.toml", builtin_registry)
     bad = tmp_path / "bad.toml"
     bad.write_text("[run\nsteps = 1")
     with pytest.raises(RecipeError, match="not valid TOML"):
-        load_recipe(bad, registry)
+        load_recipe(bad, builtin_registry)
 
 
-def test_batch_arithmetic_over_processes_and_micro_batches(recipe_document, registry, monkeypatch):
+def test_batch_arithmetic_over_processes_and_micro_batches(recipe_document, builtin_registry, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")  # what accelerate launch / torchrun set
     recipe_document["ppo"].update(batch_size=12, minibatch_size=4)
-    assert problems_of(recipe_document, registry) == [
+    assert problems_of(recipe_document, builtin_registry) == [
         "$.ppo.minibatch_size: 4 rollouts do not split evenly over 3 processes; use a multiple of 3",
     ]
     recipe_document["ppo"].update(batch_size=16, minibatch_size=8)
     monkeypatch.setenv("WORLD_SIZE", "2")
     recipe_document["ppo"]["gradient_accumulation_steps"] = 3
-    assert problems_of(recipe_document, registry) == [
+    assert problems_of(recipe_document, builtin_registry) == [
         "$.ppo.gradient_accumulation_steps: the 4 rollouts of a minibatch in each of 2 processes do not split into "
         "3 micro-batches; pick a divisor such as 2",
     ]
     monkeypatch.setenv("WORLD_SIZE", "32")
     recipe_document["ppo"]["gradient_accumulation_steps"] = 1
-    assert problems_of(recipe_document, registry)[0].startswith("$.ppo.batch_size: its 16 prompts do not split evenly over 32")
+    assert problems_of(recipe_document, builtin_registry)[0].startswith("$.ppo.batch_size: its 16 prompts do not split evenly over 32")
 
 
-def test_a_launch_config_that_leaves_precision_to_the_recipe_is_not_a_conflict(recipe_document, registry, monkeypatch):
+def test_a_launch_config_that_leaves_precision_to_the_recipe_is_not_a_conflict(recipe_document, builtin_registry, monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # set by the configs in configs/accelerate/
     recipe_document["run"]["mixed_precision"] = "bf16"
-    assert parse_recipe(recipe_document, registry).run.mixed_precision == "bf16"
+    assert parse_recipe(recipe_document, builtin_registry).run.mixed_precision == "bf16"
 
 
-def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_document, registry, monkeypatch):
+def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_document, builtin_registry, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate launch --mixed_precision bf16
     recipe_document["run"].update(mixed_precision="fp16", device="cpu")
     recipe_document["policy"]["dtype"] = "bfloat16"
-    problems = problems_of(recipe_document, registry)
+    problems = problems_of(recipe_document, builtin_registry)
     assert [p.split(":")[0] for p in problems] == ["launch", "launch", "$.run.mixed_precision", "$.run.mixed_precision"]
     assert "DeepSpeed" in problems[0] and "configs/accelerate/fsdp.yaml" in problems[0]
     assert "--set run.mixed_precision=bf16" in problems[1]
     assert "needs a GPU" in problems[2] and "policy.dtype = 'bfloat16'" in problems[3]
 
 
-def test_what_fsdp_does_not_run_is_refused_before_anything_starts(recipe_document, registry, monkeypatch):
+def test_what_fsdp_does_not_run_is_refused_before_anything_starts(recipe_document, builtin_registry, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch sets from an FSDP config
     monkeypatch.setenv("FSDP_VERSION", "2")
     recipe_document["policy"]["lora_r"] = 4
-    parse_recipe(recipe_document, registry)  # float32 weights, full or LoRA, with the hf generator run
+    parse_recipe(recipe_document, builtin_registry)  # float32 weights, full or LoRA, with the hf generator run
     monkeypatch.setenv("FSDP_VERSION", "1")
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
     monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
     recipe_document["policy"]["dtype"] = "bfloat16"
     recipe_document["generator"]["type"] = "vllm"
-    problems = problems_of(recipe_document, registry)
+    problems = problems_of(recipe_document, builtin_registry)
     assert [p.split(":")[0] for p in problems] == ["launch", "launch", "launch", "$.policy.dtype", "$.generator.type"]
     assert "fsdp_version: 2" in problems[0] and "fsdp_offload_params: true" in problems[1]
     assert "policy.gradient_checkpointing" in problems[2] and "run.mixed_precision = 'bf16'" in problems[3]
     assert "'hf' generator" in problems[4] and "configs/accelerate/ddp.yaml" in problems[4]
 
 
-def test_constant_schedule_with_warmup_points_to_the_schedule_that_has_one(recipe_document, registry):
+def test_constant_schedule_with_warmup_points_to_the_schedule_that_has_one(recipe_document, builtin_registry):
     recipe_document["optim"].update(schedule="constant", warmup_steps=10)
-    assert problems_of(recipe_document, registry) == [
+    assert problems_of(recipe_document, builtin_registry) == [
         "$.optim.warmup_steps: the 'constant' schedule has no warm-up; use schedule = 'constant_with_warmup'"]
 
 
@@ -189,7 +189,7 @@ def test_every_schedule_the_recipe_accepts_builds_in_transformers():
         assert 0.0 <= scheduler.get_last_lr()[0] <= 1.0, name
 
 
-def test_problems_are_located_records(registry):
+def test_problems_are_located_records(builtin_registry):
     from rlkit_core.errors import Problem
     from rlkit_core.recipe.document import structure_table
     from rlkit_core.recipe.schema import RunConfig

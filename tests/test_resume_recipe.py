@@ -31,25 +31,25 @@ def changed(recipe_document, registry, **tables):
     return recipe_changes(recipe_document, parse_recipe(document, registry))
 
 
-def test_settings_that_shape_training_count_and_the_rest_do_not(recipe_document, registry):
-    assert changed(recipe_document, registry, ppo={"batch_size": 32}, run={"steps": 9}) == [("ppo.batch_size", 16, 32)]
-    assert changed(recipe_document, registry, run={"seed": 1, "threads": 2}, optim={"learning_rate": 2e-3}) == [
+def test_settings_that_shape_training_count_and_the_rest_do_not(recipe_document, builtin_registry):
+    assert changed(recipe_document, builtin_registry, ppo={"batch_size": 32}, run={"steps": 9}) == [("ppo.batch_size", 16, 32)]
+    assert changed(recipe_document, builtin_registry, run={"seed": 1, "threads": 2}, optim={"learning_rate": 2e-3}) == [
         ("run.seed", 0, 1), ("run.threads", 1, 2), ("optim.learning_rate", 1e-3, 2e-3)]
-    assert changed(recipe_document, registry, loss={"type": "ppo-clip", "clip": 0.3}) == [("loss.clip", 0.2, 0.3)]
+    assert changed(recipe_document, builtin_registry, loss={"type": "ppo-clip", "clip": 0.3}) == [("loss.clip", 0.2, 0.3)]
     harmless = {"sample_every": 1, "checkpoint_every": 1, "keep_checkpoints": 5, "name": "again", "output_dir": "elsewhere"}
-    assert changed(recipe_document, registry, run=harmless, tracker={"type": "mlflow", "uri": "sqlite:///x.db"},
+    assert changed(recipe_document, builtin_registry, run=harmless, tracker={"type": "mlflow", "uri": "sqlite:///x.db"},
                    health={"all_truncated": 0}, eval={"every": 3}) == []
     # written out on one side at its default, left out on the other: the same training
-    assert changed(recipe_document, registry, ppo={"kl_penalty": "reward", "samples_per_prompt": 1},
+    assert changed(recipe_document, builtin_registry, ppo={"kl_penalty": "reward", "samples_per_prompt": 1},
                    kl={"type": "adaptive", "target": 6.0}) == []
-    assert changed(recipe_document, registry, ppo={"epochs": None}) == [("ppo.epochs", 2, 4)]  # back to its default of 4
+    assert changed(recipe_document, builtin_registry, ppo={"epochs": None}) == [("ppo.epochs", 2, 4)]  # back to its default of 4
 
 
-def test_more_steps_pass_only_under_a_schedule_that_does_not_spread_over_the_run(recipe_document, registry):
+def test_more_steps_pass_only_under_a_schedule_that_does_not_spread_over_the_run(recipe_document, builtin_registry):
     linear = dict(recipe_document, optim={**recipe_document["optim"], "schedule": "linear"})
-    assert changed(linear, registry, run={"steps": 4}) == [("run.steps", 2, 4)]
+    assert changed(linear, builtin_registry, run={"steps": 4}) == [("run.steps", 2, 4)]
     warm = dict(recipe_document, optim={**recipe_document["optim"], "schedule": "constant_with_warmup", "warmup_steps": 2})
-    assert changed(warm, registry, run={"steps": 4}) == []
+    assert changed(warm, builtin_registry, run={"steps": 4}) == []
 
 
 def trained_two(recipe_document, registry, write_recipe, tmp_path, tracker=None):
@@ -60,8 +60,8 @@ def trained_two(recipe_document, registry, write_recipe, tmp_path, tracker=None)
     return write_recipe(document), output_dir
 
 
-def test_a_changed_recipe_is_refused_before_anything_is_trained(recipe_document, registry, write_recipe, tmp_path):
-    recipe, output_dir = trained_two(recipe_document, registry, write_recipe, tmp_path)
+def test_a_changed_recipe_is_refused_before_anything_is_trained(recipe_document, builtin_registry, write_recipe, tmp_path):
+    recipe, output_dir = trained_two(recipe_document, builtin_registry, write_recipe, tmp_path)
     before = (output_dir / "metrics.jsonl").read_text()
     latest = checkpoint.resolve("auto", output_dir)
     result = subprocess.run(RUN + [recipe, "--resume", "auto", "--set", "ppo.batch_size=32", "--set", "run.steps=4",
@@ -78,11 +78,11 @@ def test_a_changed_recipe_is_refused_before_anything_is_trained(recipe_document,
     assert alone.returncode == 2 and "--allow-changes: only with --resume" in alone.stderr
 
 
-def test_allowed_changes_are_recorded_in_the_tracker_and_the_next_row(recipe_document, registry, write_recipe, tmp_path):
+def test_allowed_changes_are_recorded_in_the_tracker_and_the_next_row(recipe_document, builtin_registry, write_recipe, tmp_path):
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    recipe, output_dir = trained_two(recipe_document, registry, write_recipe, tmp_path, tracker={"type": "mlflow", "uri": uri})
+    recipe, output_dir = trained_two(recipe_document, builtin_registry, write_recipe, tmp_path, tracker={"type": "mlflow", "uri": uri})
     result = subprocess.run(RUN + [recipe, "--resume", "auto", "--allow-changes", "--set", "ppo.batch_size=32",
                                    "--set", "run.steps=4"], env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -98,8 +98,8 @@ def test_allowed_changes_are_recorded_in_the_tracker_and_the_next_row(recipe_doc
     assert run.data.metrics["run/recipe_changes"] == 1
 
 
-def test_extending_a_run_and_changing_what_only_logs_pass(recipe_document, registry, write_recipe, tmp_path):
-    recipe, output_dir = trained_two(recipe_document, registry, write_recipe, tmp_path)
+def test_extending_a_run_and_changing_what_only_logs_pass(recipe_document, builtin_registry, write_recipe, tmp_path):
+    recipe, output_dir = trained_two(recipe_document, builtin_registry, write_recipe, tmp_path)
     result = subprocess.run(RUN + [recipe, "--resume", "auto", "--set", "run.steps=3", "--set", "run.sample_every=1",
                                    "--set", "run.checkpoint_every=1"], env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -232,13 +232,13 @@ def test_a_credential_variable_that_is_not_set_is_a_located_error(monkeypatch):
         http_reward("http://127.0.0.1:9/score", auth_env="RLKIT_TEST_TOKEN")
 
 
-def test_credentials_in_the_recipe_are_refused_without_repeating_them(registry):
+def test_credentials_in_the_recipe_are_refused_without_repeating_them(builtin_registry):
     from rlkit_core.recipe.document import structure_table
 
-    _, problems = structure_table({"url": "http://user:hunter22@127.0.0.1:9/score"}, HttpRewardConfig, "$.reward", registry)
+    _, problems = structure_table({"url": "http://user:hunter22@127.0.0.1:9/score"}, HttpRewardConfig, "$.reward", builtin_registry)
     assert [p.where for p in problems] == ["$.reward.url"]
     assert "holds credentials (user:password@host)" in problems[0].message and "hunter22" not in problems[0].message
-    _, problems = structure_table({"url": "http://127.0.0.1:9/", "auth_env": "sk-live-123.abc"}, HttpRewardConfig, "$.reward", registry)
+    _, problems = structure_table({"url": "http://127.0.0.1:9/", "auth_env": "sk-live-123.abc"}, HttpRewardConfig, "$.reward", builtin_registry)
     assert str(problems[0]) == "$.reward.auth_env: must be the name of an environment variable (letters, digits, _), not its value"
 
 

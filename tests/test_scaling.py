@@ -59,10 +59,10 @@ def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
         recipe_document["policy"]["lora_r"] = 4
         recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
     if request.param == "padless-gpt2-separate-critic":  # an added, suppressed PAD and a critic that never sees it
-        from rlkit_core.testing.offline_models import write_tiny_classifier, write_tiny_lm
+        from rlkit_core.testing.offline_models import write_tiny_model
 
-        recipe_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
-        recipe_document["value_head"] = {"type": "separate", "model": str(write_tiny_classifier(tmp_path / "critic", "gpt2"))}
+        recipe_document["policy"]["model"] = str(write_tiny_model(tmp_path / "gpt2-style", "gpt2"))
+        recipe_document["value_head"] = {"type": "separate", "model": str(write_tiny_model(tmp_path / "critic", "gpt2", classifier=True))}
     return recipe_document
 
 
@@ -82,9 +82,9 @@ def test_two_fsdp_processes_make_the_update_of_one(variant, recipe_document, tin
     if variant == "lora":
         recipe_document["policy"]["lora_r"] = 4
     if variant == "padless-gpt2":  # the added PAD row is sharded with the embedding and stays suppressed
-        from rlkit_core.testing.offline_models import write_tiny_lm
+        from rlkit_core.testing.offline_models import write_tiny_model
 
-        recipe_document["policy"]["model"] = str(write_tiny_lm(tmp_path / "gpt2-style", "gpt2"))
+        recipe_document["policy"]["model"] = str(write_tiny_model(tmp_path / "gpt2-style", "gpt2"))
     if variant == "bf16":  # float32 shards and gathered weights, bf16 compute under autocast, as without FSDP
         recipe_document["run"]["mixed_precision"] = "bf16"
     fsdp = fsdp_on_cpu.launch_environment()
@@ -197,9 +197,9 @@ def without_timing(table: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in table]
 
 
-def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(recipe_document, registry, tmp_path):
+def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(recipe_document, builtin_registry, tmp_path):
     recipe_document["run"].update(steps=1, output_dir=str(tmp_path / "run"))
-    run_recipe(parse_recipe(recipe_document, registry), quiet=True, out=io.StringIO())
+    run_recipe(parse_recipe(recipe_document, builtin_registry), quiet=True, out=io.StringIO())
     meta_path = tmp_path / "run" / "checkpoints" / "iter_000001" / "meta.json"
     meta = json.loads(meta_path.read_text())
     assert meta["processes"] == 1
@@ -207,12 +207,12 @@ def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(re
     checkpoint.write_manifest(meta_path.parent)  # as a two-process run would have written it, not damaged
     recipe_document["run"]["steps"] = 2
     with pytest.raises(RlkitError, match="written by 2 processes and this run has 1; resume with 2 processes"):
-        run_recipe(parse_recipe(recipe_document, registry), quiet=True, resume="auto", out=io.StringIO())
+        run_recipe(parse_recipe(recipe_document, builtin_registry), quiet=True, resume="auto", out=io.StringIO())
 
 
 @pytest.mark.parametrize("steps, aggregation", [(2, "token-mean"), (4, "token-mean"), (2, "seq-mean-token-mean"),
                                                (4, "seq-mean-token-sum-norm")])
-def test_gradient_accumulation_gives_the_same_update(recipe_document, registry, steps, aggregation):
+def test_gradient_accumulation_gives_the_same_update(recipe_document, builtin_registry, steps, aggregation):
     recipe_document["loss"] = {"type": "ppo-clip", "aggregation": aggregation, "entropy_coef": 0.01}
     if aggregation != "token-mean":  # the β·KL the loop adds aggregates as the loss does
         recipe_document["ppo"]["kl_penalty"] = "loss"
@@ -220,7 +220,7 @@ def test_gradient_accumulation_gives_the_same_update(recipe_document, registry, 
     def update(accumulation):
         document = {table: dict(body) for table, body in recipe_document.items()}
         document["ppo"].update({"minibatch_size": 16, "batch_size": 16, "gradient_accumulation_steps": accumulation})
-        trainer = Trainer(parse_recipe(document, registry))
+        trainer = Trainer(parse_recipe(document, builtin_registry))
         gradients = []  # the summed gradient each optimiser step sees
         trainer.optimizer.optimizer.register_step_pre_hook(
             lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.parameters])))
@@ -353,11 +353,11 @@ def test_rlkit_check_plans_for_the_accelerate_config_it_is_given(recipe_document
     assert done.returncode == 2 and "$.policy.dtype: 'bfloat16' weights are not run under FSDP" in done.stderr
 
 
-def test_generation_in_chunks_pads_every_chunk_to_the_longest(recipe_document, registry, monkeypatch):
+def test_generation_in_chunks_pads_every_chunk_to_the_longest(recipe_document, builtin_registry, monkeypatch):
     from rlkit_core.interfaces import Generation
 
     recipe_document["generator"]["batch_size"] = 2
-    trainer = Trainer(parse_recipe(recipe_document, registry))
+    trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
     generator, pad = trainer.parts.generator, trainer.tokenizer.pad_token_id
 
     def fake(prompt_ids, prompt_mask, greedy):  # the first chunk stops after 1 token, the second after 3

@@ -16,9 +16,8 @@ from safetensors.torch import load_file
 
 from rlkit_core.runtime.checkpoint import write_manifest
 from rlkit_core.runtime.cli import main
+from rlkit_core.testing import recipe_toml
 from rlkit_plugins.hf_policy import HFPolicyConfig
-
-from conftest import to_toml
 
 SECRETS = {
     "MLFLOW_TRACKING_USERNAME": "fake-user-3f9a1c",
@@ -54,7 +53,7 @@ def finished_run(tmp_path_factory, tiny_model, prompt_file, reward_file):
         "data": {"type": "jsonl", "path": str(prompt_file)},
         "tracker": {"type": "mlflow", "uri": "sqlite:///mlflow.db", "log_model": True},
     }
-    (root / "recipe.toml").write_text(to_toml(document))
+    (root / "recipe.toml").write_text(recipe_toml(document))
     env = {**os.environ, **SECRETS, "RLKIT_PLUGINS": "none"}
     result = subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", "run", "recipe.toml", "--quiet"], cwd=root, env=env,
                             capture_output=True, text=True, timeout=600)
@@ -83,7 +82,7 @@ def test_a_checkpoint_that_carries_code_is_refused_and_runs_none(finished_run, t
     state["kl"]["extra"] = WritesAFile(marker)
     torch.save(state, checkpoint / "trainer.pt")
     document = {**document, "run": {**document["run"], "output_dir": str(tmp_path / "run")}, "tracker": {"type": "none"}}
-    (tmp_path / "recipe.toml").write_text(to_toml(document))
+    (tmp_path / "recipe.toml").write_text(recipe_toml(document))
     monkeypatch.setenv("RLKIT_PLUGINS", "none")
 
     assert main(["run", str(tmp_path / "recipe.toml"), "--resume", str(checkpoint), "--quiet"]) == 2

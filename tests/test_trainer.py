@@ -17,8 +17,8 @@ def make_trainer(document, registry, **changes):
     return Trainer(parse_recipe(document, registry))
 
 
-def test_first_step_ratio_is_one_and_logprobs_match_the_sampler(recipe_document, registry):
-    trainer = make_trainer(recipe_document, registry)
+def test_first_step_ratio_is_one_and_logprobs_match_the_sampler(recipe_document, builtin_registry):
+    trainer = make_trainer(recipe_document, builtin_registry)
     batch, _ = trainer.rollout(trainer.stream.batch(0))
     batch = trainer.evaluate(batch)
     mask = batch.response_mask.bool()
@@ -32,8 +32,8 @@ def test_first_step_ratio_is_one_and_logprobs_match_the_sampler(recipe_document,
     assert batch.kl.abs().max() < 1e-5
 
 
-def test_score_lands_on_the_last_counted_token(recipe_document, registry):
-    trainer = make_trainer(recipe_document, registry, kl__type="fixed", kl__beta=0.0)
+def test_score_lands_on_the_last_counted_token(recipe_document, builtin_registry):
+    trainer = make_trainer(recipe_document, builtin_registry, kl__type="fixed", kl__beta=0.0)
     batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
     last = batch.response_mask.sum(dim=1) - 1
     expected = torch.zeros_like(batch.rewards)
@@ -41,32 +41,32 @@ def test_score_lands_on_the_last_counted_token(recipe_document, registry):
     assert torch.equal(batch.rewards, expected)
 
 
-def test_temperature_is_applied_when_recomputing(recipe_document, registry):
-    trainer = make_trainer(recipe_document, registry, generator__temperature=0.7)
+def test_temperature_is_applied_when_recomputing(recipe_document, builtin_registry):
+    trainer = make_trainer(recipe_document, builtin_registry, generator__temperature=0.7)
     batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
     mask = batch.response_mask.bool()
     assert torch.allclose(batch.old_logprobs[mask], batch.sampled_logprobs[mask], atol=1e-4)
 
 
-def test_the_loop_learns_a_trivial_reward(recipe_document, registry):
-    trainer = make_trainer(recipe_document, registry, ppo__batch_size=32, ppo__minibatch_size=16, optim__learning_rate=1e-2,
+def test_the_loop_learns_a_trivial_reward(recipe_document, builtin_registry):
+    trainer = make_trainer(recipe_document, builtin_registry, ppo__batch_size=32, ppo__minibatch_size=16, optim__learning_rate=1e-2,
                            kl__type="fixed", kl__beta=0.0, run__steps=12)
     scores = [trainer.step()["score/mean"] for _ in range(12)]
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     assert last > first + 0.3, scores
 
 
-def test_same_seed_same_metrics(recipe_document, registry):
+def test_same_seed_same_metrics(recipe_document, builtin_registry):
     def metrics():
-        trainer = make_trainer(dict((k, dict(v)) for k, v in recipe_document.items()), registry)
+        trainer = make_trainer(dict((k, dict(v)) for k, v in recipe_document.items()), builtin_registry)
         return [{k: v for k, v in trainer.step().items() if not k.startswith("time/")} for _ in range(2)]
 
     assert metrics() == metrics()
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "full"])
-def test_every_kl_estimator_runs_and_is_logged(recipe_document, registry, estimator):
-    trainer = make_trainer(recipe_document, registry, ppo__kl_estimator=estimator, optim__learning_rate=1e-2)
+def test_every_kl_estimator_runs_and_is_logged(recipe_document, builtin_registry, estimator):
+    trainer = make_trainer(recipe_document, builtin_registry, ppo__kl_estimator=estimator, optim__learning_rate=1e-2)
     trainer.step()
     metrics = trainer.step()
     assert metrics["kl/ref"] != 0.0
@@ -74,8 +74,8 @@ def test_every_kl_estimator_runs_and_is_logged(recipe_document, registry, estima
         assert metrics["kl/ref"] > 0  # k2, k3 and the full sum are non-negative
 
 
-def test_kl_in_the_loss_keeps_the_rewards_free_of_it(recipe_document, registry):
-    trainer = make_trainer(recipe_document, registry, ppo__kl_penalty="loss", ppo__kl_estimator="k3")
+def test_kl_in_the_loss_keeps_the_rewards_free_of_it(recipe_document, builtin_registry):
+    trainer = make_trainer(recipe_document, builtin_registry, ppo__kl_penalty="loss", ppo__kl_estimator="k3")
     trainer.step()
     metrics = trainer.step()
     assert "train/loss_kl" in metrics
@@ -83,8 +83,8 @@ def test_kl_in_the_loss_keeps_the_rewards_free_of_it(recipe_document, registry):
     assert torch.count_nonzero(batch.rewards).item() <= len(batch)  # only the score positions
 
 
-def test_every_required_metric_is_reported(recipe_document, registry):
-    metrics = make_trainer(recipe_document, registry).step()
+def test_every_required_metric_is_reported(recipe_document, builtin_registry):
+    metrics = make_trainer(recipe_document, builtin_registry).step()
     required = ["score/mean", "kl/ref", "kl/beta", "train/loss_policy", "train/loss_value", "train/approx_kl",
                 "train/clipfrac", "train/value_clipfrac", "train/explained_variance", "train/entropy",
                 "response/length", "response/eos_rate", "train/grad_norm", "time/generate", "time/score",
@@ -93,10 +93,10 @@ def test_every_required_metric_is_reported(recipe_document, registry):
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])
-def test_gradient_checkpointing_recomputes_during_the_update_and_changes_nothing(recipe_document, registry, lora_r):
+def test_gradient_checkpointing_recomputes_during_the_update_and_changes_nothing(recipe_document, builtin_registry, lora_r):
     def update(checkpointing):
         document = {table: dict(body) for table, body in recipe_document.items()}
-        trainer = make_trainer(document, registry, policy__gradient_checkpointing=checkpointing, policy__lora_r=lora_r)
+        trainer = make_trainer(document, builtin_registry, policy__gradient_checkpointing=checkpointing, policy__lora_r=lora_r)
         torch.manual_seed(5)
         batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
         calls = []
@@ -119,10 +119,10 @@ def test_gradient_checkpointing_recomputes_during_the_update_and_changes_nothing
         assert torch.allclose(plain, checkpointed, rtol=1e-5, atol=1e-8)  # dropout is off in training mode
 
 
-def test_forward_batch_size_only_changes_how_the_rollout_is_chunked(recipe_document, registry):
+def test_forward_batch_size_only_changes_how_the_rollout_is_chunked(recipe_document, builtin_registry):
     def evaluated(forward_batch_size):
         document = {table: dict(body) for table, body in recipe_document.items()}
-        trainer = make_trainer(document, registry, ppo__forward_batch_size=forward_batch_size)
+        trainer = make_trainer(document, builtin_registry, ppo__forward_batch_size=forward_batch_size)
         torch.manual_seed(5)
         return trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
 
@@ -141,8 +141,8 @@ def test_forward_batch_size_only_changes_how_the_rollout_is_chunked(recipe_docum
     ("cosine", 0, [(1 + math.cos(math.pi * k / 8)) / 2 for k in range(9)]),
     ("linear", 2, [0.0, 0.5] + [(8 - k) / 6 for k in range(2, 9)]),
 ])
-def test_learning_rate_schedule_over_the_run(recipe_document, registry, schedule, warmup, factors):
-    trainer = make_trainer(recipe_document, registry, optim__schedule=schedule, optim__warmup_steps=warmup)
+def test_learning_rate_schedule_over_the_run(recipe_document, builtin_registry, schedule, warmup, factors):
+    trainer = make_trainer(recipe_document, builtin_registry, optim__schedule=schedule, optim__warmup_steps=warmup)
     rates = [trainer.scheduler.get_last_lr()[0]]
     for _ in range(8):
         trainer.optimizer.step()
@@ -151,10 +151,10 @@ def test_learning_rate_schedule_over_the_run(recipe_document, registry, schedule
     assert rates == pytest.approx([1e-3 * f for f in factors], abs=1e-12)
 
 
-def test_a_minibatch_whose_ratio_exploded_is_skipped(recipe_document, registry):
+def test_a_minibatch_whose_ratio_exploded_is_skipped(recipe_document, builtin_registry):
     """A threshold of 0.5 is below the ratio of 1 that every minibatch starts at, so every one is
     skipped and the weights must not move at all; at the default of 10 none is."""
-    trainer = make_trainer(recipe_document, registry, loss__ratio_threshold=0.5)
+    trainer = make_trainer(recipe_document, builtin_registry, loss__ratio_threshold=0.5)
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
     batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
     with warnings.catch_warnings(record=True) as caught:  # the schedule moves on without a warning to the user
@@ -163,5 +163,5 @@ def test_a_minibatch_whose_ratio_exploded_is_skipped(recipe_document, registry):
     assert not [w for w in caught if "lr_scheduler" in str(w.message)]
     assert metrics["train/skipped"] == 1.0 and metrics["train/grad_norm"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
-    metrics = make_trainer(recipe_document, registry, loss__ratio_threshold=10.0).train_on(batch)
+    metrics = make_trainer(recipe_document, builtin_registry, loss__ratio_threshold=10.0).train_on(batch)
     assert metrics["train/skipped"] == 0.0

@@ -268,12 +268,12 @@ def test_a_lora_policys_every_adapted_layer_reaches_the_engine(lora_policy, tmp_
 
 
 def _run(document, tmp_path, name) -> list[dict]:
-    from conftest import to_toml
+    from rlkit_core.testing import recipe_toml
 
     document = copy.deepcopy(document)
     document["run"]["output_dir"] = str(tmp_path / name)
     recipe = tmp_path / f"{name}.toml"
-    recipe.write_text(to_toml(document))
+    recipe.write_text(recipe_toml(document))
     rlkit = str(Path(sys.executable).parent / "rlkit")
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([rlkit, "run", str(recipe)], capture_output=True, text=True, timeout=600, env=environment)
@@ -330,9 +330,9 @@ def test_two_processes_under_torchrun_each_run_an_engine_of_their_own(recipe_doc
     recipe_document["run"].update(device="cpu", output_dir=str(tmp_path / "run"))
     recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8, "gpu_memory_fraction": 0.02}
     recipe = tmp_path / "recipe.toml"
-    from conftest import to_toml
+    from rlkit_core.testing import recipe_toml
 
-    recipe.write_text(to_toml(recipe_document))
+    recipe.write_text(recipe_toml(recipe_document))
     torchrun(rlkit_script(), "run", str(recipe), "--quiet", environment={"OMP_NUM_THREADS": "1"})
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [row for row in rows if "score/mean" in row]

@@ -593,20 +593,20 @@ def test_greedy_sends_repeated_prompts_one_by_one(tiny_model, tmp_path):
     assert generator.engine.calls[-2:] == ["generate([1, 1, 1])", "generate([2, 1])"]
 
 
-def test_a_ppo_step_through_the_seam_logs_the_sync_time_and_a_zero_gap(recipe_document, registry, monkeypatch):
+def test_a_ppo_step_through_the_seam_logs_the_sync_time_and_a_zero_gap(recipe_document, builtin_registry, monkeypatch):
     from rlkit_core.recipe.document import parse_recipe
     from rlkit_core.runtime.trainer import Trainer
 
     monkeypatch.setattr(VLLMGenerator, "_start_engine", lambda self, context: StandInEngine(self.policy, self.config))
     recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8}
     recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
-    metrics = Trainer(parse_recipe(recipe_document, registry)).step()
+    metrics = Trainer(parse_recipe(recipe_document, builtin_registry)).step()
     assert metrics["time/weight_sync"] > 0
     assert metrics["check/logprob_gap"] < 1e-4  # the stand-in samples in float32 like the trainer
     assert metrics["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
 
 
-def test_the_reports_samples_come_from_the_weights_after_the_last_update(recipe_document, registry, monkeypatch):
+def test_the_reports_samples_come_from_the_weights_after_the_last_update(recipe_document, builtin_registry, monkeypatch):
     """The engine last saw the weights before the last update; the report's samples push them again
     (and that push's time is not charged to the next iteration)."""
     from rlkit_core.recipe.document import parse_recipe
@@ -614,7 +614,7 @@ def test_the_reports_samples_come_from_the_weights_after_the_last_update(recipe_
 
     monkeypatch.setattr(VLLMGenerator, "_start_engine", lambda self, context: StandInEngine(self.policy, self.config))
     recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8}
-    trainer = Trainer(parse_recipe(recipe_document, registry))
+    trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
     trainer.step()
     engine = trainer.parts.generator.engine
     trained = trainer.policy.model.state_dict()

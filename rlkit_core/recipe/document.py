@@ -239,20 +239,21 @@ def retype_problems(before: dict, after: dict, registry: Registry) -> list[Probl
         known = {f.name for f in attrs.fields(component.config_class)}
         stale = [key for key in new_table if key != "type" and key not in known and key in old_table]
         if stale:
-            kept = ", ".join([f"type={_toml(new)}"] + [f"{key}={_toml(value)}" for key, value in new_table.items()
-                                                       if key in known])
+            kept = ", ".join([f"type={toml_literal(new)}"] + [f"{key}={toml_literal(value)}"
+                                                              for key, value in new_table.items() if key in known])
             problems.append(Problem(f"$.{table}", f"the type changed from {old!r} to {new!r}, but {', '.join(stale)} "
                                                   f"{'is a setting' if len(stale) == 1 else 'are settings'} of {old!r} that {new!r} does not "
                                                   f"have; replace the whole table instead: --set '{table}={{{kept}}}'"))
     return problems
 
 
-def _toml(value) -> str:
-    """A TOML literal for a recipe value (a string, number, boolean, list or table)."""
+def toml_literal(value) -> str:
+    """A TOML literal for a recipe value (a string, number, boolean, list or table): JSON's
+    spelling of a string, number or boolean is TOML's too."""
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{key}={_toml(item)}" for key, item in value.items()) + "}"
+        return "{" + ", ".join(f"{key}={toml_literal(item)}" for key, item in value.items()) + "}"
     if isinstance(value, list):
-        return "[" + ", ".join(_toml(item) for item in value) + "]"
+        return "[" + ", ".join(toml_literal(item) for item in value) + "]"
     return json.dumps(value)
 
 

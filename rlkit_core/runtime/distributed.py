@@ -17,6 +17,7 @@ from accelerate.utils import DistributedType, gather_object
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.recipe.schema import sharded_launch
 
+
 def combined_by_max(name: str) -> bool:
     """Terms combined over micro-batches and processes by their maximum (see `Loss`): maxima, and
     the `skipped` flag (one exploded part skips the whole optimiser step)."""

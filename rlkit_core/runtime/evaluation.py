@@ -13,10 +13,9 @@ import torch
 
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import masked_sum
+from rlkit_core.randomness import evaluation_seed, held_out_generator
 from rlkit_core.recipe.document import ComponentChoice
 from rlkit_core.runtime.faults import checked_scores
-
-EVAL_SEED_OFFSET = 7_919  # held-out choice and eval sampling get their own stream, apart from the run seed's
 
 
 def hold_out(records: list[dict], size: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -26,7 +25,7 @@ def hold_out(records: list[dict], size: int, seed: int) -> tuple[list[dict], lis
     if size >= len(records):
         raise RecipeError([f"$.eval.size: {size} held-out prompts would leave none of the {len(records)} for training; "
                            "lower eval.size or give more data"])
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET)).tolist()
+    order = torch.randperm(len(records), generator=held_out_generator(seed)).tolist()
     held = set(order[:size])
     return [r for i, r in enumerate(records) if i in held], [r for i, r in enumerate(records) if i not in held]
 
@@ -57,7 +56,7 @@ class Evaluator:
         device = trainer.device
         sums, count = {}, 0
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(trainer.recipe.run.seed + EVAL_SEED_OFFSET)
+            torch.manual_seed(evaluation_seed(trainer.recipe.run.seed))
             for start in range(0, len(trainer.eval_records), trainer.recipe.ppo.batch_size):
                 chunk = trainer.eval_records[start:start + trainer.recipe.ppo.batch_size]
                 batch, _ = trainer.rollout(chunk, samples_per_prompt=1, greedy=self.config.greedy)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rlkit_core.randomness import seeded_generator
+from rlkit_core.randomness import data_order_generator
 
 
 class PromptStream:
@@ -22,7 +22,7 @@ class PromptStream:
 
     def _order(self, data_epoch: int) -> list[int]:
         if data_epoch not in self._orders:
-            order = torch.randperm(len(self.records), generator=seeded_generator(self.seed, data_epoch))
+            order = torch.randperm(len(self.records), generator=data_order_generator(self.seed, data_epoch))
             self._orders = {data_epoch: order.tolist()}
         return self._orders[data_epoch]
 

@@ -32,9 +32,9 @@ from rlkit_core.functional import (
     masked_sum,
     overlong_penalty,
 )
-from rlkit_core.interfaces import LossInputs
+from rlkit_core.interfaces import Generation, LossInputs
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts, within_context
-from rlkit_core.randomness import sampling_seed, seeded_generator
+from rlkit_core.randomness import minibatch_order_generator, sampling_seed
 from rlkit_core.recipe.assemble import build_components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import (
@@ -136,10 +136,7 @@ class Trainer:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records, self.device, self.max_prompt_tokens)
 
         started = time.perf_counter()
-        with self.full_weights():
-            self.parts.generator.sync_weights(self.policy)
-            with self.accelerator.autocast():
-                generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
+        [generation] = self._generate([(prompt_ids, prompt_mask)], greedy)
         generated = time.perf_counter()
         mask = generation.response_mask
         ended = torch.isin(generation.response_ids, torch.tensor(self.policy.eos_token_ids, device=self.device)).any(dim=1)
@@ -152,6 +149,15 @@ class Trainer:
             responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=self.device),
         )
         return batch, {"time/generate": generated - started, "time/score": scored - generated, **self.parts.generator.metrics()}
+
+    def _generate(self, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool) -> list[Generation]:
+        """The generator's output for each (prompt ids, mask) chunk, from the current weights:
+        read whole (FSDP gathers them in every process), synced once into an engine of its own
+        (vLLM last saw them before the last update), under the run's mixed precision."""
+        with self.full_weights():
+            self.parts.generator.sync_weights(self.policy)
+            with self.accelerator.autocast():
+                return [self.parts.generator.generate(ids, mask, greedy=greedy) for ids, mask in prompts]
 
     def _score(self, prompts: list[str], responses: list[str], columns: dict) -> list[float]:
         """The reward's scores, checked here, where every reward source passes. A reward that
@@ -278,7 +284,7 @@ class Trainer:
         divided by the minibatch's global token count, so the summed gradients are the same
         however the minibatch is split over processes and micro-batches."""
         ppo, optim = self.recipe.ppo, self.recipe.optim
-        shuffler = seeded_generator(self.recipe.run.seed, self.iteration)
+        shuffler = minibatch_order_generator(self.recipe.run.seed, self.iteration)
         per_process = ppo.minibatch_size // self.processes.count
         micro_size = per_process // ppo.gradient_accumulation_steps
         per_step, count = defaultdict(list), 0  # each step's terms stay tensors: one read from the device at the end
@@ -406,13 +412,10 @@ class Trainer:
     def sample_responses(self, records: list[dict], greedy: bool = False) -> list[str]:
         """Responses of the current weights to `records`, a batch at a time, without touching the
         training random stream (for before/after reports)."""
-        responses, size = [], self.recipe.ppo.batch_size
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.full_weights():
-            self.parts.generator.sync_weights(self.policy)  # an engine of its own (vLLM) last saw the weights before the last update
-            with self.accelerator.autocast():
-                for start in range(0, len(records), size):
-                    prompt_ids, prompt_mask = encode_prompts(self.tokenizer, records[start:start + size], self.device, self.max_prompt_tokens)
-                    generation = self.parts.generator.generate(prompt_ids, prompt_mask, greedy=greedy)
-                    responses += self.tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
+        size = self.recipe.ppo.batch_size
+        chunks = [encode_prompts(self.tokenizer, records[start:start + size], self.device, self.max_prompt_tokens)
+                  for start in range(0, len(records), size)]
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            generations = self._generate(chunks, greedy)
         self.parts.generator.metrics()  # its sync time is the report's, not the next iteration's
-        return responses
+        return [text for g in generations for text in self.tokenizer.batch_decode(g.response_ids, skip_special_tokens=True)]

@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 
 from rlkit_core.batch import RolloutBatch, sequence_inputs
+from rlkit_core.recipe.document import toml_literal
+from rlkit_core.testing.offline_models import write_tiny_model
 
-__all__ = ["RESPONSE_MASK", "policy_inputs", "rollout_batch", "write_tiny_causal_lm"]
+__all__ = ["RESPONSE_MASK", "policy_inputs", "recipe_toml", "rollout_batch", "write_tiny_causal_lm"]
 
 RESPONSE_MASK = [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
 
@@ -55,13 +57,17 @@ def rollout_batch(with_values: bool = True, seed: int = 0) -> RolloutBatch:
 def write_tiny_causal_lm(path: Path) -> Path:
     """A two-layer, 32-wide GPT-2 with the byte-level ByT5 tokenizer: real transformers classes,
     built offline in a moment, so contract tests need no hub."""
-    from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
+    return write_tiny_model(path, "byt5")
 
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=384, n_positions=128, n_embd=32, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1, pad_token_id=0)
-    GPT2LMHeadModel(config).save_pretrained(path)
-    ByT5Tokenizer().save_pretrained(path)
-    return path
+
+def recipe_toml(document: dict) -> str:
+    """A recipe document (tables of settings, as `rlkit_core.recipe.document` parses them) as TOML text, for
+    tests that run `rlkit` on a recipe file."""
+    lines = []
+    for table, body in document.items():
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {toml_literal(value)}" for key, value in body.items()]
+    return "\n".join(lines) + "\n"
 
 
 def policy_inputs(tokenizer, prompts=("ab", "abcdef")):

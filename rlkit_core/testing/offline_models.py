@@ -1,7 +1,8 @@
 """Tiny real tokenizers and models with the awkward properties of hub models, built offline.
 
-The byte-level ByT5 tokenizer is kind: PAD ≠ EOS, one EOS, no chat template. Real policies are
-not, so tests (and plugin authors' tests) build these instead, in about a second each:
+The byte-level ByT5 tokenizer is kind: PAD ≠ EOS, one EOS, no chat template (style `"byt5"`, the
+toy most tests use). Real policies are not, so tests (and plugin authors' tests) also build these,
+in about a second each:
 
 - `"gpt2"`: a byte-level BPE with no PAD token, where BOS = EOS = UNK = `<|endoftext|>` (GPT-2,
   Pythia), and a GPT-2 model whose embedding table has no spare row;
@@ -60,46 +61,42 @@ def build_bpe_tokenizer(style: str, vocab_size: int = 320):
     return PreTrainedTokenizerFast(tokenizer_object=backend, **names)
 
 
-def write_tiny_lm(path: Path, style: str, spare_rows: int | None = None, seed: int = 0) -> Path:
-    """A causal LM directory of `style` with its tokenizer. `spare_rows`: embedding rows past the
-    tokenizer's vocabulary (default: none for "gpt2", 6 for "chat")."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+def write_tiny_model(path: Path, style: str = "byt5", classifier: bool = False, spare_rows: int | None = None,
+                     seed: int | None = None) -> Path:
+    """A tiny model directory with its tokenizer, the one builder behind every test model.
 
-    tokenizer = build_bpe_tokenizer(style)
-    spare = (0 if style == "gpt2" else 6) if spare_rows is None else spare_rows
-    vocab = len(tokenizer) + spare
-    torch.manual_seed(seed)
-    if style == "gpt2":
-        config = GPT2Config(vocab_size=vocab, n_positions=256, n_embd=32, n_layer=2, n_head=2,
-                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-        model = GPT2LMHeadModel(config)
+    `style`: "byt5" (a GPT-2 with the file-free byte-level ByT5 tokenizer, the kind toy), or
+    "gpt2"/"chat" (see the module docstring). Two layers as a causal LM; as a `classifier`, one
+    layer with one output (a reward model, or a separate critic's starting point) and a vocabulary
+    that is exactly the tokenizer's. `spare_rows`: a causal LM's embedding rows past the tokenizer's
+    vocabulary (default: 6 for "chat", none otherwise). `seed`: default 0 for a causal LM, 1 for a
+    classifier, so that a reward model is not the policy's twin."""
+    from transformers import (ByT5Tokenizer, GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM, LlamaForSequenceClassification)
+
+    tokenizer = ByT5Tokenizer() if style == "byt5" else build_bpe_tokenizer(style)
+    eos, bos, pad = tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id
+    if classifier:
+        vocab, layers = len(tokenizer), 1
+        ids = {"num_labels": 1, "pad_token_id": eos if pad is None else pad, "eos_token_id": eos}
     else:
-        config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-        model = LlamaForCausalLM(config)
-        model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eot_id|>")]
+        spare = (6 if style == "chat" else 0) if spare_rows is None else spare_rows
+        vocab, layers = len(tokenizer) + spare, 2
+        ids = {"bos_token_id": eos if bos is None else bos, "eos_token_id": eos}
+        if pad is not None:
+            ids["pad_token_id"] = pad
+    torch.manual_seed((1 if classifier else 0) if seed is None else seed)
+    if style == "chat":
+        config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256, **ids)
+        model = (LlamaForSequenceClassification if classifier else LlamaForCausalLM)(config)
+    else:
+        config = GPT2Config(vocab_size=vocab, n_positions=128 if style == "byt5" else 256, n_embd=32, n_layer=layers,
+                            n_head=2, **ids)
+        model = (GPT2ForSequenceClassification if classifier else GPT2LMHeadModel)(config)
+    if style == "chat" and not classifier:
+        model.generation_config.eos_token_id = [eos, tokenizer.convert_tokens_to_ids("<|eot_id|>")]
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return Path(path)
 
-
-def write_tiny_classifier(path: Path, style: str, seed: int = 1) -> Path:
-    """A one-output sequence classifier of `style` with its tokenizer: a reward model, or a
-    separate critic's starting point. Its vocabulary is exactly the tokenizer's."""
-    from transformers import GPT2Config, GPT2ForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
-
-    tokenizer = build_bpe_tokenizer(style)
-    torch.manual_seed(seed)
-    if style == "gpt2":
-        config = GPT2Config(vocab_size=len(tokenizer), n_positions=256, n_embd=32, n_layer=1, n_head=2, num_labels=1,
-                            pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
-        model = GPT2ForSequenceClassification(config)
-    else:
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
-                             pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
-        model = LlamaForSequenceClassification(config)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return Path(path)
