@@ -236,7 +236,7 @@ def peer_settings(document: dict) -> dict:
     recipe = parse_recipe(document, load_registry())
     ppo, optim, kl, advantage, loss = recipe.ppo, recipe.optim, recipe["kl"], recipe["advantage"].config, recipe["loss"].config
     return {"batch_size": ppo.batch_size, "minibatch_size": ppo.minibatch_size, "epochs": ppo.epochs,
-            "learning_rate": optim.learning_rate, "kl_beta": kl.config.beta, "kl_adaptive": kl.type == "adaptive",
+            "learning_rate": optim.learning_rate, "kl_beta": kl.config.beta, "kl_adaptive": kl.component.name == "adaptive",
             "kl_target": getattr(kl.config, "target", 6.0), "gamma": advantage.gamma, "lam": advantage.lam,
             "clip": loss.clip, "value_clip": loss.value_clip, "vf_coef": loss.vf_coef,
             "max_new_tokens": recipe["generator"].config.max_new_tokens}
