@@ -2,7 +2,7 @@
 
     python benchmarks/robustness.py                       # every task, 5 seeds each
     python benchmarks/robustness.py --task control --seeds 3 --set ppo.batch_size=64
-    python benchmarks/robustness.py --task warm-echo --peer   # TRL 0.11.4 classic on the same files and seeds
+    python benchmarks/robustness.py --task warm-target --peer   # TRL 0.11.4 classic on the same files and seeds
 
 Each task runs through rlkit's public surface (a recipe, `run_recipe`):
 - `summarize`: the default recipe (recipes/ppo_summarize.toml) on its cached warm start; the seed
@@ -12,8 +12,9 @@ Each task runs through rlkit's public surface (a recipe, `run_recipe`):
 - `control`: a task whose optimum is known. A tiny random GPT-2 (byte-level) writes 8 bytes after a
   random string; the reward is the share of them that are lowercase letters, so 1.0 is the best any
   policy can do; no KL penalty, so that 1.0 is also the objective's optimum. 60 iterations.
-- `warm-lowercase`, `warm-echo`: the same tiny GPT-2 fine-tuned for a moment on responses right at
-  about half their bytes (lowercase letters; a copy of the 8-letter prompt), then PPO with the
+- `warm-lowercase`, `warm-target`: the same tiny GPT-2 fine-tuned for a moment on responses right at
+  about half their bytes (lowercase letters; the fixed string "pqrstuvw", its other bytes drawn
+  from the same letters), then PPO with the
   settings of TRL's classic example (minibatch 25, 4 epochs, lr 3e-4, no KL, GAE λ 0.95, value
   clip 0.2, vf_coef 1.2; batch 50, half its 100, for a 2-core CPU). Optimum 1.0. 30 iterations.
 Figure of the last three: the mean training score over the last max(5, 10%) iterations.
@@ -82,17 +83,18 @@ def control_document(seed: int, folder: Path, steps: int) -> dict:
 
 # Warm-started tasks: a tiny byte-level GPT-2 fine-tuned briefly on responses that are right about
 # half the time (the same warm start for every seed), then PPO with the peer's own settings.
-LETTERS = "abcdfghij"
+LETTERS = "abcdfghij"  # the prompts' letters
+TARGET = "pqrstuvw"  # warm-target's one right response, none of the prompts' letters
 WARM_REWARDS = {
     # every one of the 8 response bytes a lowercase letter; the warm start writes half of them so
     "warm-lowercase": """
 def score(prompts, responses):
     return [sum(c.islower() for c in r[:8]) / 8 for r in responses]
 """,
-    # the response repeats the 8-letter prompt; the warm start copies about half the letters
-    "warm-echo": """
+    # the response is TARGET, byte for byte; the warm start gets about half of its bytes right
+    "warm-target": """
 def score(prompts, responses):
-    return [sum(a == b for a, b in zip(p, r[:8])) / 8 for p, r in zip(prompts, responses)]
+    return [sum(a == b for a, b in zip("pqrstuvw", r[:8])) / 8 for r in responses]
 """,
 }
 PEER_SETTINGS = {  # TRL classic's own example settings, as the issue measured them
@@ -109,12 +111,10 @@ def warm_response(task: str, prompt: str, rng: random.Random) -> str:
     """A supervised response that is right at about half of its 8 bytes."""
     if task == "warm-lowercase":
         return "".join(rng.choice(LETTERS) if rng.random() < 0.5 else rng.choice("ABCDEFGH0123") for _ in range(8))
-    return "".join(c if rng.random() < 0.5 else rng.choice(LETTERS) for c in prompt)
+    return "".join(c if rng.random() < 0.5 else rng.choice(TARGET) for c in TARGET)
 
 
-def warm_prompts(task: str, rng: random.Random, n: int) -> list[str]:
-    if task == "warm-echo":
-        return ["".join(rng.choice(LETTERS) for _ in range(8)) for _ in range(n)]
+def warm_prompts(rng: random.Random, n: int) -> list[str]:
     return ["".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 12))) for _ in range(n)]
 
 
@@ -138,7 +138,7 @@ def write_warm_start(task: str, path: Path) -> Path:
     torch.manual_seed(0)
     for _ in range(WARM_START_STEPS):
         rows, labels = [], []
-        for prompt in warm_prompts(task, rng, 32):
+        for prompt in warm_prompts(rng, 32):
             prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
             response_ids = tokenizer(warm_response(task, prompt, rng), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
             rows.append(prompt_ids + response_ids)
@@ -162,7 +162,7 @@ def warm_files(task: str, seed: int, folder: Path) -> tuple[Path, Path, Path]:
     model = write_warm_start(task, folder / "model")
     rng = random.Random(seed)
     prompts = folder / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in warm_prompts(task, rng, 512)))
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in warm_prompts(rng, 512)))
     reward = folder / "reward.py"
     reward.write_text(WARM_REWARDS[task])
     return model, prompts, reward
@@ -184,7 +184,7 @@ def warm_document(task: str):
 
 
 TASKS = {"summarize": (summarize_document, 0), "control": (control_document, 60),  # 0: the recipe's own
-         "warm-lowercase": (warm_document("warm-lowercase"), 30), "warm-echo": (warm_document("warm-echo"), 30)}
+         "warm-lowercase": (warm_document("warm-lowercase"), 30), "warm-target": (warm_document("warm-target"), 30)}
 
 
 def figures(task: str, history: list[dict]) -> dict[str, float]:
