@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--settings", default="{}", help="JSON: batch_size, minibatch_size, epochs, learning_rate, "
-                        "kl_beta, kl_adaptive, kl_target, gamma, lam, clip, value_clip, vf_coef, max_new_tokens")
+                        "kl_beta, kl_adaptive, kl_target, gamma, lam, clip, value_clip, vf_coef, max_new_tokens; max_grad_norm only when given")
     args = parser.parse_args()
     torch.set_num_threads(1)
     s = json.loads(args.settings)
@@ -61,6 +61,7 @@ def main() -> None:
         adap_kl_ctrl=s.get("kl_adaptive", True), target=s.get("kl_target", 6.0), horizon=10000,
         gamma=s.get("gamma", 1.0), lam=s.get("lam", 0.95), cliprange=s.get("clip", 0.2),
         cliprange_value=s.get("value_clip", 0.2), vf_coef=s.get("vf_coef", 0.1), seed=args.seed, log_with=None,
+        max_grad_norm=s.get("max_grad_norm"),  # None, TRL's default: no clipping
     )
     trainer = PPOTrainer(config, policy, reference, tokenizer)
     reward = load_reward(args.reward)
