@@ -38,3 +38,32 @@ def test_a_tiny_run_prints_every_figure(capsys, monkeypatch):
     assert float(report["flops_per_iteration"]["total"]) > 0 and report["floor_seconds"] > 0
     assert report["ratio_to_floor"] > 1 and report["cpu_ratio_to_floor"] > 1  # the floor counts the matrix multiplies only
     assert 0 < report["train_mfu"] < 1 and report["peak_rss_mib"] > 0 and report["cpu_seconds_per_iteration"] > 0
+
+
+def load_robustness():
+    spec = importlib.util.spec_from_file_location("robustness", BENCH.parent / "robustness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_robustness_figures_and_summary_by_hand():
+    robustness = load_robustness()
+    history = [{"score/mean": float(i)} for i in range(10)] + [{"eval/score": 1.0}]
+    # the tail is the last max(5, 10%) training iterations: 5..9, mean 7
+    assert robustness.figures("control", history)["train_score_tail"] == 7.0
+    rows = [{"seed": s, "x": x} for s, x in enumerate([0.9, 0.5, 1.0, 0.7])]
+    summary = robustness.summary("control", "rlkit", "x", rows, 3, [])
+    assert (summary["mean"], summary["median"], summary["worst"]) == (0.775, 0.8, 0.5)
+
+
+def test_robustness_runs_a_warm_started_task_over_two_seeds(tmp_path, monkeypatch):
+    robustness = load_robustness()
+    monkeypatch.setattr(robustness, "WARM_START_STEPS", 3)
+    tiny = ["ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.epochs=1", "run.threads=1"]
+    report = robustness.run_task("warm-target", [0, 1], 1, tiny, history_dir=tmp_path)
+    assert [row["seed"] for row in report["runs"]] == [0, 1] and report["figure"] == "train_score_tail"
+    assert 0 <= report["worst"] <= report["median"] <= 1 and report["worst"] <= report["mean"]
+    first = [json.loads(line) for line in (tmp_path / "warm-target_seed0.jsonl").read_text().splitlines()]
+    assert len(first) == 1 and "train/grad_clipped" in first[0] and "advantage/raw_std" in first[0]
+    assert robustness.peer_settings(robustness.TASKS["warm-target"][0](0, tmp_path / "files", 2))["vf_coef"] == 1.2

@@ -165,3 +165,24 @@ def test_a_minibatch_whose_ratio_exploded_is_skipped(recipe_document, builtin_re
     assert all(torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
     metrics = make_trainer(recipe_document, builtin_registry, loss__ratio_threshold=10.0).train_on(batch)
     assert metrics["train/skipped"] == 0.0
+
+
+def test_critic_metrics_by_hand():
+    from rlkit_core.runtime.trainer import critic_metrics
+
+    values, returns = torch.tensor([[1.0, 2.0, 9.0]]), torch.tensor([[3.0, 1.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding and counts nowhere
+    # returns - values on counted tokens: [2, -1] → mean 0.5, biased std 1.5; var(returns) over [3, 1] = 1,
+    # var(returns - values) = 2.25, so explained variance 1 - 2.25 / 1 = -1.25; values [1, 2] mean 1.5, returns mean 2
+    assert critic_metrics(values, returns, mask) == pytest.approx({
+        "train/explained_variance": -1.25, "advantage/raw_mean": 0.5, "advantage/raw_std": 1.5, "value/mean": 1.5, "return/mean": 2.0})
+
+
+@pytest.mark.parametrize("max_grad_norm, clipped", [(1e-6, 1.0), (0.0, 0.0)])
+def test_gradient_norm_is_logged_before_clipping_with_the_share_clipped(recipe_document, builtin_registry, max_grad_norm, clipped):
+    trainer = make_trainer(recipe_document, builtin_registry, optim__max_grad_norm=max_grad_norm)
+    metrics = trainer.step()
+    # the norm before clipping is the one reported: far above a threshold of 1e-6 when that clips every step
+    assert metrics["train/grad_norm"] > 1e-3 and metrics["train/grad_norm_max"] >= metrics["train/grad_norm"]
+    assert metrics["train/grad_clipped"] == clipped
+    assert {"advantage/raw_mean", "advantage/raw_std", "value/mean", "return/mean"} <= set(metrics)

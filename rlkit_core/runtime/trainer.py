@@ -30,6 +30,7 @@ from rlkit_core.functional import (
     logprobs_from_logits,
     masked_mean,
     masked_sum,
+    masked_var,
     overlong_penalty,
 )
 from rlkit_core.interfaces import Generation, LossInputs
@@ -56,6 +57,16 @@ def record_columns(records: list[dict]) -> dict[str, list]:
     """The records' fields other than the prompt, as columns (the reward's keyword arguments)."""
     keys = dict.fromkeys(key for r in records for key in r if key != "prompt")
     return {key: [r.get(key) for r in records] for key in keys}
+
+
+def critic_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """What the rollout's critic said against its targets, over counted tokens: explained variance;
+    returns − values (GAE's advantages before whitening: the scale the policy's gradient would have
+    without it), mean and biased std; and the mean value and return (apart: a critic still warming up)."""
+    raw = returns - values
+    return {"train/explained_variance": float(explained_variance(values, returns, mask)),
+            "advantage/raw_mean": float(masked_mean(raw, mask)), "advantage/raw_std": float(masked_var(raw, mask).sqrt()),
+            "value/mean": float(masked_mean(values, mask)), "return/mean": float(masked_mean(returns, mask))}
 
 
 def pick_device(name: str) -> torch.device:
@@ -322,12 +333,16 @@ class Trainer:
                     self.scheduler.step()
                 for name, value in terms.items():
                     per_step[f"train/{name}"].append(value)
-                per_step["train/grad_norm"].append(torch.tensor(grad_norm))
+                per_step["train/grad_norm"].append(torch.tensor(grad_norm))  # before clipping
+                # the share of steps that clipping shortened: near 1, max_grad_norm sets the step size, not the loss
+                per_step["train/grad_clipped"].append(torch.tensor(float(0 < optim.max_grad_norm < grad_norm)))
                 per_step["train/nonfinite"].append(torch.tensor(float(nonfinite)))
                 count += 1
         self.trainable.eval()
         read = iter(torch.stack([v.to(self.device, torch.float64) for values in per_step.values() for v in values]).tolist())
-        metrics = {name: sum(next(read) for _ in values) / count for name, values in per_step.items()}
+        steps = {name: [next(read) for _ in values] for name, values in per_step.items()}
+        metrics = {name: sum(values) / count for name, values in steps.items()}
+        metrics["train/grad_norm_max"] = max(steps["train/grad_norm"])
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
@@ -400,7 +415,7 @@ class Trainer:
             "time/tokens_per_second": float(mask.sum()) / (finished - started),
         })
         if batch.values is not None:
-            metrics["train/explained_variance"] = float(explained_variance(batch.values, batch.returns, mask))
+            metrics.update(critic_metrics(batch.values, batch.returns, mask))
         self.last_batch = batch
         return metrics
 
