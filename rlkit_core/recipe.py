@@ -306,9 +306,10 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
 def _default_critic(document: dict, registry: Registry) -> str:
     """The value head of a recipe without [value_head]: a critic only when the advantage estimator needs values."""
     advantage = document.get("advantage")
-    name = advantage.get("type", "gae") if isinstance(advantage, dict) else "gae"
+    default = COMPONENT_TABLES["advantage"][1]
+    name = advantage.get("type", default) if isinstance(advantage, dict) else default
     estimator = registry.find("advantage_estimator", name) if isinstance(name, str) else None
-    return "none" if estimator is not None and not getattr(estimator.factory, "needs_values", True) else "shared"
+    return "none" if estimator is not None and not estimator.factory.needs_values else COMPONENT_TABLES["value_head"][1]
 
 
 def _eval_metrics(config: EvalConfig | None, registry: Registry) -> tuple[tuple[Component, ...], list[str]]:
