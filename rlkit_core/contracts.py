@@ -83,7 +83,7 @@ class ComponentContract:
         tables a recipe must have (two samples per prompt for an estimator that compares them)."""
         document = {
             "run": {"steps": 10, "output_dir": str(tmp_path / "run")},
-            "ppo": {"samples_per_prompt": 2 if registered.factory.needs_groups else 1},
+            "ppo": {"samples_per_prompt": 2 if self.kind == "advantage_estimator" and registered.factory.needs_groups else 1},
             "policy": {"type": "hf", "model": str(tiny_model)},
             "reward": {"type": "rouge"},
             "data": {"type": "toy-summaries", "size": 16},
