@@ -104,23 +104,23 @@ def _closest_hook(name: str) -> str:
 
 def _call_hooks(manager: pluggy.PluginManager, registry: Registry, sources: dict[str, tuple[str, str]]) -> None:
     """Each hook implementation called with a `register` that records its plugin, distribution and
-    version (one call of the hook would lose who registered what). A plugin that raises, or
-    registers a component that breaks the contract, is broken: what it registered is withdrawn and
-    it is not called again. A duplicate name is a conflict between two plugins, so it stays loud."""
+    version (one call of the hook would lose who registered what). A plugin that raises is broken:
+    what it registered is withdrawn and it is not called again. A plugin that registers components
+    that break the contract is broken with every such component named, from all its hooks. A
+    duplicate name is a conflict between two plugins, so it stays loud."""
+    contract: dict[str, list[str]] = {}  # plugin -> every way its components break the contract, all named at once
     for hook_name, kind in HOOKS.items():
         for implementation in getattr(manager.hook, hook_name).get_hookimpls():
             plugin = implementation.plugin_name
             if plugin in registry.broken:
                 continue
             dist, version = sources[plugin]
-            contract: list[str] = []  # every component of this call that breaks the contract, all named at once
 
-            def register(component_name, factory, config_class, _kind=kind, _plugin=plugin, _dist=dist, _version=version,
-                         _contract=contract):
+            def register(component_name, factory, config_class, _kind=kind, _plugin=plugin, _dist=dist, _version=version):
                 try:
                     registry.add(Component(_kind, component_name, factory, config_class, _plugin, _dist, _version))
                 except BrokenPluginContract as exc:
-                    _contract.append(str(exc))
+                    contract.setdefault(_plugin, []).append(str(exc))
 
             try:
                 implementation.function(**{arg: register for arg in implementation.argnames})  # as pluggy would call it
@@ -129,7 +129,6 @@ def _call_hooks(manager: pluggy.PluginManager, registry: Registry, sources: dict
             except Exception as exc:
                 registry.broken[plugin] = f"{hook_name} failed: {type(exc).__name__}: {exc}"
                 registry.discard_plugin(plugin)
-                continue
-            if contract:
-                registry.broken[plugin] = "; ".join(contract)
-                registry.discard_plugin(plugin)
+    for plugin, reasons in contract.items():
+        registry.broken[plugin] = "; ".join(reasons + ([registry.broken[plugin]] if plugin in registry.broken else []))
+        registry.discard_plugin(plugin)
