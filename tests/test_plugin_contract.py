@@ -2,12 +2,11 @@
 the class, components checked when they register, settings read through the core's bases."""
 
 import inspect
-import types
 
 import attrs
 import pytest
 
-from rlkit_core import hookimpl, hookspecs
+from rlkit_core import hookspecs
 from rlkit_core.assemble import Components
 from rlkit_core.config import greater_than, setting
 from rlkit_core.errors import RecipeError
@@ -17,19 +16,12 @@ from rlkit_core.recipe import parse_recipe
 from rlkit_core.schema import COMPONENT_TABLES
 from rlkit_core.settings import SamplingSettings
 from rlkit_plugins.critic_free import GRPO
-
-
-@attrs.frozen
-class EmptyConfig:
-    pass
+from test_plugins import EmptyConfig, plugin_module
 
 
 def loaded(name, **hooks):
     """A registry with only the built-ins and one plugin module holding `hooks`."""
-    module = types.ModuleType(name)
-    for hook_name, function in hooks.items():
-        setattr(module, hook_name, hookimpl(function))
-    return load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[(name, module, f"rlkit-{name}", "0.1")])
+    return load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[(name, plugin_module(name, **hooks), f"rlkit-{name}", "0.1")])
 
 
 def test_the_hookspecs_are_the_table_of_kinds():

@@ -52,6 +52,15 @@ def install(request, source: Path, distribution: str) -> None:
     pip("install", "--no-build-isolation", "--no-deps", "--no-index", str(source))
 
 
+def install_module(request, root: Path, distribution: str, plugin: str, source: str) -> None:
+    """A one-module plugin package named `distribution`, whose entry point `plugin` is `source`, installed."""
+    package, module = root / distribution, distribution.replace("-", "_")
+    package.mkdir()
+    (package / "pyproject.toml").write_text(demo_pyproject(distribution, {plugin: module}))
+    (package / f"{module}.py").write_text(source)
+    install(request, package, distribution)
+
+
 def rlkit(*args, plugins=None):
     """The real command; `plugins` sets RLKIT_PLUGINS, None leaves every installed plugin on."""
     env = {k: v for k, v in os.environ.items() if k != "RLKIT_PLUGINS"}
@@ -193,11 +202,7 @@ def register_rewards(register):
 
 
 def test_a_plugin_with_a_dataclass_config_is_listed_broken_and_recipes_without_it_run(request, tmp_path, recipe_document, write_recipe):
-    source = tmp_path / "rlkit-dataclass-demo"
-    source.mkdir()
-    (source / "pyproject.toml").write_text(demo_pyproject("rlkit-dataclass-demo", {"dataclass-demo": "rlkit_dataclass_demo"}))
-    (source / "rlkit_dataclass_demo.py").write_text(DATACLASS_MODULE)
-    install(request, source, "rlkit-dataclass-demo")
+    install_module(request, tmp_path, "rlkit-dataclass-demo", "dataclass-demo", DATACLASS_MODULE)
 
     listing = plugins_json(exit_code=1)
     assert "not an attrs class" in listing["broken"]["dataclass-demo"]
@@ -219,11 +224,7 @@ RENAMED = Path(__file__).parent / "data" / "rlkit_renamed_demo.py"
 @pytest.fixture(scope="module")
 def renamed(request, tmp_path_factory):
     """A plugin package whose policy, generator and estimator name their settings otherwise than the built-ins."""
-    source = tmp_path_factory.mktemp("renamed") / "rlkit-renamed-demo"
-    source.mkdir()
-    (source / "pyproject.toml").write_text(demo_pyproject("rlkit-renamed-demo", {"renamed-demo": "rlkit_renamed_demo"}))
-    shutil.copy(RENAMED, source / RENAMED.name)
-    install(request, source, "rlkit-renamed-demo")
+    install_module(request, tmp_path_factory.mktemp("renamed"), "rlkit-renamed-demo", "renamed-demo", RENAMED.read_text())
 
 
 def with_renamed_parts(document: dict, response_tokens: int) -> dict:
@@ -330,11 +331,7 @@ def register_rewards(register):
 
 
 def test_a_plugin_that_breaks_the_contract_is_listed_broken_and_the_rest_works(request, tmp_path):
-    source = tmp_path / "rlkit-contract-demo"
-    source.mkdir()
-    (source / "pyproject.toml").write_text(demo_pyproject("rlkit-contract-demo", {"contract-demo": "rlkit_contract_demo"}))
-    (source / "rlkit_contract_demo.py").write_text(BROKEN_CONTRACT_MODULE)
-    install(request, source, "rlkit-contract-demo")
+    install_module(request, tmp_path, "rlkit-contract-demo", "contract-demo", BROKEN_CONTRACT_MODULE)
 
     listing = plugins_json(exit_code=1)
     why = listing["broken"]["contract-demo"]
