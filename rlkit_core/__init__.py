@@ -8,10 +8,10 @@ raises and `building_at` for their places.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from rlkit_core.hookspecs import hookimpl  # noqa: I001 (first: the rest may import plugins that import it)
 from rlkit_core.config import at_least, between, greater_than, nested_component, nested_components, one_of, setting
 from rlkit_core.context import BuildContext, building_at
 from rlkit_core.errors import Problem, RecipeError, RunError
+from rlkit_core.hookspecs import hookimpl
 from rlkit_core.interfaces import (
     AdvantageEstimator,
     Generation,
