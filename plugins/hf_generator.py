@@ -18,10 +18,12 @@ from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, setting
 from rlkit_core.functional import response_mask
 from rlkit_core.interfaces import Generation, Generator
+from rlkit_core.settings import SamplingSettings
 
 
 @attrs.frozen
-class HFGeneratorConfig:
+class HFGeneratorConfig(SamplingSettings):
+    renamed = {"batch_size": None}  # prompts go to the sampler all at once
     max_new_tokens: int = setting(64, help="longest response in tokens", validator=greater_than(0))
     min_new_tokens: int = setting(0, help="EOS is forbidden before this many tokens (the sampler then differs from π; keep 0 for exact PPO)", validator=at_least(0))
     temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed", validator=greater_than(0))
@@ -33,6 +35,8 @@ class HFGeneratorConfig:
 class HFGenerateConfig(HFGeneratorConfig):
     """The `hf` generator's settings: the sampling settings (which the vllm generator shares) and
     how many prompts go into one `generate` call."""
+
+    renamed = {}
 
     batch_size: int = setting(0, help="prompts per generate call, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
 

@@ -19,12 +19,13 @@ from rlkit_core.errors import RecipeError
 from rlkit_core.hf_loading import LOAD_ERRORS, check_tokenizer, load_problem, settle_pad
 from rlkit_core.interfaces import Policy, PolicyOutput
 from rlkit_core.randomness import switch_off_dropout
+from rlkit_core.settings import PolicySettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @attrs.frozen
-class HFPolicyConfig:
+class HFPolicyConfig(PolicySettings):
     model: str = setting(help="a local model directory, or a hub name when the machine has network")
     tokenizer: str = setting("", help="tokenizer directory or hub name (empty: the model's)")
     dtype: str = setting("float32", help="weights dtype: float32, bfloat16 or float16", validator=one_of(*DTYPES))

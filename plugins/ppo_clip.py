@@ -18,6 +18,7 @@ from rlkit_core.functional import (
     value_loss,
 )
 from rlkit_core.interfaces import Loss
+from rlkit_core.settings import field_of
 
 
 def dual_clip_constant(instance, attribute, value):
@@ -58,9 +59,10 @@ class PPOClip(Loss):
         self.config = config
         self.entropy_in_loss = config.entropy_coef > 0
         self.responses_per_step = context.recipe.ppo.minibatch_size
-        self.norm = config.token_sum_norm or getattr(context.recipe["generator"].config, "max_new_tokens", 0)
+        generator = context.recipe["generator"].config
+        self.norm = config.token_sum_norm or generator.response_limit
         if config.aggregation == "seq-mean-token-sum-norm" and not self.norm:
-            raise RecipeError(["$.loss.token_sum_norm: the generator has no max_new_tokens to divide by; set "
+            raise RecipeError([f"$.loss.token_sum_norm: the generator has no {field_of(generator, 'max_new_tokens')} to divide by; set "
                                "token_sum_norm to the longest response in tokens"])
 
     def aggregation(self, minibatch, token_count):

@@ -16,9 +16,10 @@ from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
 from rlkit_core.context import building_at
 from rlkit_core.errors import RecipeError
-from rlkit_core.interfaces import PromptSource, RewardSource
+from rlkit_core.interfaces import Part, Policy, PromptSource, RewardSource
 from rlkit_core.progress import Progress
 from rlkit_core.prompts import PromptLengthLimit
+from rlkit_core.settings import PolicySettings
 from rlkit_plugins import summarize_task
 from rlkit_plugins.hf_policy import DTYPES, HFPolicy, HFPolicyConfig
 
@@ -42,7 +43,9 @@ class RougeConfig:
 
 
 @attrs.frozen
-class WarmStartConfig:
+class WarmStartConfig(PolicySettings):
+    renamed = {"model": None, "trust_remote_code": None, "gradient_checkpointing": None}  # the model is built, not named
+
     cache_dir: str = setting(factory=default_cache_dir, help="where the warm-start model is built once and reused")
     n_layer: int = setting(2, help="transformer layers", validator=greater_than(0))
     n_embd: int = setting(128, help="model width", validator=greater_than(0))
@@ -118,20 +121,25 @@ class ExactSummary(ReferenceMetric):
     measure = staticmethod(summarize_task.exact_summary)
 
 
-def warm_start_policy(config: WarmStartConfig, context) -> HFPolicy:
+class WarmStartPolicy(HFPolicy):
     """Build the warm start on first use (minutes on two CPU cores), then load it like any `hf` model."""
-    from rlkit_plugins.warm_start import build_warm_start
 
-    if config.n_embd % config.n_head:
-        raise RecipeError([f"$.policy.n_head: {config.n_head} does not divide n_embd={config.n_embd}"])
-    folder = Path(config.cache_dir) / (
-        f"summarizer-l{config.n_layer}-d{config.n_embd}-h{config.n_head}-s{config.sft_steps}-f{config.sft_filler_share:g}-seed{config.seed}")
-    if not (folder / "warm_start.json").exists():
-        print(f"rlkit: building the warm-start summarizer in {folder} (once; later runs reuse it)", file=sys.stderr, flush=True)
-    path = build_warm_start(folder, n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
-                            sft_steps=config.sft_steps, batch_size=config.sft_batch_size, lr=config.sft_learning_rate,
-                            seed=config.seed, filler_share=config.sft_filler_share, progress=Progress(config.sft_steps, label="warm-start step"))
-    return HFPolicy(HFPolicyConfig(model=str(path), dtype=config.dtype), context)
+    # the hf policy's plan hooks read a model directory, which the warm start has only once it is built
+    check, shape, describe = Part.__dict__["check"], Policy.__dict__["shape"], Part.__dict__["describe"]
+
+    def __init__(self, config: WarmStartConfig, context):
+        from rlkit_plugins.warm_start import build_warm_start
+
+        if config.n_embd % config.n_head:
+            raise RecipeError([f"$.policy.n_head: {config.n_head} does not divide n_embd={config.n_embd}"])
+        folder = Path(config.cache_dir) / (
+            f"summarizer-l{config.n_layer}-d{config.n_embd}-h{config.n_head}-s{config.sft_steps}-f{config.sft_filler_share:g}-seed{config.seed}")
+        if not (folder / "warm_start.json").exists():
+            print(f"rlkit: building the warm-start summarizer in {folder} (once; later runs reuse it)", file=sys.stderr, flush=True)
+        path = build_warm_start(folder, n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
+                                sft_steps=config.sft_steps, batch_size=config.sft_batch_size, lr=config.sft_learning_rate,
+                                seed=config.seed, filler_share=config.sft_filler_share, progress=Progress(config.sft_steps, label="warm-start step"))
+        super().__init__(HFPolicyConfig(model=str(path), dtype=config.dtype), context)
 
 
 @hookimpl
@@ -148,4 +156,4 @@ def register_rewards(register):
 
 @hookimpl
 def register_policies(register):
-    register("warm-start-summarizer", warm_start_policy, WarmStartConfig)
+    register("warm-start-summarizer", WarmStartPolicy, WarmStartConfig)

@@ -147,15 +147,18 @@ class SeparateValueHead(ValueHead):
         self.model.load_state_dict(state)
 
 
-def no_critic(config: NoValueConfig, context):
+class NoCritic(ValueHead):
     """`none` is the absence of a critic: the loop builds no value head for an estimator that needs
-    no values, and a recipe that pairs `none` with one that does is refused when it is read."""
-    raise RecipeError(["$.value_head.type: 'none' builds no critic; it goes with a critic-free advantage estimator "
-                       "(grpo, rloo, reinforce++, remax)"])
+    no values, and a recipe that pairs `none` with one that does is refused when it is read. So
+    the class is never instantiated; building it says why."""
+
+    def __new__(cls, config: NoValueConfig, context):
+        raise RecipeError(["$.value_head.type: 'none' builds no critic; it goes with a critic-free advantage estimator "
+                           "(grpo, rloo, reinforce++, remax)"])
 
 
 @hookimpl
 def register_value_heads(register):
     register("shared", SharedValueHead, SharedValueConfig)
     register("separate", SeparateValueHead, SeparateValueConfig)
-    register("none", no_critic, NoValueConfig)
+    register("none", NoCritic, NoValueConfig)

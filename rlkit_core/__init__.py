@@ -1,12 +1,44 @@
-"""rlkit: PPO fine-tuning of language models against a reward, every part a plugin."""
+"""rlkit: PPO fine-tuning of language models against a reward, every part a plugin.
+
+What a plugin author needs is importable from here: the interface of each kind (and `Part`, the
+hooks every component class may declare), the settings bases whose settings rlkit reads, `setting`
+and its validators for config classes, nested component tables, `hookimpl`, the errors a plugin
+raises and `building_at` for their places.
+"""
 
 from importlib.metadata import PackageNotFoundError, version
 
+from rlkit_core.config import at_least, between, greater_than, nested_component, nested_components, one_of, setting
+from rlkit_core.context import BuildContext, ComponentChoice, building_at
+from rlkit_core.errors import Problem, RecipeError, RunError
 from rlkit_core.hookspecs import hookimpl
+from rlkit_core.interfaces import (
+    AdvantageEstimator,
+    Generation,
+    Generator,
+    KLController,
+    Loss,
+    LossInputs,
+    Part,
+    Policy,
+    PolicyOutput,
+    PromptSource,
+    RewardSource,
+    SilentTracker,
+    Tracker,
+    ValueHead,
+)
+from rlkit_core.settings import ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings
 
 try:
     __version__ = version("rlkit")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "hookimpl"]
+__all__ = [
+    "AdvantageEstimator", "BuildContext", "ComponentChoice", "Generation", "Generator", "KLController", "Loss", "LossInputs",
+    "ModelSettings", "Part", "PolicyOutput", "Policy", "PolicySettings", "Problem", "PromptLengthLimit",
+    "PromptSource", "RecipeError", "RewardSource", "RunError", "SamplingSettings", "SilentTracker", "Tracker", "ValueHead",
+    "__version__", "at_least", "between", "building_at", "greater_than", "hookimpl", "nested_component", "nested_components",
+    "one_of", "setting",
+]

@@ -12,8 +12,18 @@ from rlkit_core.interfaces import KINDS
 
 if TYPE_CHECKING:
     from rlkit_core.interfaces import Policy
-    from rlkit_core.recipe.document import ComponentChoice, Recipe
-    from rlkit_core.recipe.registry import Registry
+    from rlkit_core.recipe.document import Recipe
+    from rlkit_core.recipe.registry import Component, Registry
+
+
+@attrs.frozen
+class ComponentChoice:
+    """A checked component table (the recipe layer makes them; nested ones reach a factory): the registered component its `type` names and its structured config."""
+
+    table: str  # where the table sits in the recipe: `reward`, or `reward.parts[1]` when nested
+    component: Component
+    config: Any
+    extra: Any = None  # for a nested table: its keys for the parent (see `rlkit_core.config.Nested.extra`)
 
 
 @attrs.define

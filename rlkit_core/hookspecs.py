@@ -1,8 +1,10 @@
-"""The hooks a plugin implements: one per component kind.
+"""The hooks a plugin implements: one per component kind, in the order of
+`rlkit_core.interfaces.KIND_TABLE` (written out for readers and pluggy; a test holds them to it).
 
 Each hook receives a `register(name, factory, config_class)` callable. The factory is called as
 `factory(config, context)` with an instance of `config_class` (a frozen attrs class) and a
-`rlkit_core.context.BuildContext`, and returns an object implementing the kind's interface.
+`rlkit_core.context.BuildContext`; it is a class deriving from the kind's interface, and the
+registry refuses one that breaks the contract (`rlkit_core.recipe.registry.contract_problems`).
 """
 
 import pluggy
@@ -23,6 +25,11 @@ def register_value_heads(register):
 
 
 @hookspec
+def register_generators(register):
+    """Register response generators (`rlkit_core.interfaces.Generator`)."""
+
+
+@hookspec
 def register_rewards(register):
     """Register reward sources (`rlkit_core.interfaces.RewardSource`)."""
 
@@ -40,11 +47,6 @@ def register_advantage_estimators(register):
 @hookspec
 def register_losses(register):
     """Register optimisation objectives (`rlkit_core.interfaces.Loss`)."""
-
-
-@hookspec
-def register_generators(register):
-    """Register response generators (`rlkit_core.interfaces.Generator`)."""
 
 
 @hookspec

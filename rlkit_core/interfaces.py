@@ -1,4 +1,9 @@
-"""The parts of the PPO loop. A plugin implements one of these and registers a factory for it.
+"""The parts of the PPO loop. A plugin implements one of these and registers its class for it.
+
+Every interface derives from `Part`, which declares the optional hooks rlkit reads from a
+component's class (never from an instance, so before and after the build alike), each with its
+default; the registry checks a registered class against them. `KIND_TABLE` at the end is the one
+list of component kinds: their recipe tables, hooks, defaults and interfaces.
 
 Shapes follow `rlkit_core.batch`: B rollouts, L = P + R sequence positions, V vocabulary entries.
 """
@@ -7,12 +12,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
 
 from rlkit_core.batch import RolloutBatch
+from rlkit_core.settings import PolicySettings, SamplingSettings
 
 
 @attrs.frozen
@@ -28,7 +34,46 @@ class Generation:
     logprobs: torch.Tensor  # [B, R] the sampler's log-probability of each sampled token
 
 
-class Policy(ABC):
+class Part(ABC):
+    """What rlkit reads from any component's class besides its kind's methods. A component class is
+    its own factory: rlkit builds it as `cls(config, context)` (`rlkit_core.context.BuildContext`).
+    Each hook below is optional; override it as a `@staticmethod` with the same parameters."""
+
+    @staticmethod
+    def check(config, recipe, where: str) -> tuple[list[str], list[str]]:
+        """(problems, notes) for `rlkit check` and before `rlkit run` builds anything: located
+        problems (under `where`, the table's place, e.g. `$.reward.parts[1]`) and lines for the
+        plan's "not checked". Cheap: it creates nothing and runs no code the recipe names."""
+        return [], []
+
+    @staticmethod
+    def imports(config, where: str) -> list[str]:
+        """The files or modules the recipe names that this component will import (the plan lists them)."""
+        return []
+
+    @staticmethod
+    def probe(config, where: str) -> list[str]:
+        """Located problems from one cheap request to a service the component calls; only
+        `rlkit check` (without --offline) calls it. A class that calls no service leaves it alone."""
+        return []
+
+    @staticmethod
+    def describe(config) -> list[str]:
+        """Lines for the plan (the policy's size, say)."""
+        return []
+
+
+# the hooks of `Part` with the parameters rlkit passes them, for the registry's check
+PART_HOOKS = {"check": ("config", "recipe", "where"), "imports": ("config", "where"), "probe": ("config", "where"),
+              "describe": ("config",)}
+
+
+def declares(factory: type, hook: str) -> bool:
+    """Whether a component class overrides `Part`'s default for `hook` (a probe is only noted when there is one)."""
+    return getattr(factory, hook) is not getattr(Part, hook)
+
+
+class Policy(Part):
     """The trainable causal LM and its frozen reference."""
 
     tokenizer: Any  # a transformers tokenizer with distinct pad and EOS tokens
@@ -67,8 +112,14 @@ class Policy(ABC):
     def save_pretrained(self, path: str, merge_adapters: bool = True) -> None:
         """Write a plain transformers model directory (tokenizer included)."""
 
+    @staticmethod
+    def shape(config):
+        """The model's `rlkit_core.memory.ModelShape` from the config alone (no weights loaded), for
+        the plan's memory estimate; None when it cannot be told."""
+        return None
 
-class ValueHead(ABC):
+
+class ValueHead(Part):
     """The critic: a value for every position."""
 
     @abstractmethod
@@ -93,7 +144,7 @@ class ValueHead(ABC):
         return None
 
 
-class RewardSource(ABC):
+class RewardSource(Part):
     """Scores (prompt, response) pairs: a learned model or a rule."""
 
     @abstractmethod
@@ -101,8 +152,10 @@ class RewardSource(ABC):
         """One float per response. `columns` holds every other column of the prompt data."""
 
 
-class KLController(ABC):
+class KLController(Part):
     """The KL coefficient β and how it moves between iterations."""
+
+    target: float | None = None  # the KL it steers towards, if any: the health checks compare the run's KL with it
 
     @property
     @abstractmethod
@@ -119,12 +172,13 @@ class KLController(ABC):
     def load_state_dict(self, state: Mapping[str, float]) -> None: ...
 
 
-class AdvantageEstimator(ABC):
+class AdvantageEstimator(Part):
     """Advantages and value targets from a scored batch."""
 
-    needs_values: bool = True  # critic-free estimators set False: value_head.type = "none", no critic is built
-    needs_groups: bool = False  # True: compares the samples of each prompt (batch.group_ids), so ppo.samples_per_prompt ≥ 2
-    needs_baseline_scores: bool = False  # True: reads batch.baseline_scores, the loop's score of a greedy response per prompt
+    # flags rlkit reads from the class, when it checks the recipe and when it runs alike
+    needs_values: ClassVar[bool] = True  # critic-free estimators set False: value_head.type = "none", no critic is built
+    needs_groups: ClassVar[bool] = False  # True: compares the samples of each prompt (batch.group_ids), so ppo.samples_per_prompt ≥ 2
+    needs_baseline_scores: ClassVar[bool] = False  # True: reads batch.baseline_scores, the loop's score of a greedy response per prompt
 
     @abstractmethod
     def estimate(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +194,7 @@ class LossInputs:
     entropy: torch.Tensor  # [b, R] entropy of π_θ at each position; detached unless `Loss.entropy_in_loss`
 
 
-class Loss(ABC):
+class Loss(Part):
     """The objective over a minibatch. Returns named terms: `loss_*` are summed and optimised,
     the rest are diagnostics that the loop logs under `train/`; a nonzero `skipped` term tells the
     loop to take no optimiser step on this minibatch."""
@@ -168,7 +222,7 @@ class Loss(ABC):
         return None, token_count
 
 
-class Generator(ABC):
+class Generator(Part):
     """Samples responses and the sampler's log-probs for a batch of prompts."""
 
     temperature: float  # the loop divides logits by it when it recomputes log-probs
@@ -185,14 +239,14 @@ class Generator(ABC):
         return {}
 
 
-class PromptSource(ABC):
+class PromptSource(Part):
     """Prompt records: each a dict with a `prompt` string and any other columns (passed to the reward)."""
 
     @abstractmethod
     def load(self) -> list[dict[str, Any]]: ...
 
 
-class Tracker(ABC):
+class Tracker(Part):
     """Where metrics go besides `metrics.jsonl`."""
 
     location: str | None = None  # where a person finds the run (shown in the end-of-run report)
@@ -239,14 +293,29 @@ class SilentTracker(Tracker):
         pass
 
 
-KINDS = {
-    "policy": Policy,
-    "value_head": ValueHead,
-    "reward": RewardSource,
-    "kl_controller": KLController,
-    "advantage_estimator": AdvantageEstimator,
-    "loss": Loss,
-    "generator": Generator,
-    "prompt_source": PromptSource,
-    "tracker": Tracker,
-}
+@attrs.frozen
+class Kind:
+    """One kind of component, in the three names a user meets it by."""
+
+    name: str  # as `rlkit plugins` and the registry's errors say it: "kl_controller"
+    table: str  # its recipe table, and its field in `rlkit_core.recipe.assemble.Components`: "kl"
+    interface: type  # what its components implement: KLController
+    hook: str  # the hook a plugin implements to register them (`rlkit_core.hookspecs`)
+    default: str | None  # the type a recipe without the table gets; None: the table is required
+    settings: type | None = None  # the base its config classes inherit: the settings rlkit reads from them (`rlkit_core.settings`)
+
+
+# in the order of a recipe's tables (and of `rlkit check`'s plan)
+KIND_TABLE = (
+    Kind("policy", "policy", Policy, "register_policies", None, PolicySettings),
+    Kind("value_head", "value_head", ValueHead, "register_value_heads", "shared"),  # "none" when the estimator needs no values
+    Kind("generator", "generator", Generator, "register_generators", "hf", SamplingSettings),
+    Kind("reward", "reward", RewardSource, "register_rewards", None),
+    Kind("kl_controller", "kl", KLController, "register_kl_controllers", "adaptive"),
+    Kind("advantage_estimator", "advantage", AdvantageEstimator, "register_advantage_estimators", "gae"),
+    Kind("loss", "loss", Loss, "register_losses", "ppo-clip"),
+    Kind("prompt_source", "data", PromptSource, "register_prompt_sources", None),
+    Kind("tracker", "tracker", Tracker, "register_trackers", "mlflow"),
+)
+KINDS = {kind.name: kind.interface for kind in KIND_TABLE}
+KIND_OF_TABLE = {kind.table: kind for kind in KIND_TABLE}

@@ -245,10 +245,10 @@ def test_rouge_reward_names_a_missing_reference_column():
 
 def test_warm_start_n_head_must_divide_width(tmp_path):
     from rlkit_core.errors import RecipeError
-    from rlkit_plugins.summarize import WarmStartConfig, warm_start_policy
+    from rlkit_plugins.summarize import WarmStartConfig, WarmStartPolicy
 
     with pytest.raises(RecipeError, match=r"\$.policy.n_head: 3 does not divide n_embd=16"):
-        warm_start_policy(WarmStartConfig(cache_dir=str(tmp_path), n_embd=16, n_head=3), None)
+        WarmStartPolicy(WarmStartConfig(cache_dir=str(tmp_path), n_embd=16, n_head=3), None)
 
 
 def test_fact_copied_needs_every_part_of_the_fact():

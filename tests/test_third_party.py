@@ -52,6 +52,15 @@ def install(request, source: Path, distribution: str) -> None:
     pip("install", "--no-build-isolation", "--no-deps", "--no-index", str(source))
 
 
+def install_module(request, root: Path, distribution: str, plugin: str, source: str) -> None:
+    """A one-module plugin package named `distribution`, whose entry point `plugin` is `source`, installed."""
+    package, module = root / distribution, distribution.replace("-", "_")
+    package.mkdir()
+    (package / "pyproject.toml").write_text(demo_pyproject(distribution, {plugin: module}))
+    (package / f"{module}.py").write_text(source)
+    install(request, package, distribution)
+
+
 def rlkit(*args, plugins=None):
     """The real command; `plugins` sets RLKIT_PLUGINS, None leaves every installed plugin on."""
     env = {k: v for k, v in os.environ.items() if k != "RLKIT_PLUGINS"}
@@ -193,11 +202,7 @@ def register_rewards(register):
 
 
 def test_a_plugin_with_a_dataclass_config_is_listed_broken_and_recipes_without_it_run(request, tmp_path, recipe_document, write_recipe):
-    source = tmp_path / "rlkit-dataclass-demo"
-    source.mkdir()
-    (source / "pyproject.toml").write_text(demo_pyproject("rlkit-dataclass-demo", {"dataclass-demo": "rlkit_dataclass_demo"}))
-    (source / "rlkit_dataclass_demo.py").write_text(DATACLASS_MODULE)
-    install(request, source, "rlkit-dataclass-demo")
+    install_module(request, tmp_path, "rlkit-dataclass-demo", "dataclass-demo", DATACLASS_MODULE)
 
     listing = plugins_json(exit_code=1)
     assert "not an attrs class" in listing["broken"]["dataclass-demo"]
@@ -211,3 +216,130 @@ def test_the_example_packages_own_tests_pass(example):
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=example, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
+
+
+RENAMED = Path(__file__).parent / "data" / "rlkit_renamed_demo.py"
+
+
+@pytest.fixture(scope="module")
+def renamed(request, tmp_path_factory):
+    """A plugin package whose policy, generator and estimator name their settings otherwise than the built-ins."""
+    install_module(request, tmp_path_factory.mktemp("renamed"), "rlkit-renamed-demo", "renamed-demo", RENAMED.read_text())
+
+
+def with_renamed_parts(document: dict, response_tokens: int) -> dict:
+    """The same recipe through the renamed plugin: the same settings under its own names."""
+    policy, generator = document["policy"], document["generator"]
+    document["policy"] = {"type": "renamed-lm", "checkpoint": policy["model"], "recompute": policy.get("gradient_checkpointing", False)}
+    document["generator"] = {"type": "renamed-sampler", "max_tokens": response_tokens, "prompts_per_call": generator.get("batch_size", 0)}
+    return document
+
+
+def plan_sections(plan: str) -> str:
+    """The plan's model size and memory estimate, which read the policy's and generator's settings."""
+    return plan[plan.index("\nmodel:"):plan.index("\ncode this recipe runs")]
+
+
+def test_a_plugin_with_its_own_setting_names_gets_the_same_size_and_memory_estimate(renamed, recipe_document, write_recipe,
+                                                                                    monkeypatch, capsys):
+    monkeypatch.delenv("RLKIT_PLUGINS", raising=False)
+    recipe_document["policy"]["gradient_checkpointing"] = True
+    recipe_document["generator"] = {"max_new_tokens": 24, "batch_size": 4}
+    assert main(["check", write_recipe(recipe_document, "builtin.toml")]) == 0
+    builtin = plan_sections(capsys.readouterr().out)
+    assert main(["check", write_recipe(with_renamed_parts(recipe_document, 24), "renamed.toml")]) == 0
+    plan = capsys.readouterr().out
+    assert "[policy] renamed-lm" in plan and "[generator] renamed-sampler" in plan
+    assert plan_sections(plan) == builtin and "memory" in builtin
+
+
+def test_a_plugin_with_its_own_setting_names_gets_every_check_at_its_names(renamed, recipe_document, write_recipe, monkeypatch, capsys):
+    monkeypatch.delenv("RLKIT_PLUGINS", raising=False)
+    document = with_renamed_parts(recipe_document, 8)
+    document["policy"].update(precision="bfloat16", run_model_code=True)
+    document["ppo"].update(overlong_buffer=16)
+    document["run"].update(mixed_precision="fp16")
+    document["advantage"] = {"type": "renamed-centred"}
+    assert main(["check", write_recipe(document)]) == 2
+    problems = capsys.readouterr().err
+    assert "$.ppo.overlong_buffer: 16 tokens is longer than generator.max_tokens = 8; use at most 8" in problems
+    assert ("$.run.mixed_precision: 'fp16' keeps float32 master weights and scales the loss, but policy.precision = 'bfloat16'; "
+            "set policy.precision = 'float32'") in problems
+    assert "$.ppo.samples_per_prompt: advantage estimator 'renamed-centred' compares the responses to each prompt" in problems
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    document["run"].update(mixed_precision="no")
+    document["ppo"].update(overlong_buffer=0, samples_per_prompt=2)
+    assert main(["check", write_recipe(document)]) == 2
+    assert "$.policy.precision: 'bfloat16' weights are not run under FSDP (untested); keep policy.precision = 'float32'" in capsys.readouterr().err
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    assert main(["check", write_recipe(document)]) == 0
+    plan = capsys.readouterr().out
+    assert f"$.policy.run_model_code = true: {document['policy']['checkpoint']!r} may run Python code" in plan
+
+
+def test_a_renamed_response_limit_is_checked_against_the_context_and_is_dr_grpos_norm(renamed, recipe_document, write_recipe,
+                                                                                      monkeypatch, capsys):
+    import torch
+
+    from rlkit_core.context import BuildContext
+    from rlkit_core.recipe.document import parse_recipe
+
+    monkeypatch.delenv("RLKIT_PLUGINS", raising=False)
+    document = with_renamed_parts(recipe_document, 128)  # the tiny model's whole context
+    assert main(["run", write_recipe(document), "--quiet"]) == 2
+    assert "$.generator.max_tokens: 128 leaves no room for a prompt in the policy's context of 128 positions; lower it" in capsys.readouterr().err
+    document["generator"]["max_tokens"] = 12
+    document["loss"] = {"type": "ppo-clip", "aggregation": "seq-mean-token-sum-norm"}
+    recipe = parse_recipe(document, load_registry())
+    assert BuildContext(recipe, torch.device("cpu"), "unused", 0).build(recipe["loss"]).norm == 12
+
+
+BROKEN_CONTRACT_MODULE = """\
+import attrs
+
+from rlkit_core import AdvantageEstimator, RewardSource, hookimpl
+from rlkit_plugins.critic_free import GRPO, GRPOConfig
+
+
+def group_estimator(config, context):
+    return GRPO(config, context)
+
+
+class Loud(RewardSource):
+    def check(self, config, recipe, where):
+        return [], []
+
+    def score(self, prompts, responses, **columns):
+        return [1.0] * len(responses)
+
+
+@attrs.frozen
+class LoudConfig:
+    pass
+
+
+@hookimpl
+def register_advantage_estimators(register):
+    register("fn-grpo", group_estimator, GRPOConfig)
+
+
+@hookimpl
+def register_rewards(register):
+    register("loud", Loud, LoudConfig)
+"""
+
+
+def test_a_plugin_that_breaks_the_contract_is_listed_broken_and_the_rest_works(request, tmp_path):
+    install_module(request, tmp_path, "rlkit-contract-demo", "contract-demo", BROKEN_CONTRACT_MODULE)
+
+    listing = plugins_json(exit_code=1)
+    why = listing["broken"]["contract-demo"]
+    assert "advantage_estimator 'fn-grpo', which breaks the plugin contract: its factory <function group_estimator" in why
+    assert "reward 'loud', which breaks the plugin contract: Loud.check must be a @staticmethod check(config, recipe, where)" in why
+    assert "fn-grpo" not in component_names(listing, "advantage_estimator") and "grpo" in component_names(listing, "advantage_estimator")
+    assert "loud" not in component_names(listing, "reward") and "python" in component_names(listing, "reward")
+    env = {k: v for k, v in os.environ.items() if k != "RLKIT_PLUGINS"}
+    checked = subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", "check", str(Path(__file__).parents[1] / "recipes" / "ppo_summarize.toml")],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert checked.returncode == 0, checked.stderr

@@ -5,29 +5,27 @@ from __future__ import annotations
 import attrs
 
 from rlkit_core.context import BuildContext
+from rlkit_core.interfaces import KIND_TABLE
 from rlkit_core.recipe.document import Recipe
 
 
-@attrs.frozen
-class Components:
-    policy: object
-    value_head: object | None  # None when the advantage estimator needs no critic
-    generator: object
-    reward: object
-    kl: object
-    advantage: object
-    loss: object
-    data: object
-    tracker: object
+Components = attrs.make_class(
+    "Components",
+    {kind.table: attrs.field(type=kind.interface | None if kind.table == "value_head" else kind.interface) for kind in KIND_TABLE},
+    frozen=True,
+)
+Components.__doc__ = """The live components of a run, one field per recipe table (`rlkit_core.interfaces.KIND_TABLE`),
+typed with its kind's interface; `value_head` is None when the advantage estimator needs no critic."""
 
 
 def build_components(recipe: Recipe, context: BuildContext) -> Components:
     policy = context.build(recipe["policy"])
     context.policy = policy
     advantage = context.build(recipe["advantage"])
+    needs_values = recipe["advantage"].component.factory.needs_values  # read from the class, as the recipe check did
     return Components(
         policy=policy,
-        value_head=context.build(recipe["value_head"]) if advantage.needs_values else None,
+        value_head=context.build(recipe["value_head"]) if needs_values else None,
         generator=context.build(recipe["generator"]),
         reward=context.build(recipe["reward"]),
         kl=context.build(recipe["kl"]),

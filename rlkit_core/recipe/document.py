@@ -24,6 +24,7 @@ import torch
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
 from rlkit_core.config import nested_spec
+from rlkit_core.context import ComponentChoice
 from rlkit_core.errors import Problem, RecipeError
 from rlkit_core.recipe.registry import Component, Registry
 from rlkit_core.recipe.schema import (
@@ -48,16 +49,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-@attrs.frozen
-class ComponentChoice:
-    """A checked component table: the registered component its `type` names and its structured config."""
-
-    table: str  # where the table sits in the recipe: `reward`, or `reward.parts[1]` when nested
-    component: Component
-    config: Any
-    extra: Any = None  # for a nested table: its keys for the parent (see `rlkit_core.config.Nested.extra`)
 
 
 @attrs.frozen
@@ -307,9 +298,10 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
 def _default_critic(document: dict, registry: Registry) -> str:
     """The value head of a recipe without [value_head]: a critic only when the advantage estimator needs values."""
     advantage = document.get("advantage")
-    name = advantage.get("type", "gae") if isinstance(advantage, dict) else "gae"
+    default = COMPONENT_TABLES["advantage"][1]
+    name = advantage.get("type", default) if isinstance(advantage, dict) else default
     estimator = registry.find("advantage_estimator", name) if isinstance(name, str) else None
-    return "none" if estimator is not None and not getattr(estimator.factory, "needs_values", True) else "shared"
+    return "none" if estimator is not None and not estimator.factory.needs_values else COMPONENT_TABLES["value_head"][1]
 
 
 def _eval_metrics(config: EvalConfig | None, registry: Registry) -> tuple[tuple[Component, ...], list[str]]:

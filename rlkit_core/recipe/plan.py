@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from rlkit_core.errors import RecipeError
+from rlkit_core.interfaces import declares
 from rlkit_core.memory import Workload, estimate
 from rlkit_core.memory import describe as describe_memory
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.recipe.inventory import inventory_rows, with_nested
 from rlkit_core.recipe.schema import kl_warnings, launched_processes, output_dir_problems, sharded_launch
+from rlkit_core.settings import ModelSettings, field_of
 
 
 def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False) -> str:
@@ -66,46 +68,44 @@ def code_it_runs(recipe: Recipe) -> list[str]:
     lines = [f"plugin {name} ({dist} {version})" for name, dist, version in plugins] or ["no third-party plugins loaded"]
     for top in recipe.components.values():
         for choice in with_nested(top):
-            imports = getattr(choice.component.factory, "imports", None)
-            lines += [f"[{choice.table}] imports {what}" for what in (imports(choice.config, f"$.{choice.table}") if imports else [])]
+            lines += [f"[{choice.table}] imports {what}" for what in choice.component.factory.imports(choice.config, f"$.{choice.table}")]
     return lines
 
 
 def remote_code_warnings(recipe: Recipe) -> list[str]:
-    """A component allowed to run the Python code shipped with its model (transformers' trust_remote_code)."""
-    return [f"$.{choice.table}.trust_remote_code = true: {getattr(choice.config, 'model', 'the model')!r} may run Python code "
-            "that ships with the model, in rlkit check as in rlkit run; keep it only for a model you trust"
+    """A component allowed to run the Python code shipped with its model (transformers' trust_remote_code,
+    `ModelSettings.runs_model_code`)."""
+    return [f"$.{choice.table}.{field_of(choice.config, 'trust_remote_code')} = true: {choice.config.model_name or 'the model'!r} "
+            "may run Python code that ships with the model, in rlkit check as in rlkit run; keep it only for a model you trust"
             for top in recipe.components.values() for choice in with_nested(top)
-            if getattr(choice.config, "trust_remote_code", False) is True]
+            if isinstance(choice.config, ModelSettings) and choice.config.runs_model_code]
 
 
 def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:
-    """(problems, notes) from every component, nested ones included, whose factory has a
-    `check(config, recipe, where)` (`where` is the table's place, `$.reward.parts[1]`): what would
+    """(problems, notes) from every component's `check(config, recipe, where)` (`Part.check`), nested
+    ones included (`where` is the table's place, `$.reward.parts[1]`): what would
     fail at run time across tables (a critic that cannot read the policy's ids, a reward model's
     tokenizer that does not load), found before any weights are loaded."""
     problems, notes = [], []
     for top in recipe.components.values():
         for choice in with_nested(top):
-            check = getattr(choice.component.factory, "check", None)
-            if check:
-                found, said = check(choice.config, recipe, f"$.{choice.table}")
-                problems += found
-                notes += said
+            found, said = choice.component.factory.check(choice.config, recipe, f"$.{choice.table}")
+            problems += found
+            notes += said
     return problems, notes
 
 
 def service_probes(recipe: Recipe, probe: bool) -> tuple[list[str], list[str]]:
-    """(problems, notes) from every component whose factory has a `probe(config, where)`: a cheap
+    """(problems, notes) from every component whose class declares a `probe(config, where)`: a cheap
     request to a service it will call (a reward server). Only `rlkit check` probes, and not with
     --offline; `rlkit run` does not, since the service may come up after the run starts."""
     problems, notes = [], []
     for top in recipe.components.values():
         for choice in with_nested(top):
-            probe_of = getattr(choice.component.factory, "probe", None)
-            if probe_of and probe:
-                problems += probe_of(choice.config, f"$.{choice.table}")
-            elif probe_of:
+            factory = choice.component.factory
+            if declares(factory, "probe") and probe:
+                problems += factory.probe(choice.config, f"$.{choice.table}")
+            elif declares(factory, "probe"):
                 notes.append(f"$.{choice.table}: the {choice.component.name} service was not probed (--offline)")
     return problems, notes
 
@@ -130,14 +130,12 @@ def _per_process(recipe: Recipe) -> list[str]:
 
 def model_size(recipe: Recipe) -> list[str]:
     """Parameter count from the policy's config file, when it names a local model."""
-    describe = getattr(recipe["policy"].component.factory, "describe", None)
-    return describe(recipe["policy"].config) if describe else []
+    return recipe["policy"].component.factory.describe(recipe["policy"].config)
 
 
 def memory_estimate(recipe: Recipe, prompt_tokens: int) -> list[str]:
     """Per-process memory, when the policy plugin can say its model's shape (see rlkit_core.memory)."""
-    shape_of = getattr(recipe["policy"].component.factory, "shape", None)
-    shape = shape_of(recipe["policy"].config) if shape_of else None
+    shape = recipe["policy"].component.factory.shape(recipe["policy"].config)
     if shape is None:
         return []
     ppo, processes = recipe.ppo, launched_processes()
@@ -145,10 +143,10 @@ def memory_estimate(recipe: Recipe, prompt_tokens: int) -> list[str]:
     work = Workload(
         micro_batch=ppo.minibatch_size // processes // ppo.gradient_accumulation_steps,
         forward_batch=ppo.forward_batch_size or ppo.minibatch_size,
-        generate_batch=getattr(generator, "batch_size", 0) or ppo.batch_size // processes,
+        generate_batch=generator.generate_batch or ppo.batch_size // processes,
         prompt_tokens=prompt_tokens,
-        response_tokens=getattr(generator, "max_new_tokens", 0),
-        checkpointing=getattr(recipe["policy"].config, "gradient_checkpointing", False),
+        response_tokens=generator.response_limit,
+        checkpointing=recipe["policy"].config.checkpoints_activations,
         mixed_precision=recipe.run.mixed_precision,
         shards=processes if sharded_launch() else 1,
     )

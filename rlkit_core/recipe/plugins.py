@@ -3,8 +3,9 @@
 Built-ins and third-party plugins are found the same way. pluggy checks each plugin against the
 hookspecs; a plugin that fails to import, fails those checks (a hook name rlkit does not define, a
 hook argument other than `register`), raises while registering or registers a component that
-breaks the contract (a config class that is not attrs) is recorded as broken with its error, and
-what it registered is withdrawn; the others still load, so `rlkit plugins` keeps working and a recipe that needs the broken
+breaks the contract (`rlkit_core.recipe.registry.contract_problems`: a factory that is not a class of the
+kind's interface, a hook with other parameters, a config class that is not attrs) is recorded as
+broken with its error, and what it registered is withdrawn; the others still load, so `rlkit plugins` keeps working and a recipe that needs the broken
 one fails with that error.
 
 `RLKIT_PLUGINS` limits which third-party plugins load: unset loads all; an empty value or `none`
@@ -21,21 +22,12 @@ import pluggy
 
 from rlkit_core import hookspecs
 from rlkit_core.errors import BrokenPluginContract, PluginError
+from rlkit_core.interfaces import KIND_TABLE
 from rlkit_core.recipe.registry import Component, Registry
 
 ENTRY_POINT_GROUP = "rlkit"
 BUILTIN_DISTRIBUTION = "rlkit"
-HOOKS = {
-    "register_policies": "policy",
-    "register_value_heads": "value_head",
-    "register_rewards": "reward",
-    "register_kl_controllers": "kl_controller",
-    "register_advantage_estimators": "advantage_estimator",
-    "register_losses": "loss",
-    "register_generators": "generator",
-    "register_prompt_sources": "prompt_source",
-    "register_trackers": "tracker",
-}
+HOOKS = {kind.hook: kind.name for kind in KIND_TABLE}  # hook name -> kind, as `rlkit_core.hookspecs` declares them
 
 
 def _allowed_third_party(environ) -> set[str] | None:
@@ -112,9 +104,11 @@ def _closest_hook(name: str) -> str:
 
 def _call_hooks(manager: pluggy.PluginManager, registry: Registry, sources: dict[str, tuple[str, str]]) -> None:
     """Each hook implementation called with a `register` that records its plugin, distribution and
-    version (one call of the hook would lose who registered what). A plugin that raises, or
-    registers a component that breaks the contract, is broken: what it registered is withdrawn and
-    it is not called again. A duplicate name is a conflict between two plugins, so it stays loud."""
+    version (one call of the hook would lose who registered what). A plugin that raises is broken:
+    what it registered is withdrawn and it is not called again. A plugin that registers components
+    that break the contract is broken with every such component named, from all its hooks. A
+    duplicate name is a conflict between two plugins, so it stays loud."""
+    contract: dict[str, list[str]] = {}  # plugin -> every way its components break the contract, all named at once
     for hook_name, kind in HOOKS.items():
         for implementation in getattr(manager.hook, hook_name).get_hookimpls():
             plugin = implementation.plugin_name
@@ -123,15 +117,18 @@ def _call_hooks(manager: pluggy.PluginManager, registry: Registry, sources: dict
             dist, version = sources[plugin]
 
             def register(component_name, factory, config_class, _kind=kind, _plugin=plugin, _dist=dist, _version=version):
-                registry.add(Component(_kind, component_name, factory, config_class, _plugin, _dist, _version))
+                try:
+                    registry.add(Component(_kind, component_name, factory, config_class, _plugin, _dist, _version))
+                except BrokenPluginContract as exc:
+                    contract.setdefault(_plugin, []).append(str(exc))
 
             try:
                 implementation.function(**{arg: register for arg in implementation.argnames})  # as pluggy would call it
-            except BrokenPluginContract as exc:
-                registry.broken[plugin] = str(exc)
-                registry.discard_plugin(plugin)
             except PluginError:
                 raise  # a duplicate name is a conflict between plugins: loud, never skipped
             except Exception as exc:
                 registry.broken[plugin] = f"{hook_name} failed: {type(exc).__name__}: {exc}"
                 registry.discard_plugin(plugin)
+    for plugin, reasons in contract.items():
+        registry.broken[plugin] = "; ".join(reasons + ([registry.broken[plugin]] if plugin in registry.broken else []))
+        registry.discard_plugin(plugin)

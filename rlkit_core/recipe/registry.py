@@ -8,19 +8,20 @@ second component under a taken name instead of silently shadowing the first.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+import inspect
 
 import attrs
 
 from rlkit_core.errors import BrokenPluginContract, PluginError, Problem, RecipeError
-from rlkit_core.interfaces import KINDS
+from rlkit_core.interfaces import KIND_TABLE, KINDS, PART_HOOKS, Policy
+from rlkit_core.settings import CoreSettings
 
 
 @attrs.frozen
 class Component:
     kind: str
     name: str
-    factory: Callable
+    factory: type  # the component's class, a subclass of its kind's interface
     config_class: type
     plugin: str  # entry-point name of the plugin that registered it
     distribution: str
@@ -34,11 +35,8 @@ class Registry:
         self.filtered: dict[str, str] = {}  # plugin name -> "distribution version", installed but left out by RLKIT_PLUGINS
 
     def add(self, component: Component) -> None:
-        if not attrs.has(component.config_class):
-            raise BrokenPluginContract(
-                f"plugin {component.plugin!r} registers {component.kind} {component.name!r} with config class "
-                f"{component.config_class!r}, which is not an attrs class; decorate it with @attrs.frozen"
-            )
+        """Record a component; a duplicate name is a PluginError, a component that breaks the contract
+        (`contract_problems`) a BrokenPluginContract naming every way it does."""
         taken = self._components[component.kind].get(component.name)
         if taken is not None:
             raise PluginError(
@@ -46,6 +44,10 @@ class Registry:
                 f"({taken.distribution} {taken.version}) and by plugin {component.plugin!r} "
                 f"({component.distribution} {component.version}); uninstall one of them, or rename the component"
             )
+        problems = contract_problems(component.kind, component.factory, component.config_class)
+        if problems:
+            raise BrokenPluginContract(f"plugin {component.plugin!r} registers {component.kind} {component.name!r}, which breaks "
+                                       f"the plugin contract: {'; '.join(problems)}")
         self._components[component.kind][component.name] = component
 
     def discard_plugin(self, plugin: str) -> None:
@@ -83,3 +85,36 @@ class Registry:
             message += (f"; installed but filtered out by RLKIT_PLUGINS: {plugins}; if {name!r} comes from one of them, "
                         "add its name to RLKIT_PLUGINS (or unset RLKIT_PLUGINS to load every installed plugin)")
         return Problem(where, message)
+
+
+def contract_problems(kind: str, factory, config_class) -> list[str]:
+    """How a component breaks its kind's contract, checked when it registers: its class must derive
+    from the interface and declare the optional hooks with the parameters rlkit passes them (as
+    static methods), its flags must be booleans, its config must be an attrs class, and every
+    setting its settings bases say rlkit reads must be one of the config's fields."""
+    interface = KINDS[kind]
+    if not attrs.has(config_class):
+        return [f"config class {config_class!r} is not an attrs class; decorate it with @attrs.frozen"]
+    if not (isinstance(factory, type) and issubclass(factory, interface)):
+        return [f"its factory {factory!r} is not a class deriving from rlkit_core.{interface.__name__}; "
+                f"register a subclass of {interface.__name__} whose __init__ takes (config, context)"]
+    problems = []
+    settings = next(k.settings for k in KIND_TABLE if k.name == kind)
+    if settings is not None and not issubclass(config_class, settings):
+        problems.append(f"config class {config_class.__name__} does not inherit rlkit_core.{settings.__name__}, the {kind} "
+                        "settings rlkit reads (name yours in its `renamed` when they differ)")
+    hooks = {**PART_HOOKS, **({"shape": ("config",)} if issubclass(factory, Policy) else {})}
+    for hook, parameters in hooks.items():
+        if not isinstance(inspect.getattr_static(factory, hook), staticmethod):
+            problems.append(f"{factory.__name__}.{hook} must be a @staticmethod {hook}({', '.join(parameters)})")
+            continue
+        try:
+            inspect.signature(getattr(factory, hook)).bind(*parameters)
+        except TypeError as exc:
+            problems.append(f"{factory.__name__}.{hook} must take ({', '.join(parameters)}): {exc}")
+    for flag in ("needs_values", "needs_groups", "needs_baseline_scores"):
+        if flag in dir(interface) and not isinstance(getattr(factory, flag), bool):
+            problems.append(f"{factory.__name__}.{flag} must be True or False, got {getattr(factory, flag)!r}")
+    if issubclass(config_class, CoreSettings):
+        problems += config_class.naming_problems()
+    return problems

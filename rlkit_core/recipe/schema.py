@@ -13,6 +13,8 @@ import torch
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
 from rlkit_core.errors import Problem
 from rlkit_core.functional import KL_ESTIMATORS
+from rlkit_core.interfaces import KIND_TABLE
+from rlkit_core.settings import field_of
 
 
 CHECKS = ("zero_reward_variance", "all_truncated", "logprob_gap_jump", "entropy_collapse", "kl_over_target", "zero_gradients")
@@ -100,17 +102,7 @@ class EvalConfig:
 CORE_TABLES = {"run": RunConfig, "ppo": PPOConfig, "optim": OptimConfig, "eval": EvalConfig, "health": HealthConfig}
 
 # table -> (component kind, type used when the table is absent; None: the table is required)
-COMPONENT_TABLES = {
-    "policy": ("policy", None),
-    "value_head": ("value_head", "shared"),  # "none" when the advantage estimator needs no values
-    "generator": ("generator", "hf"),
-    "reward": ("reward", None),
-    "kl": ("kl_controller", "adaptive"),
-    "advantage": ("advantage_estimator", "gae"),
-    "loss": ("loss", "ppo-clip"),
-    "data": ("prompt_source", None),
-    "tracker": ("tracker", "mlflow"),
-}
+COMPONENT_TABLES = {kind.table: (kind.name, kind.default) for kind in KIND_TABLE}
 
 
 def batch_arithmetic_problems(ppo: PPOConfig, processes: int = 1) -> list[Problem]:
@@ -154,7 +146,7 @@ def critic_problems(ppo: PPOConfig, advantage, value_head) -> list[Problem]:
     it compares a prompt's samples; `value_head.type = "none"` with an estimator that needs values.
     `advantage` and `value_head` are the checked component tables."""
     estimator, critic = advantage.component, value_head.component.name
-    needs_values = getattr(estimator.factory, "needs_values", True)
+    needs_values, needs_groups = estimator.factory.needs_values, estimator.factory.needs_groups
     problems = []
     if needs_values and critic == "none":
         problems.append(Problem("$.value_head.type", f"'none' builds no critic, but advantage estimator {estimator.name!r} needs "
@@ -163,11 +155,11 @@ def critic_problems(ppo: PPOConfig, advantage, value_head) -> list[Problem]:
         problems.append(Problem("$.value_head.type", f"advantage estimator {estimator.name!r} uses no critic, so the {critic!r} "
                                                      "critic would cost memory and time for nothing; set value_head.type = 'none' "
                                                      "or leave [value_head] out"))
-    if getattr(estimator.factory, "needs_groups", False) and ppo.samples_per_prompt < 2:
+    if needs_groups and ppo.samples_per_prompt < 2:
         problems.append(Problem("$.ppo.samples_per_prompt", f"advantage estimator {estimator.name!r} compares the responses to "
                                                             f"each prompt, so it needs at least 2, got {ppo.samples_per_prompt}; "
                                                             "4 to 16 are usual"))
-    if ppo.dynamic_sampling and not getattr(estimator.factory, "needs_groups", False):
+    if ppo.dynamic_sampling and not needs_groups:
         problems.append(Problem("$.ppo.dynamic_sampling", f"drops the groups of responses to one prompt that all score alike, but "
                                                           f"advantage estimator {estimator.name!r} does not compare a prompt's "
                                                           "responses; use a group estimator ('grpo', 'rloo') or set it to false"))
@@ -176,15 +168,16 @@ def critic_problems(ppo: PPOConfig, advantage, value_head) -> list[Problem]:
 
 def overlong_problems(ppo: PPOConfig, generator) -> list[Problem]:
     """`ppo.overlong_buffer` needs a length limit to count back from: the generator's
-    max_new_tokens, at least as long as the buffer. `generator` is the checked component table."""
+    response limit (`SamplingSettings.response_limit`), at least as long as the buffer. `generator`
+    is the checked component table."""
     if not ppo.overlong_buffer:
         return []
-    limit = getattr(generator.config, "max_new_tokens", 0)
+    limit, name = generator.config.response_limit, field_of(generator.config, "max_new_tokens")
     if not limit:
-        return [Problem("$.ppo.overlong_buffer", f"generator {generator.component.name!r} has no max_new_tokens to count "
+        return [Problem("$.ppo.overlong_buffer", f"generator {generator.component.name!r} has no {name} to count "
                                                  "back from; set overlong_buffer = 0")]
     if ppo.overlong_buffer > limit:
-        return [Problem("$.ppo.overlong_buffer", f"{ppo.overlong_buffer} tokens is longer than generator.max_new_tokens = "
+        return [Problem("$.ppo.overlong_buffer", f"{ppo.overlong_buffer} tokens is longer than generator.{name} = "
                                                  f"{limit}; use at most {limit}")]
     return []
 
@@ -207,9 +200,10 @@ def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
         if run.device == "cpu" or not cuda:
             problems.append(Problem("$.run.mixed_precision", "'fp16' needs a GPU (on a CPU accelerate would quietly run float32); "
                                                              "use 'bf16' or 'no'"))
-        if getattr(policy_config, "dtype", "float32") != "float32":
+        if policy_config.weights_dtype != "float32":
+            dtype = field_of(policy_config, "dtype")
             problems.append(Problem("$.run.mixed_precision", f"'fp16' keeps float32 master weights and scales the loss, but "
-                                                             f"policy.dtype = {policy_config.dtype!r}; set policy.dtype = 'float32', "
+                                                             f"policy.{dtype} = {policy_config.weights_dtype!r}; set policy.{dtype} = 'float32', "
                                                              "or run.mixed_precision = 'no' for pure low-precision weights"))
     return problems
 
@@ -228,9 +222,10 @@ def sharding_problems(policy_config, generator_type: str) -> list[Problem]:
         if os.environ.get(variable, "false").lower() == "true":
             problems.append(Problem("launch", f"the accelerate config sets {key}: true, which rlkit does not run (untested); "
                                               "set it to false (for activation checkpointing use policy.gradient_checkpointing)"))
-    if getattr(policy_config, "dtype", "float32") != "float32":
-        problems.append(Problem("$.policy.dtype", f"{policy_config.dtype!r} weights are not run under FSDP (untested); keep "
-                                                  "policy.dtype = 'float32' and set run.mixed_precision = 'bf16' for bf16 compute"))
+    if policy_config.weights_dtype != "float32":
+        dtype = field_of(policy_config, "dtype")
+        problems.append(Problem(f"$.policy.{dtype}", f"{policy_config.weights_dtype!r} weights are not run under FSDP (untested); "
+                                                     f"keep policy.{dtype} = 'float32' and set run.mixed_precision = 'bf16' for bf16 compute"))
     if generator_type != "hf":
         problems.append(Problem("$.generator.type", f"{generator_type!r} is not run under FSDP (it reads the weights outside "
                                                     "the engine); use the 'hf' generator, or launch with configs/accelerate/ddp.yaml"))

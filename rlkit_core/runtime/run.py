@@ -145,7 +145,7 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
                     metrics["run/skipped_batches"] = skipped
                 if evaluator.due(trainer.iteration):
                     metrics.update(_evaluate(evaluator))
-                findings = health.observe(metrics, trainer.last_batch, getattr(trainer.parts.kl, "target", None))
+                findings = health.observe(metrics, trainer.last_batch, trainer.parts.kl.target)
                 notes.update(_report_findings(findings, tracker, trainer.iteration, main))
                 if "note/recipe_changes" in notes:
                     metrics["run/recipe_changes"] = len(changes)

@@ -51,6 +51,7 @@ from rlkit_core.runtime.evaluation import hold_out
 from rlkit_core.runtime.faults import BadReward, NonFiniteSteps, checked_scores, failure_text
 from rlkit_core.runtime.metrics_log import MetricsLog
 from rlkit_core.runtime.prompt_stream import PromptStream
+from rlkit_core.settings import field_of
 
 
 def record_columns(records: list[dict]) -> dict[str, list]:
@@ -104,7 +105,8 @@ class Trainer:
         self.tokenizer = self.policy.tokenizer
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
         context = getattr(getattr(self.policy.model, "config", None), "max_position_embeddings", None)
-        limit = within_context(limit, context, getattr(recipe["generator"].config, "max_new_tokens", 0))
+        generator = recipe["generator"].config
+        limit = within_context(limit, context, generator.response_limit, field_of(generator, "max_new_tokens"))
         self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0
         records, self.prompt_counts = prepare_prompts(self.parts.data.load(), self.tokenizer, limit)
         self.eval_records, self.records = hold_out(records, recipe.eval.size, run.seed)

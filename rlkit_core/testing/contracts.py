@@ -32,7 +32,7 @@ from rlkit_core.config import fields_help
 from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import logprobs_from_logits
-from rlkit_core.interfaces import KINDS, Generation, LossInputs, PolicyOutput
+from rlkit_core.interfaces import KIND_TABLE, KINDS, Generation, LossInputs, PolicyOutput
 from rlkit_core.recipe.document import Recipe, parse_recipe
 from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.recipe.schema import COMPONENT_TABLES
@@ -43,7 +43,7 @@ __all__ = [
     "PolicyContract", "PromptSourceContract", "RewardContract", "TrackerContract", "ValueHeadContract",
 ]
 
-TABLE_OF_KIND = {kind: table for table, (kind, _) in COMPONENT_TABLES.items()}
+TABLE_OF_KIND = {kind.name: kind.table for kind in KIND_TABLE}
 
 
 class ComponentContract:
@@ -84,7 +84,7 @@ class ComponentContract:
         tables a recipe must have (two samples per prompt for an estimator that compares them)."""
         document = {
             "run": {"steps": 10, "output_dir": str(tmp_path / "run")},
-            "ppo": {"samples_per_prompt": 2 if getattr(registered.factory, "needs_groups", False) else 1},
+            "ppo": {"samples_per_prompt": 2 if self.kind == "advantage_estimator" and registered.factory.needs_groups else 1},
             "policy": {"type": "hf", "model": str(tiny_model)},
             "reward": {"type": "rouge"},
             "data": {"type": "toy-summaries", "size": 16},
@@ -242,7 +242,7 @@ class AdvantageEstimatorContract(ComponentContract):
     kind = "advantage_estimator"
 
     def test_shapes_zero_padding_and_finite(self, instance):
-        batch = rollout_batch(with_values=instance.needs_values)
+        batch = rollout_batch(with_values=type(instance).needs_values)
         batch = batch.with_(advantages=None, returns=None)  # what the estimator is there to make
         advantages, returns = instance.estimate(batch)
         counted = batch.response_mask.bool()
@@ -253,7 +253,7 @@ class AdvantageEstimatorContract(ComponentContract):
 
     def test_the_order_of_the_rollouts_does_not_matter(self, instance):
         """Groups are found by `group_ids`, not by position: the loop may gather rollouts in any order."""
-        batch = rollout_batch(with_values=instance.needs_values)
+        batch = rollout_batch(with_values=type(instance).needs_values)
         order = torch.tensor([3, 0, 5, 1, 4, 2])
         advantages, returns = instance.estimate(batch)
         shuffled_advantages, shuffled_returns = instance.estimate(batch.select(order))
@@ -261,7 +261,7 @@ class AdvantageEstimatorContract(ComponentContract):
         assert torch.allclose(shuffled_returns, returns[order], atol=1e-6), "returns depend on the rollouts' order"
 
     def test_leaves_the_batch_unchanged(self, instance):
-        batch = rollout_batch(with_values=instance.needs_values)
+        batch = rollout_batch(with_values=type(instance).needs_values)
         before = {name: value.clone() for name, value in attrs.asdict(batch, recurse=False).items() if isinstance(value, torch.Tensor)}
         instance.estimate(batch)
         for name, value in before.items():

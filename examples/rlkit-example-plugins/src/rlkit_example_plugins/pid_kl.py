@@ -20,9 +20,7 @@ import math
 
 import attrs
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, greater_than, setting
-from rlkit_core.interfaces import KLController
+from rlkit_core import KLController, at_least, greater_than, hookimpl, setting
 
 STATE_KEYS = ("beta", "integral", "previous_error")
 

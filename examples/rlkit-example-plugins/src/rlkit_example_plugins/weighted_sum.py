@@ -24,11 +24,7 @@ import math
 
 import attrs
 
-from rlkit_core import hookimpl
-from rlkit_core.config import nested_components, setting
-from rlkit_core.errors import RunError
-from rlkit_core.interfaces import RewardSource
-from rlkit_core.recipe.document import ComponentChoice
+from rlkit_core import ComponentChoice, RewardSource, RunError, hookimpl, nested_components, setting
 
 
 def _finite(instance, attribute, value):

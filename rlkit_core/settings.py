@@ -1,0 +1,114 @@
+"""The settings of other plugins that rlkit itself reads, declared in bases their config classes inherit.
+
+rlkit checks a recipe across tables: a prompt and the longest response must fit the policy's
+context, the memory estimate needs the response length and whether activations are checkpointed,
+fp16 and FSDP refuse low-precision weights. It reads those settings through these bases' properties
+only, never a field by name, so a third-party config gets every such check by inheriting the base.
+
+A base names the settings it reads by the built-in plugins' field names (`reads`). A config
+whose field is named otherwise says so in `renamed`; a setting it does not have maps to None, and
+rlkit then uses the default in `reads`. The registry checks the names when the plugin registers:
+
+    @attrs.frozen
+    class MyGeneratorConfig(SamplingSettings):
+        renamed = {"max_new_tokens": "max_tokens", "batch_size": None}
+        max_tokens: int = setting(128, help="longest response in tokens")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import attrs
+
+from rlkit_core.prompts import PromptLengthLimit
+
+__all__ = ["CoreSettings", "ModelSettings", "PolicySettings", "PromptLengthLimit", "SamplingSettings"]
+
+
+@attrs.frozen
+class CoreSettings:
+    """The machinery of the bases below; inherit one of them, not this."""
+
+    reads: ClassVar[Mapping[str, Any]] = {}  # setting rlkit reads, by its built-in name -> the value when a config has none
+    renamed: ClassVar[Mapping[str, str | None]] = {}  # built-in name -> this config's field, or None: it has no such setting
+
+    @classmethod
+    def field_name(cls, setting: str) -> str | None:
+        """The config's field that holds `setting`, for reading it and for locating errors about it."""
+        return cls.renamed.get(setting, setting)
+
+    def _value(self, setting: str):
+        name = self.field_name(setting)
+        return self.reads[setting] if name is None else getattr(self, name)
+
+    @classmethod
+    def naming_problems(cls) -> list[str]:
+        """What the registry refuses: a renamed setting this base does not read, or a read one the config lacks."""
+        fields = {f.name for f in attrs.fields(cls)}
+        problems = [f"{cls.__name__}.renamed names {setting!r}, which rlkit does not read from it (it reads: "
+                    f"{', '.join(cls.reads)})" for setting in cls.renamed if setting not in cls.reads]
+        for setting in cls.reads:
+            name = cls.field_name(setting)
+            if name is not None and name not in fields:
+                problems.append(f"{cls.__name__} has no field {name!r} for the setting {setting!r} that rlkit reads; add it, "
+                                f"or say which field holds it in `renamed = {{{setting!r}: 'your_field'}}` (None: it has none)")
+        return problems
+
+
+@attrs.frozen
+class SamplingSettings(CoreSettings):
+    """A generator's settings that rlkit reads."""
+
+    reads: ClassVar[Mapping[str, Any]] = {"max_new_tokens": 0, "batch_size": 0}
+
+    @property
+    def response_limit(self) -> int:
+        """The longest response in tokens (0: none known). The prompt-fits-the-context check, the memory
+        estimate, DAPO's overlong buffer and Dr. GRPO's default norm count with it."""
+        return self._value("max_new_tokens")
+
+    @property
+    def generate_batch(self) -> int:
+        """Prompts per generate call, for the memory estimate (0: the whole batch at once)."""
+        return self._value("batch_size")
+
+
+@attrs.frozen
+class ModelSettings(CoreSettings):
+    """A component that loads a transformers model (a policy, a reward model, a critic)."""
+
+    reads: ClassVar[Mapping[str, Any]] = {"model": "", "trust_remote_code": False}
+
+    @property
+    def model_name(self) -> str:
+        """The model directory or hub name ("" when the component makes its own)."""
+        return self._value("model")
+
+    @property
+    def runs_model_code(self) -> bool:
+        """Whether transformers may run Python code that ships with the model (rlkit check warns)."""
+        return self._value("trust_remote_code") is True
+
+
+@attrs.frozen
+class PolicySettings(ModelSettings):
+    """A policy's settings that rlkit reads."""
+
+    reads: ClassVar[Mapping[str, Any]] = {**ModelSettings.reads, "dtype": "float32", "gradient_checkpointing": False}
+
+    @property
+    def weights_dtype(self) -> str:
+        """'float32', 'bfloat16' or 'float16': fp16 mixed precision and FSDP refuse low-precision weights."""
+        return self._value("dtype")
+
+    @property
+    def checkpoints_activations(self) -> bool:
+        """Whether the training forward pass recomputes activations (the memory estimate)."""
+        return self._value("gradient_checkpointing")
+
+
+def field_of(config, setting: str) -> str:
+    """The name `config` gives `setting`, for an error's location (the built-in name without a base)."""
+    return (config.field_name(setting) if isinstance(config, CoreSettings) else None) or setting

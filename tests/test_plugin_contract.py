@@ -1,0 +1,157 @@
+"""The declared plugin contract: one table of kinds, hooks declared on the interfaces and read from
+the class, components checked when they register, settings read through the core's bases."""
+
+import inspect
+
+import attrs
+import pytest
+
+from rlkit_core import hookspecs
+from rlkit_core.config import greater_than, setting
+from rlkit_core.errors import RecipeError
+from rlkit_core.interfaces import KIND_TABLE, AdvantageEstimator, Generator, RewardSource
+from rlkit_core.recipe.assemble import Components
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.recipe.plugins import HOOKS, load_registry
+from rlkit_core.recipe.schema import COMPONENT_TABLES
+from rlkit_core.settings import SamplingSettings
+from rlkit_plugins.critic_free import GRPO
+from test_plugins import EmptyConfig, plugin_module
+
+
+def loaded(name, **hooks):
+    """A registry with only the built-ins and one plugin module holding `hooks`."""
+    return load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[(name, plugin_module(name, **hooks), f"rlkit-{name}", "0.1")])
+
+
+def test_the_hookspecs_are_the_table_of_kinds():
+    """hookspecs.py is written out for readers and pluggy; it must say what the table says."""
+    specs = {name: function for name, function in vars(hookspecs).items() if getattr(function, "rlkit_spec", None)}
+    assert list(specs) == sorted(specs, key=[kind.hook for kind in KIND_TABLE].index)  # in the table's order
+    assert set(specs) == {kind.hook for kind in KIND_TABLE}
+    for kind in KIND_TABLE:
+        assert list(inspect.signature(specs[kind.hook]).parameters) == ["register"]
+        assert f"`rlkit_core.interfaces.{kind.interface.__name__}`" in specs[kind.hook].__doc__, kind.hook
+
+
+def test_hooks_tables_defaults_and_components_come_from_the_table():
+    assert HOOKS == {kind.hook: kind.name for kind in KIND_TABLE}
+    assert COMPONENT_TABLES == {kind.table: (kind.name, kind.default) for kind in KIND_TABLE}
+    fields = attrs.fields(Components)
+    assert [f.name for f in fields] == [kind.table for kind in KIND_TABLE]
+    assert fields.kl.type is KIND_TABLE[4].interface and fields.value_head.type == KIND_TABLE[1].interface | None
+
+
+def group_estimator(config, context):
+    return GRPO(config, context)
+
+
+group_estimator.needs_groups = True  # a function carrying the flag: read before the build, lost after it
+
+
+def test_a_function_factory_breaks_its_plugin_and_a_group_recipe_is_refused(recipe_document):
+    """The defect: a function-built group estimator passed the samples_per_prompt check
+    (its flag was read from the function) and trained on zero advantages (read from the instance)."""
+    from rlkit_plugins.critic_free import GRPOConfig
+
+    registry = loaded("fn-grpo", register_advantage_estimators=lambda register: register("fn-grpo", group_estimator, GRPOConfig))
+    assert registry.broken["fn-grpo"] == (
+        f"plugin 'fn-grpo' registers advantage_estimator 'fn-grpo', which breaks the plugin contract: its factory "
+        f"{group_estimator!r} is not a class deriving from rlkit_core.AdvantageEstimator; register a subclass of "
+        "AdvantageEstimator whose __init__ takes (config, context)")
+    assert "fn-grpo" not in registry.names("advantage_estimator") and "grpo" in registry.names("advantage_estimator")
+    recipe_document["advantage"] = {"type": "fn-grpo"}
+    with pytest.raises(RecipeError, match=r"\$.advantage.type: unknown advantage_estimator 'fn-grpo'.*plugins that failed to load: fn-grpo"):
+        parse_recipe(recipe_document, registry)
+
+
+class Shared(AdvantageEstimator):
+    """A group estimator whose instances say otherwise: rlkit reads the class, before and after the build."""
+
+    needs_values = False
+    needs_groups = True
+
+    def __init__(self, config, context=None):
+        self.needs_groups = False
+
+    def estimate(self, batch):
+        raise NotImplementedError
+
+
+def test_a_group_estimator_class_gets_the_samples_per_prompt_check(recipe_document):
+    registry = loaded("shared", register_advantage_estimators=lambda register: register("shared", Shared, EmptyConfig))
+    assert registry.broken == {}
+    recipe_document["advantage"] = {"type": "shared"}
+    with pytest.raises(RecipeError) as caught:
+        parse_recipe(recipe_document, registry)
+    assert caught.value.problems == ["$.ppo.samples_per_prompt: advantage estimator 'shared' compares the responses to each "
+                                     "prompt, so it needs at least 2, got 1; 4 to 16 are usual"]
+
+
+class Careless(RewardSource):
+    def check(self, config, recipe):  # not static, and without `where`
+        return [], []
+
+    @staticmethod
+    def imports(config):  # without `where`
+        return []
+
+    def score(self, prompts, responses, **columns):
+        return [0.0] * len(responses)
+
+
+class Flagged(AdvantageEstimator):
+    needs_groups = "yes"
+
+    def estimate(self, batch):
+        raise NotImplementedError
+
+
+def test_hooks_with_other_parameters_and_flags_that_are_not_booleans_break_the_plugin():
+    def register_rewards(register):
+        register("careless", Careless, EmptyConfig)
+
+    def register_advantage_estimators(register):
+        register("flagged", Flagged, EmptyConfig)
+
+    registry = loaded("careless", register_rewards=register_rewards, register_advantage_estimators=register_advantage_estimators)
+    why = registry.broken["careless"]  # every breach named, from each of its hooks
+    assert "Careless.check must be a @staticmethod check(config, recipe, where)" in why
+    assert "Careless.imports must take (config, where): too many positional arguments" in why
+    assert "Flagged.needs_groups must be True or False, got 'yes'" in why
+    assert "careless" not in registry.names("reward") and "flagged" not in registry.names("advantage_estimator")
+    assert "python" in registry.names("reward")  # the others still load
+
+
+@attrs.frozen
+class PlainSamplerConfig:
+    max_tokens: int = setting(16, help="longest response", validator=greater_than(0))
+
+
+@attrs.frozen
+class MisnamedSamplerConfig(SamplingSettings):
+    renamed = {"max_new_tokens": "max_tokenz", "temperature": "heat"}
+    max_tokens: int = setting(16, help="longest response", validator=greater_than(0))
+
+
+class Sampler(Generator):
+    temperature = 1.0
+
+    def __init__(self, config, context):
+        pass
+
+    def generate(self, prompt_ids, prompt_mask, greedy=False):
+        raise NotImplementedError
+
+
+def test_a_generator_config_must_declare_the_settings_rlkit_reads():
+    def register_generators(register):
+        register("plain", Sampler, PlainSamplerConfig)
+        register("misnamed", Sampler, MisnamedSamplerConfig)
+
+    why = loaded("samplers", register_generators=register_generators).broken["samplers"]
+    assert ("registers generator 'plain', which breaks the plugin contract: config class PlainSamplerConfig does not inherit "
+            "rlkit_core.SamplingSettings") in why
+    assert "MisnamedSamplerConfig.renamed names 'temperature', which rlkit does not read from it (it reads: max_new_tokens, batch_size)" in why
+    assert "MisnamedSamplerConfig has no field 'max_tokenz' for the setting 'max_new_tokens' that rlkit reads" in why
+    assert "MisnamedSamplerConfig has no field 'batch_size' for the setting 'batch_size'" in why
