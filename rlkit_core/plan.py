@@ -151,5 +151,7 @@ def memory_estimate(recipe: Recipe, prompt_tokens: int) -> list[str]:
         checkpointing=getattr(recipe["policy"].config, "gradient_checkpointing", False),
         mixed_precision=recipe.run.mixed_precision,
         shards=processes if sharded_launch() else 1,
+        micro_tokens=ppo.max_tokens_per_microbatch,
+        forward_tokens=ppo.max_tokens_per_forward,
     )
     return describe_memory(estimate(shape, work), work.shards)

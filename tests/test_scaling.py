@@ -46,7 +46,7 @@ def rlkit_script() -> str:
 
 
 @pytest.fixture(params=["full", "lora-separate-critic-accumulating", "padless-gpt2-separate-critic",
-                        "grpo-sequence-mean-kl-loss-accumulating"])
+                        "grpo-sequence-mean-kl-loss-accumulating", "token-budgets"])
 def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
     # one minibatch per epoch: one process's minibatch of 16 is two processes' minibatches of 8
     recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16})
@@ -58,6 +58,8 @@ def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
         recipe_document["ppo"]["gradient_accumulation_steps"] = 2
         recipe_document["policy"]["lora_r"] = 4
         recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
+    if request.param == "token-budgets":  # micro-batches of a few rollouts each, as many in every process; global token counts
+        recipe_document["ppo"].update({"max_tokens_per_microbatch": 40, "max_tokens_per_forward": 60})
     if request.param == "padless-gpt2-separate-critic":  # an added, suppressed PAD and a critic that never sees it
         from rlkit_core.offline_models import write_tiny_classifier, write_tiny_lm
 
