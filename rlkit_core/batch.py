@@ -110,9 +110,3 @@ PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
 RESPONSE_FIELDS = ("response_ids", "response_mask", "sampled_logprobs", "old_logprobs", "ref_logprobs", "values", "kl",
                    "rewards", "advantages", "returns")  # [B, R]: every field cut by `trimmed` at the last response column
 
-
-def padding_share(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> float:
-    """The share of a batch's positions that are padding (for the benchmark's per-phase counts)."""
-    real = float(prompt_mask.sum() + response_mask.sum())
-    return 1.0 - real / (prompt_mask.numel() + response_mask.numel())
-
