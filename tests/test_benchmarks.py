@@ -38,3 +38,28 @@ def test_a_tiny_run_prints_every_figure(capsys, monkeypatch):
     assert float(report["flops_per_iteration"]["total"]) > 0 and report["floor_seconds"] > 0
     assert report["ratio_to_floor"] > 1 and report["cpu_ratio_to_floor"] > 1  # the floor counts the matrix multiplies only
     assert 0 < report["train_mfu"] < 1 and report["peak_rss_mib"] > 0 and report["cpu_seconds_per_iteration"] > 0
+
+
+def test_the_ragged_shape_stops_at_the_models_own_eos_and_counts_padding(capsys, monkeypatch, tmp_path):
+    import argparse
+
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    bench = load_bench()
+    shape = argparse.Namespace(shape="ragged", seed=0, vocab=384, width=32, layers=1, heads=2, positions=256)
+    model = GPT2LMHeadModel.from_pretrained(bench.write_model(tmp_path / "model", shape))
+    with torch.no_grad():
+        logits = model(torch.randint(3, 259, (4, 64))).logits
+    lift = (logits[..., 1] - logits.mean(dim=-1)).mean()  # EOS above the other tokens, at every position
+    assert abs(float(lift) - bench.RAGGED["eos_lift"]) < 0.5
+
+    monkeypatch.setattr(sys, "argv", ["bench_ppo.py", "--shape", "ragged", "--model-dir", str(tmp_path / "model"), "--steps", "2",
+                                      "--batch", "16", "--threads", "1", "--width", "32", "--layers", "1", "--heads", "2"])
+    bench.main()
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 16 <= report["mean_prompt_tokens"] <= 256 and 4 <= report["mean_response_tokens"] < 100  # EOS ended most responses
+    padding = report["padding_share"]
+    assert padding["forward"]["before"] > 0.3  # about half of a padded batch
+    for phase in ("forward", "train"):
+        assert padding[phase]["after"] < padding[phase]["before"], phase
