@@ -195,3 +195,23 @@ def test_generation_in_length_ordered_chunks_gives_each_prompt_its_own_response(
     lengths = sorted(prompt_mask.sum(dim=1).tolist(), reverse=True)
     assert [chunk for _, chunk in seen] == [lengths[:3], lengths[3:6], lengths[6:]]  # by length, longest first
     assert [columns for columns, _ in seen] == [lengths[0], lengths[3], lengths[6]]  # no column of padding only
+
+
+def test_rlkit_check_estimates_the_update_with_the_token_budget(recipe_document, write_recipe, registry):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rlkit_core.plan import memory_estimate
+
+    def update_mib(lines: str) -> float:
+        return float(re.search(r"working memory: update ([\d,.]+)", lines).group(1).replace(",", ""))
+
+    fixed = update_mib("\n".join(memory_estimate(parse_recipe(recipe_document, registry), 200)))
+    recipe_document["ppo"]["max_tokens_per_microbatch"] = 416
+    done = subprocess.run([str(Path(sys.executable).with_name("rlkit")), "check", write_recipe(recipe_document), "--prompt-tokens", "200"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    # 8 rollouts of 208 tokens a micro-batch, or a budget of 416 positions: two rollouts of the longest length
+    assert fixed > 3 * update_mib(done.stdout)
