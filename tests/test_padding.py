@@ -215,3 +215,18 @@ def test_rlkit_check_estimates_the_update_with_the_token_budget(recipe_document,
     assert done.returncode == 0, done.stderr
     # 8 rollouts of 208 tokens a micro-batch, or a budget of 416 positions: two rollouts of the longest length
     assert fixed > 3 * update_mib(done.stdout)
+
+
+def test_every_process_runs_as_many_micro_batches_as_the_one_that_needs_most(recipe_document, registry, monkeypatch):
+    """DDP's and FSDP's collective calls pair up only if every process takes as many steps."""
+    from rlkit_core.trainer import lengths_of
+
+    recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16})
+    trainer = Trainer(parse_recipe(recipe_document, registry))
+    batch = trainer.rollout(trainer.stream.batch(0))[0]
+    index, lengths = torch.arange(len(batch)), lengths_of(batch)
+    assert len(trainer._pieces(index, lengths, 1000, 16, "max_tokens_per_microbatch", same_count=True)) == 1  # all fit at once
+    monkeypatch.setattr(trainer.processes, "count", 2)
+    monkeypatch.setattr(trainer.processes, "gather_objects", lambda value: [value, 5])  # the other process needs 5
+    pieces = trainer._pieces(index, lengths, 1000, 16, "max_tokens_per_microbatch", same_count=True)
+    assert len(pieces) == 5 and sorted(torch.cat(pieces).tolist()) == list(range(16))
