@@ -10,6 +10,17 @@ byte-level ByT5 tokenizer; 64 prompts of 48 random bytes; 32 sampled tokens at t
 no early stop; reward = count of the byte "e"; PPO 4 epochs, minibatch 16, lr 1e-4, adaptive KL
 (0.05, target 6, horizon 10000), γ 1, λ 0.95, clips 0.2, vf_coef 0.1.
 
+`--shape ragged` is the second standard shape, lengths like real data: prompts of 16..256 random
+bytes (uniform), responses that end at EOS after 4..128 tokens, so that about half of a batch padded
+to its longest prompt and response is padding. EOS is the model's own: `write_model` gives the
+random GPT-2 (here with 512 positions and an output layer of its own) a constant lift of the EOS
+logit, so that sampling ends a response after about 30 tokens on average (geometrically); the peer
+loads the same folder (`--model-dir`, which compare.py writes once). rlkit runs it with token
+budgets (`ppo.max_tokens_per_microbatch`, `ppo.max_tokens_per_forward`). The report's
+`padding_share` gives, per phase, the share of computed positions that are padding: `before`, as
+if every pass were padded to the batch's longest prompt and response (rlkit before trimming),
+and `after`, what this run computed.
+
 Prompts are printable ASCII (one token per byte, like the peer's ids 3..258) because rlkit's
 prompt sources carry text; the work per iteration is the same.
 
@@ -39,6 +50,7 @@ from pathlib import Path
 import torch
 
 PROMPT_BYTES = 48
+RAGGED = {"prompt": (16, 256), "response": (4, 128), "positions": 512, "eos_lift": 2.6}  # the ragged shape
 PHASES = ("generate", "score", "forward", "train", "tracking")
 
 
@@ -49,23 +61,55 @@ def count_e(prompts, responses, **columns):
 def model_config(args):
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=args.vocab, n_positions=args.positions, n_embd=args.width, n_layer=args.layers,
-                      n_head=args.heads, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    ragged = args.shape == "ragged"
+    return GPT2Config(vocab_size=args.vocab, n_positions=RAGGED["positions"] if ragged else args.positions, n_embd=args.width,
+                      n_layer=args.layers, n_head=args.heads, bos_token_id=1, eos_token_id=1, pad_token_id=0,
+                      tie_word_embeddings=not ragged)
 
 
-def build_inputs(folder: Path, args) -> tuple[Path, Path]:
+def write_model(model_dir: Path, args) -> Path:
+    """The shape's random GPT-2 and the byte tokenizer. Ragged: the final norm's bias b and the EOS
+    row of the output layer get b·w_EOS = eos_lift, a constant lift of the EOS logit at every
+    position (b is small against the other rows: their logits move by about 0.02·|b|)."""
     from transformers import ByT5Tokenizer, GPT2LMHeadModel
 
     torch.manual_seed(args.seed)
-    model_dir = folder / "model"
-    GPT2LMHeadModel(model_config(args)).save_pretrained(model_dir)
+    model = GPT2LMHeadModel(model_config(args))
+    if args.shape == "ragged":
+        with torch.no_grad():
+            direction = torch.randn(args.width)
+            bias = 3.0 * direction / direction.norm()
+            model.transformer.ln_f.bias.copy_(bias)
+            model.lm_head.weight[1] += RAGGED["eos_lift"] * bias / bias.square().sum()
+    model.save_pretrained(model_dir)
     ByT5Tokenizer().save_pretrained(model_dir)
+    return model_dir
+
+
+def build_inputs(folder: Path, args) -> tuple[Path, Path]:
+    model_dir = Path(args.model_dir) if args.model_dir else write_model(folder / "model", args)
     rng = random.Random(args.seed)
     prompts = folder / "prompts.jsonl"
+    low, high = RAGGED["prompt"] if args.shape == "ragged" else (PROMPT_BYTES, PROMPT_BYTES)
     with prompts.open("w") as out:
         for _ in range(args.batch * args.steps):
-            out.write(json.dumps({"prompt": "".join(chr(rng.randint(33, 126)) for _ in range(PROMPT_BYTES))}) + "\n")
+            out.write(json.dumps({"prompt": "".join(chr(rng.randint(33, 126)) for _ in range(rng.randint(low, high)))}) + "\n")
     return model_dir, prompts
+
+
+def padding_shares(trainer, batch, counted: dict, epochs: int) -> dict[str, dict[str, float]]:
+    """Per phase, the share of computed positions that are padding: `before`, every pass padded to
+    the batch's longest prompt and response; `after`, what the trainer computed (`counted`: its
+    (computed, real) positions this iteration). Generation computes every row of a call at every
+    step until the longest response ends, before and after."""
+    real = float(batch.prompt_mask.sum() + batch.response_mask.sum())
+    padded = batch.prompt_mask.numel() + batch.response_mask.numel()
+    shares = {"generate": {"before": 1 - real / padded, "after": 1 - real / padded},
+              "forward": {"before": 1 - real / padded}, "train": {"before": 1 - real / padded}}
+    for phase in ("forward", "train"):
+        computed, kept = counted[phase]
+        shares[phase]["after"] = 1 - kept / computed if computed else 0.0
+    return {phase: {k: round(v, 3) for k, v in share.items()} for phase, share in shares.items()}
 
 
 def iteration_flops(config, batch: int, prompt: int, response: int, epochs: int) -> dict[str, float]:
@@ -122,8 +166,12 @@ def profile_table(trainer, rows: int) -> str:
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--shape", default="standard", choices=["standard", "ragged"])
+    parser.add_argument("--model-dir", default="", help="load this model folder (write_model) instead of writing one")
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=-1, help="ppo.max_tokens_per_microbatch (-1: the shape's: 0 standard, 1024 ragged)")
+    parser.add_argument("--max-tokens-per-forward", type=int, default=-1, help="ppo.max_tokens_per_forward (-1: the shape's: 0 standard, 2048 ragged)")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--response-len", type=int, default=32)
+    parser.add_argument("--response-len", type=int, default=32, help="standard shape: every response's length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--device", default="cpu")
@@ -156,13 +204,19 @@ def main() -> None:
     peaks = [matmul_peak(device, dtype)]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, prompts = build_inputs(Path(tmp), args)
+        ragged = args.shape == "ragged"
+        micro_budget = args.max_tokens_per_microbatch if args.max_tokens_per_microbatch >= 0 else (1024 if ragged else 0)
+        forward_budget = args.max_tokens_per_forward if args.max_tokens_per_forward >= 0 else (2048 if ragged else 0)
+        response_len = RAGGED["response"][1] if ragged else args.response_len
+        min_len = RAGGED["response"][0] if ragged else args.response_len
         document = {
             "run": {"steps": args.steps, "seed": args.seed, "output_dir": str(Path(tmp) / "run"), "device": args.device,
                     "threads": args.threads},
-            "ppo": {"batch_size": args.batch, "minibatch_size": 16, "epochs": 4},
+            "ppo": {"batch_size": args.batch, "minibatch_size": 16, "epochs": 4, "max_tokens_per_microbatch": micro_budget,
+                    "max_tokens_per_forward": forward_budget},
             "optim": {"learning_rate": 1e-4, "max_grad_norm": 0.0},
             "policy": {"type": "hf", "model": str(model_dir), "dtype": args.dtype, "gradient_checkpointing": args.gradient_checkpointing},
-            "generator": {"type": args.generator, "max_new_tokens": args.response_len, "min_new_tokens": args.response_len, "temperature": 1.0},
+            "generator": {"type": args.generator, "max_new_tokens": response_len, "min_new_tokens": min_len, "temperature": 1.0},
             "reward": {"type": "python", "function": f"{__file__}:count_e"},
             "kl": {"type": "adaptive", "beta": 0.05, "target": 6.0, "horizon": 10000.0},
             "advantage": {"type": "gae", "gamma": 1.0, "lam": 0.95},
@@ -177,12 +231,18 @@ def main() -> None:
         history = []
         for _ in range(args.steps):
             started, cpu_started = time.perf_counter(), time.process_time()
+            counted_before = dict(trainer.positions)
             metrics = trainer.step()
+            counted = {phase: tuple(now - then for now, then in zip(trainer.positions[phase], counted_before[phase]))
+                       for phase in ("forward", "train")}
+            lengths = list(zip(*(t.sum(dim=1).tolist() for t in (trainer.last_batch.prompt_mask, trainer.last_batch.response_mask))))
             stepped = time.perf_counter()
             trainer.metrics_log.append(trainer.iteration, metrics)
             # tracking: the step's bookkeeping after the update, and writing metrics.jsonl
             metrics["time/tracking"] = (stepped - started - metrics["time/iteration"]) + (time.perf_counter() - stepped)
             metrics["time/cpu"] = time.process_time() - cpu_started
+            metrics["padding"] = padding_shares(trainer, trainer.last_batch, counted, 4)
+            metrics["lengths"] = lengths
             history.append(metrics)
         if args.profile:
             print(profile_table(trainer, args.profile), file=sys.stderr)
@@ -192,13 +252,18 @@ def main() -> None:
     steady = history[1:] or history
     per_iteration = statistics.median(h["time/iteration"] + h["time/tracking"] for h in steady)
     phases = {phase: statistics.median(h[f"time/{phase}"] for h in steady) for phase in PHASES}
-    flops = iteration_flops(model_config(args), args.batch, PROMPT_BYTES, args.response_len, 4)
+    # the work of the real tokens only: each rollout's own prompt and response, in the median iteration
+    config = model_config(args)
+    per_step = [{phase: sum(iteration_flops(config, 1, p, r, 4)[phase] for p, r in h["lengths"]) for phase in ("generate", "forward", "train")}
+                for h in steady]
+    flops = sorted(per_step, key=lambda f: sum(f.values()))[len(per_step) // 2]
+    response_tokens = statistics.median(h["response/length"] * args.batch for h in steady)
+    prompt_tokens = statistics.median(sum(p for p, _ in h["lengths"]) for h in steady)
     total_flops, peak, cpu_peak = sum(flops.values()), max(p[0] for p in peaks), max(p[1] for p in peaks)
     floor = total_flops / peak
     cpu_per_iteration = statistics.median(h["time/cpu"] for h in steady)
     cuda = device.type == "cuda"
-    tokens = {"generate": args.batch * args.response_len, "forward": 2 * args.batch * (PROMPT_BYTES + args.response_len),
-              "train": 4 * args.batch * (PROMPT_BYTES + args.response_len)}
+    tokens = {"generate": response_tokens, "forward": 2 * (prompt_tokens + response_tokens), "train": 4 * (prompt_tokens + response_tokens)}
     report = {
         "system": "rlkit",
         "device": args.device,
@@ -206,11 +271,16 @@ def main() -> None:
         "dtype": args.dtype,
         "gradient_checkpointing": args.gradient_checkpointing,
         "threads": torch.get_num_threads(),
+        "shape": args.shape,
         "batch": args.batch,
         "response_len": args.response_len,
         "steps": args.steps,
+        "max_tokens_per_microbatch": micro_budget,
+        "max_tokens_per_forward": forward_budget,
+        "mean_prompt_tokens": round(prompt_tokens / args.batch, 1),
+        "mean_response_tokens": round(response_tokens / args.batch, 1),
         "seconds_per_iteration": round(per_iteration, 3),
-        "response_tokens_per_second": round(args.batch * args.response_len / per_iteration, 1),
+        "response_tokens_per_second": round(response_tokens / per_iteration, 1),
         "cpu_seconds_per_iteration": round(cpu_per_iteration, 3),
         "seconds_in": {phase: round(seconds, 4) for phase, seconds in phases.items()},
         "tokens_per_second_in": {phase: round(tokens[phase] / phases[phase], 1) for phase in tokens},
@@ -221,6 +291,8 @@ def main() -> None:
         "floor_seconds": round(floor, 3),
         "ratio_to_floor": round(per_iteration / floor, 2),
         "cpu_ratio_to_floor": None if cuda else round(cpu_per_iteration / (total_flops / cpu_peak), 2),
+        "padding_share": {phase: {when: statistics.median(h["padding"][phase][when] for h in steady) for when in ("before", "after")}
+                          for phase in ("generate", "forward", "train")},
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "mean_score_first_last": [round(history[0]["score/mean"], 3), round(history[-1]["score/mean"], 3)],
         "check_logprob_gap": round(statistics.median(h["check/logprob_gap"] for h in steady), 5),

@@ -3,6 +3,7 @@
     bash benchmarks/peer/setup.sh                    # once: the peer's own virtual environment
     python benchmarks/compare.py                     # 3 runs each, alternating, 3 iterations a run
     python benchmarks/compare.py --rounds 5 --threads 1
+    python benchmarks/compare.py --shape ragged --threads 1   # the ragged shape: one model folder, both sides load it
 
 Runs `bench_ppo.py` (this interpreter) and `peer/trl_classic.py` (the peer's interpreter) in
 turns, each in a fresh process, swapping which goes first every round so that a change in the
@@ -21,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,13 +43,26 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shape", default="standard", choices=["standard", "ragged"])
     default_peer = Path(os.environ.get("PEER_VENV", HERE / "peer" / ".venv")) / "bin" / "python"
     parser.add_argument("--peer-python", default=str(default_peer), help="the peer environment's interpreter (benchmarks/peer/setup.sh)")
     args = parser.parse_args()
     if not Path(args.peer_python).exists():
         sys.exit(f"no peer interpreter at {args.peer_python}; run `bash benchmarks/peer/setup.sh` first (or pass --peer-python)")
 
-    shape = ["--steps", str(args.steps), "--batch", str(args.batch), "--response-len", str(args.response_len), "--threads", str(args.threads)]
+    with tempfile.TemporaryDirectory() as folder:
+        compare(args, folder)
+
+
+def compare(args, folder: str) -> None:
+    shape = ["--steps", str(args.steps), "--batch", str(args.batch), "--response-len", str(args.response_len), "--threads", str(args.threads),
+             "--shape", args.shape]
+    if args.shape == "ragged":  # the warm-started weights, written once: both sides sample from the same model
+        sys.path.insert(0, str(HERE))
+        from bench_ppo import write_model
+
+        write_model(Path(folder) / "model", argparse.Namespace(shape="ragged", seed=0, vocab=384, width=256, layers=4, heads=4, positions=256))
+        shape += ["--model-dir", str(Path(folder) / "model")]
     commands = {
         "rlkit": [sys.executable, str(HERE / "bench_ppo.py"), *shape],
         "peer": [args.peer_python, str(HERE / "peer" / "trl_classic.py"), *shape],
@@ -68,13 +83,18 @@ def main() -> None:
     median = {system: statistics.median(r["seconds_per_iteration"] for r in rows) for system, rows in results.items()}
     cpu = {system: statistics.median(r["cpu_seconds_per_iteration"] for r in rows) for system, rows in results.items()}
     summary = {
-        "rounds": args.rounds, "steps": args.steps, "batch": args.batch, "response_len": args.response_len, "threads": args.threads,
+        "shape": args.shape, "rounds": args.rounds, "steps": args.steps, "batch": args.batch, "response_len": args.response_len, "threads": args.threads,
         "rlkit_seconds_per_iteration": median["rlkit"],
         "peer_seconds_per_iteration": median["peer"],
         "speedup_over_peer": round(median["peer"] / median["rlkit"], 3),
         "rlkit_cpu_seconds_per_iteration": cpu["rlkit"],
         "peer_cpu_seconds_per_iteration": cpu["peer"],
         "cpu_speedup_over_peer": round(cpu["peer"] / cpu["rlkit"], 3),
+        "rlkit_response_tokens_per_second": statistics.median(r["response_tokens_per_second"] for r in results["rlkit"]),
+        "peer_response_tokens_per_second": statistics.median(r["response_tokens_per_second"] for r in results["peer"]),
+        "rlkit_peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in results["rlkit"]),
+        "peer_peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in results["peer"]),
+        "rlkit_padding_share": results["rlkit"][0].get("padding_share"),
         "rlkit_ratio_to_floor": statistics.median(r["ratio_to_floor"] for r in results["rlkit"]),
         "rlkit_cpu_ratio_to_floor": statistics.median(r["cpu_ratio_to_floor"] for r in results["rlkit"]),
         "rlkit_phase_medians": {phase: round(statistics.median(r["seconds_in"][phase] for r in results["rlkit"]), 4)

@@ -55,6 +55,13 @@ def generation_config_swapped(model, config):
         target.generation_config = saved
 
 
+def without_padding_columns(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts without the leading columns that no prompt reaches: positions count real
+    tokens only, so generation continues each prompt as it would with them."""
+    start = int(prompt_mask.any(dim=0).long().argmax())
+    return prompt_ids[:, start:], prompt_mask[:, start:]
+
+
 class HFGenerator(Generator):
     """Pure temperature sampling by default (no top-k/top-p), so that the sampler is exactly π/T
     and the KL to the reference cannot go negative through truncation."""
@@ -84,12 +91,17 @@ class HFGenerator(Generator):
     def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
         size = getattr(self.config, "batch_size", 0) or len(prompt_ids)  # sampling settings alone: all at once
         if size >= len(prompt_ids):
-            return self._generate(prompt_ids, prompt_mask, greedy)
-        chunks = [self._generate(ids, mask, greedy) for ids, mask in zip(prompt_ids.split(size), prompt_mask.split(size))]
-        width = max(chunk.response_ids.shape[1] for chunk in chunks)
+            return self._generate(*without_padding_columns(prompt_ids, prompt_mask), greedy)
+        # Chunks of prompts of similar length, longest first, each without the columns that are
+        # padding in all its rows. Rows are sampled independently, so the order changes only which
+        # random draws a row gets (greedy responses are the same); the results come back in order.
+        order = prompt_mask.sum(dim=1).argsort(descending=True, stable=True)
+        chunks = [self._generate(*without_padding_columns(prompt_ids[rows], prompt_mask[rows]), greedy) for rows in order.split(size)]
+        width, original = max(chunk.response_ids.shape[1] for chunk in chunks), order.argsort()
 
         def joined(field, pad):
-            return torch.cat([torch.nn.functional.pad(getattr(c, field), (0, width - getattr(c, field).shape[1]), value=pad) for c in chunks])
+            return torch.cat([torch.nn.functional.pad(getattr(c, field), (0, width - getattr(c, field).shape[1]), value=pad)
+                              for c in chunks])[original]
 
         return Generation(response_ids=joined("response_ids", self.policy.tokenizer.pad_token_id),
                           response_mask=joined("response_mask", 0), logprobs=joined("logprobs", 0.0))

@@ -86,3 +86,27 @@ class RolloutBatch:
         picked = index.tolist()
         return self.map_fields(lambda _, value: value[index], lambda column: [column[i] for i in picked])
 
+    def trimmed(self) -> RolloutBatch:
+        """The same rollouts without the columns that are padding in every row: the leading prompt
+        columns before the longest prompt and the response columns after the longest response.
+
+        Exact: a masked column is no key of any attention and position ids count real tokens only,
+        so every kept position computes what it did in the padded batch (up to float rounding)."""
+        prompt_start = int(self.prompt_mask.any(dim=0).long().argmax())  # the first column some prompt reaches
+        counted = self.response_mask.any(dim=0)
+        response_end = max(1, len(counted) - int(counted.flip(0).long().argmax())) if counted.any() else 1
+        if prompt_start == 0 and response_end == self.response_ids.shape[1]:
+            return self
+
+        def cut(name: str, value: torch.Tensor) -> torch.Tensor:
+            if name in PROMPT_FIELDS:
+                return value[:, prompt_start:]
+            return value[:, :response_end] if name in RESPONSE_FIELDS else value
+
+        return self.map_fields(cut, lambda column: column)
+
+
+PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
+RESPONSE_FIELDS = ("response_ids", "response_mask", "sampled_logprobs", "old_logprobs", "ref_logprobs", "values", "kl",
+                   "rewards", "advantages", "returns")  # [B, R]: every field cut by `trimmed` at the last response column
+

@@ -38,6 +38,8 @@ class Workload:
     checkpointing: bool
     mixed_precision: str  # "no", "bf16" or "fp16"
     shards: int = 1  # processes FSDP splits the policy over (1: not sharded)
+    micro_tokens: int = 0  # ppo.max_tokens_per_microbatch: positions per micro-batch instead of micro_batch rows (0: off)
+    forward_tokens: int = 0  # ppo.max_tokens_per_forward, likewise for forward_batch
 
 
 def estimate(shape: ModelShape, work: Workload) -> dict[str, int]:
@@ -53,16 +55,18 @@ def estimate(shape: ModelShape, work: Workload) -> dict[str, int]:
     gathered = policy - policy // n  # the rest of the policy, gathered for generation and the no-grad passes
     block = policy // s.layers if n > 1 else 0  # about one block gathered at a time in the update
 
-    def per_layer(rows: int) -> int:  # saved for backward by one layer, Korthikanti et al. scaled to `act` bytes
-        return rows * tokens * s.hidden * (34 + 5 * s.heads * tokens // s.hidden) * act // 2
+    def per_layer(rows: float) -> int:  # saved for backward by one layer, Korthikanti et al. scaled to `act` bytes
+        return int(rows * tokens * s.hidden * (34 + 5 * s.heads * tokens // s.hidden) * act // 2)
 
-    m = work.micro_batch
-    stored = m * tokens * s.hidden * act * s.layers + per_layer(m) if work.checkpointing else per_layer(m) * s.layers
+    # With a token budget a piece holds at most budget positions; at the longest length that is
+    # budget / tokens rows, the most memory (attention grows with the square of the length).
+    m = work.micro_tokens / tokens if work.micro_tokens else work.micro_batch
+    stored = int(m * tokens * s.hidden * act * s.layers) + per_layer(m) if work.checkpointing else per_layer(m) * s.layers
     # the logits of every position and the float32 scaled copy and log-softmax of the response
     # positions, each with its gradient at the start of the backward pass
-    head = 2 * m * tokens * s.vocab * act + 4 * m * work.response_tokens * s.vocab * 4
-    f = work.forward_batch
-    forward = 2 * f * tokens * s.vocab * act + 2 * f * work.response_tokens * s.vocab * 4  # policy and reference
+    head = int(2 * m * tokens * s.vocab * act + 4 * m * work.response_tokens * s.vocab * 4)
+    f = work.forward_tokens / tokens if work.forward_tokens else work.forward_batch
+    forward = int(2 * f * tokens * s.vocab * act + 2 * f * work.response_tokens * s.vocab * 4)  # policy and reference
     g = work.generate_batch
     generate = 2 * s.layers * g * tokens * s.hidden * act + g * work.response_tokens * s.vocab * 4  # KV cache, step logits
     stages = {"update": stored + head + block, "forward": forward + gathered, "generate": generate + gathered}

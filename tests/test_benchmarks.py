@@ -67,3 +67,28 @@ def test_robustness_runs_a_warm_started_task_over_two_seeds(tmp_path, monkeypatc
     first = [json.loads(line) for line in (tmp_path / "warm-target_seed0.jsonl").read_text().splitlines()]
     assert len(first) == 1 and "train/grad_clipped" in first[0] and "advantage/raw_std" in first[0]
     assert robustness.peer_settings(robustness.TASKS["warm-target"][0](0, tmp_path / "files", 2))["vf_coef"] == 1.2
+
+
+def test_the_ragged_shape_stops_at_the_models_own_eos_and_counts_padding(capsys, monkeypatch, tmp_path):
+    import argparse
+
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    bench = load_bench()
+    shape = argparse.Namespace(shape="ragged", seed=0, vocab=384, width=32, layers=1, heads=2, positions=256)
+    model = GPT2LMHeadModel.from_pretrained(bench.write_model(tmp_path / "model", shape))
+    with torch.no_grad():
+        logits = model(torch.randint(3, 259, (4, 64))).logits
+    lift = (logits[..., 1] - logits.mean(dim=-1)).mean()  # EOS above the other tokens, at every position
+    assert abs(float(lift) - bench.RAGGED["eos_lift"]) < 0.5
+
+    monkeypatch.setattr(sys, "argv", ["bench_ppo.py", "--shape", "ragged", "--model-dir", str(tmp_path / "model"), "--steps", "2",
+                                      "--batch", "16", "--threads", "1", "--width", "32", "--layers", "1", "--heads", "2"])
+    bench.main()
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 16 <= report["mean_prompt_tokens"] <= 256 and 4 <= report["mean_response_tokens"] < 100  # EOS ended most responses
+    padding = report["padding_share"]
+    assert padding["forward"]["before"] > 0.3  # about half of a padded batch
+    for phase in ("forward", "train"):
+        assert padding[phase]["after"] < padding[phase]["before"], phase

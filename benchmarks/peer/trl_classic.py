@@ -11,6 +11,10 @@ top-p or early stop, reward = number of "e" bytes (id 104) in the response, PPO 
 minibatch 16, lr 1e-4, adaptive KL (0.05, target 6, horizon 10000), γ 1, λ 0.95, clips 0.2,
 vf_coef 0.1. TRL's value head sits on the policy's trunk, as rlkit's `shared` head does.
 
+`--shape ragged --model-dir DIR` is the ragged shape: the model folder bench_ppo.py's `write_model`
+wrote (compare.py writes it once for both sides), prompts of 16..256 random byte ids, responses
+sampled until the model's own EOS after 4..128 tokens (TRL cuts each response after its EOS).
+
 The time of an iteration runs from the call that samples to the end of `step` (TRL's whole
 update, statistics included), on the wall clock and in this process's CPU time; each figure is the
 median over the iterations after the first.
@@ -38,6 +42,8 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", default="standard", choices=["standard", "ragged"])
+    parser.add_argument("--model-dir", default="", help="load this model folder (the ragged shape's) instead of a fresh random one")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -49,22 +55,29 @@ def main() -> None:
     tokenizer = ByT5Tokenizer()
     tokenizer.padding_side = "left"
     shape = GPT2Config(vocab_size=384, n_positions=256, n_embd=256, n_layer=4, n_head=4, bos_token_id=1, eos_token_id=1)
+    ragged = args.shape == "ragged"
+    if ragged and not args.model_dir:
+        parser.error("--shape ragged needs --model-dir (compare.py writes it with bench_ppo.write_model)")
     with tempfile.TemporaryDirectory() as folder:
-        GPT2LMHeadModel(shape).save_pretrained(folder)
-        policy = AutoModelForCausalLMWithValueHead.from_pretrained(folder)
-        reference = AutoModelForCausalLMWithValueHead.from_pretrained(folder)
+        if not args.model_dir:
+            GPT2LMHeadModel(shape).save_pretrained(folder)
+        policy = AutoModelForCausalLMWithValueHead.from_pretrained(args.model_dir or folder)
+        reference = AutoModelForCausalLMWithValueHead.from_pretrained(args.model_dir or folder)
     config = PPOConfig(
         batch_size=args.batch, mini_batch_size=16, ppo_epochs=4, learning_rate=1e-4,
         init_kl_coef=0.05, adap_kl_ctrl=True, target=6, horizon=10000,
         gamma=1.0, lam=0.95, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, seed=args.seed, log_with=None,
     )
     trainer = PPOTrainer(config, policy, reference, tokenizer)
-    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.response_len,
-                    min_new_tokens=args.response_len, pad_token_id=0)
+    low, high = (4, 128) if ragged else (args.response_len, args.response_len)
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=high, min_new_tokens=low, pad_token_id=0)
 
     rows = []
     for _ in range(args.steps):
-        queries = list(torch.randint(3, 259, (args.batch, args.prompt_len)))
+        if ragged:
+            queries = [torch.randint(3, 259, (length,)) for length in torch.randint(16, 257, (args.batch,)).tolist()]
+        else:
+            queries = list(torch.randint(3, 259, (args.batch, args.prompt_len)))
         started, cpu_started = time.perf_counter(), time.process_time()
         responses = trainer.generate(queries, return_prompt=False, batch_size=args.batch, **sampling)
         generated = time.perf_counter()
@@ -72,6 +85,7 @@ def main() -> None:
         stats = trainer.step(queries, responses, scores)
         finished = time.perf_counter()
         rows.append({
+            "response_tokens": sum(len(response) for response in responses),
             "iteration": finished - started,
             "cpu": time.process_time() - cpu_started,
             "generate": generated - started,
@@ -89,7 +103,9 @@ def main() -> None:
         "response_len": args.response_len,
         "steps": args.steps,
         "seconds_per_iteration": round(per_iteration, 3),
-        "response_tokens_per_second": round(args.batch * args.response_len / per_iteration, 1),
+        "shape": args.shape,
+        "mean_response_tokens": round(statistics.median(row["response_tokens"] for row in steady) / args.batch, 1),
+        "response_tokens_per_second": round(statistics.median(row["response_tokens"] for row in steady) / per_iteration, 1),
         "cpu_seconds_per_iteration": round(statistics.median(row["cpu"] for row in steady), 3),
         "seconds_in": {phase: round(statistics.median(row[phase] for row in steady), 4) for phase in ("generate", "forward", "train")},
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),

@@ -149,5 +149,7 @@ def memory_estimate(recipe: Recipe, prompt_tokens: int) -> list[str]:
         checkpointing=recipe["policy"].config.checkpoints_activations,
         mixed_precision=recipe.run.mixed_precision,
         shards=processes if sharded_launch() else 1,
+        micro_tokens=ppo.max_tokens_per_microbatch,
+        forward_tokens=ppo.max_tokens_per_forward,
     )
     return describe_memory(estimate(shape, work), work.shards)

@@ -62,6 +62,8 @@ class PPOConfig:
     minibatch_size: int = setting(16, help="rollouts per optimiser step, over all processes; must divide batch_size", validator=greater_than(0))
     gradient_accumulation_steps: int = setting(1, help="micro-batches per optimiser step in each process (same update, less memory)", validator=greater_than(0))
     forward_batch_size: int = setting(0, help="rollouts per no-grad forward pass of the rollout stage (0: minibatch_size)", validator=at_least(0))
+    max_tokens_per_microbatch: int = setting(0, help="token budget of one training micro-batch in each process instead of gradient_accumulation_steps: rollouts of similar length, rows × (longest prompt + longest response) within it (0: off)", validator=at_least(0))
+    max_tokens_per_forward: int = setting(0, help="the same budget for the no-grad forward passes of the rollout stage, instead of forward_batch_size (0: off)", validator=at_least(0))
     epochs: int = setting(4, help="passes over the rollout batch per iteration", validator=greater_than(0))
     kl_penalty: str = setting("reward", help="'reward': −β·KL in the per-token rewards; 'loss': β·KL added to the loss", validator=one_of("reward", "loss"))
     kl_estimator: str = setting(attrs.Factory(lambda ppo: "k3" if ppo.kl_penalty == "loss" else "k1", takes_self=True),
@@ -131,12 +133,18 @@ def batch_arithmetic_problems(ppo: PPOConfig, processes: int = 1) -> list[Proble
     if ppo.minibatch_size % processes:
         problems.append(Problem("$.ppo.minibatch_size", f"{ppo.minibatch_size} rollouts do not split evenly over {processes} "
                                                         f"processes; use a multiple of {processes}"))
+    elif ppo.max_tokens_per_microbatch and ppo.gradient_accumulation_steps > 1:
+        problems.append(Problem("$.ppo.gradient_accumulation_steps", f"{ppo.gradient_accumulation_steps} with max_tokens_per_microbatch "
+                                                                     "set: the token budget decides the micro-batches; leave this at 1"))
     elif (ppo.minibatch_size // processes) % ppo.gradient_accumulation_steps:
         per_process = ppo.minibatch_size // processes
         problems.append(Problem("$.ppo.gradient_accumulation_steps",
                                 f"the {per_process} rollouts of a minibatch in each of {processes} processes do not split into "
                                 f"{ppo.gradient_accumulation_steps} micro-batches; pick a divisor such as "
                                 f"{_largest_divisor_at_most(per_process, ppo.gradient_accumulation_steps)}"))
+    if ppo.max_tokens_per_forward and ppo.forward_batch_size:
+        problems.append(Problem("$.ppo.forward_batch_size", f"{ppo.forward_batch_size} with max_tokens_per_forward set: the token "
+                                                            "budget decides the forward passes; leave this at 0"))
     return problems
 
 

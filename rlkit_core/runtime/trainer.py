@@ -50,6 +50,7 @@ from rlkit_core.runtime.dynamic_sampling import DynamicSampler
 from rlkit_core.runtime.evaluation import hold_out
 from rlkit_core.runtime.faults import BadReward, NonFiniteSteps, checked_scores, failure_text
 from rlkit_core.runtime.metrics_log import MetricsLog
+from rlkit_core.runtime.microbatches import TooLong, budget_pieces, fixed_pieces, padded_to
 from rlkit_core.runtime.prompt_stream import PromptStream
 from rlkit_core.settings import field_of
 
@@ -68,6 +69,12 @@ def critic_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tens
     return {"train/explained_variance": float(explained_variance(values, returns, mask)),
             "advantage/raw_mean": float(masked_mean(raw, mask)), "advantage/raw_std": float(masked_var(raw, mask).sqrt()),
             "value/mean": float(masked_mean(values, mask)), "return/mean": float(masked_mean(returns, mask))}
+
+
+def lengths_of(batch: RolloutBatch) -> tuple[list[int], list[int]]:
+    """Each rollout's prompt and response length in tokens (one read from the device)."""
+    prompt, response = torch.stack([batch.prompt_mask.sum(dim=1), batch.response_mask.sum(dim=1)]).tolist()
+    return prompt, response
 
 
 def pick_device(name: str) -> torch.device:
@@ -132,6 +139,8 @@ class Trainer:
         self.last_batch: RolloutBatch | None = None  # the latest scored batch, for sample tables
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
         self.nonfinite_in_a_row = 0  # optimiser steps with a non-finite loss or gradient, the latest ones
+        # (positions computed, real tokens among them) per phase, summed over the run
+        self.positions = {"forward": (0, 0), "train": (0, 0)}
 
     def full_weights(self):
         """A block in which the policy and critic can be read whole (under FSDP: gathered in every
@@ -231,9 +240,11 @@ class Trainer:
     def _compare_in_chunks(self, batch: RolloutBatch) -> RolloutBatch:
         ppo = self.recipe.ppo
         temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
-        pieces = defaultdict(list)
-        for index in torch.arange(len(batch), device=self.device).split(ppo.forward_batch_size or ppo.minibatch_size):
-            part = batch.select(index)
+        pieces, width = defaultdict(list), batch.response_ids.shape[1]
+        chunks = self._pieces(torch.arange(len(batch), device=self.device), lengths_of(batch), ppo.max_tokens_per_forward,
+                              ppo.forward_batch_size or ppo.minibatch_size, "max_tokens_per_forward")
+        for index in chunks:
+            part = batch.select(index).trimmed()
             sequence = part.sequence()
             with self.accelerator.autocast():
                 logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
@@ -246,10 +257,35 @@ class Trainer:
             pieces["ref_logprobs"].append(ref_logprobs)
             if values is not None:
                 pieces["values"].append(values)
-        fields = {name: torch.cat(parts) for name, parts in pieces.items()}
+            self._count_positions("forward", part)
+        original_order = torch.cat(chunks).argsort()  # the chunks hold the rows sorted by length
+        fields = {name: torch.cat([padded_to(part, width) for part in parts])[original_order] for name, parts in pieces.items()}
         mask = batch.response_mask
         fields["kl"] = torch.where(mask.bool(), fields["kl"], torch.zeros_like(fields["kl"]))
         return batch.with_(**fields)
+
+    def _pieces(self, index: torch.Tensor, lengths: tuple[list[int], list[int]], budget: int, size: int, setting: str,
+                same_count: bool = False) -> list[torch.Tensor]:
+        """`index`'s rollouts as forward passes, grouped by length: within `budget` tokens each when
+        one is set, else `size` rows each. `same_count`: every process gets as many pieces as the
+        process that needs most (collective calls in the backward must pair up)."""
+        if not budget:
+            return fixed_pieces(index, [p + r for p, r in zip(*lengths)], size)
+        try:
+            pieces = budget_pieces(index, *lengths, budget)
+            if same_count and self.processes.count > 1:
+                pieces = budget_pieces(index, *lengths, budget, at_least=max(self.processes.gather_objects(len(pieces))))
+        except TooLong as too_long:
+            raise RecipeError([f"$.ppo.{setting}: a rollout of {too_long.tokens} tokens (prompt and response) does not fit in "
+                               f"the budget of {too_long.budget}; raise it to at least data.max_prompt_tokens + "
+                               "generator.max_new_tokens, or limit the prompts with data.max_prompt_tokens"]) from None
+        return pieces
+
+    def _count_positions(self, phase: str, part: RolloutBatch) -> None:
+        """Positions computed and positions that are real tokens, per phase (the benchmark's padding share)."""
+        computed, real = self.positions[phase]
+        self.positions[phase] = (computed + part.prompt_mask.numel() + part.response_mask.numel(),
+                                 real + int(part.prompt_mask.sum()) + int(part.response_mask.sum()))
 
     def _shaped(self, scores: torch.Tensor, ended: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Scores as the rewards take them: less the missing-EOS and overlong penalties, clipped."""
@@ -300,19 +336,22 @@ class Trainer:
         shuffler = minibatch_order_generator(self.recipe.run.seed, self.iteration)
         per_process = ppo.minibatch_size // self.processes.count
         micro_size = per_process // ppo.gradient_accumulation_steps
+        lengths = lengths_of(batch)
         per_step, count = defaultdict(list), 0  # each step's terms stay tensors: one read from the device at the end
         self.trainable.train()  # gradient checkpointing acts in training mode only; dropout is off
         for _ in range(ppo.epochs):
             for index in torch.randperm(len(batch), generator=shuffler).to(self.device).split(per_process):
                 token_count = self.processes.sum(batch.response_mask[index].sum()).clamp(min=1)
                 self.optimizer.zero_grad(set_to_none=True)
-                pieces = index.split(micro_size)
+                pieces = self._pieces(index, lengths, ppo.max_tokens_per_microbatch, micro_size, "max_tokens_per_microbatch", same_count=True)
                 step_terms = {}
                 for number, piece in enumerate(pieces):
                     # Gradients are all-reduced once, at the last micro-batch.
                     syncing = number == len(pieces) - 1
                     with contextlib.nullcontext() if syncing else self.accelerator.no_sync(self.trainable):
-                        terms = self._micro_step(batch.select(piece), token_count)
+                        micro = batch.select(piece).trimmed()
+                        self._count_positions("train", micro)
+                        terms = self._micro_step(micro, token_count)
                     for name, value in terms.items():
                         known = step_terms.get(name)
                         combine = torch.maximum if combined_by_max(name) else torch.add
