@@ -181,7 +181,8 @@ def _cmd_check_checkpoint(args) -> int:
                          f"{checkpoint.PREFIX}* folder under <output_dir>/checkpoints, or the output_dir")
     for folder in found:
         why = checkpoint.damage(folder)
-        print(f"{folder}: {'damaged: ' + why if why else 'usable'}")
+        layout = None if why else checkpoint.layout_problem(folder)
+        print(f"{folder}: {'damaged: ' + why if why else 'not resumable: ' + layout if layout else 'usable'}")
     print(f"--resume auto would resume from {checkpoint.resolve('auto', path)}")
     return 0
 
