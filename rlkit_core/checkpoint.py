@@ -117,14 +117,15 @@ def _write_failed(trainer, final: Path, exc: OSError) -> str:
 def _save_accelerate_state(trainer, folder: Path, rng: dict | None) -> None:
     """accelerate's save_state into `folder`, with the random state `rng` in place of the current
     one when given; the current one is put back after."""
-    current = rng_state()
+    current = rng_state() if rng is not None else None
     if rng is not None:
         _set_rng_state(rng)
     try:
         with _weights_left_to_rlkit(trainer):
             trainer.accelerator.save_state(str(folder))
     finally:
-        _set_rng_state(current)
+        if current is not None:
+            _set_rng_state(current)
 
 
 @contextlib.contextmanager

@@ -173,3 +173,34 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused_with_the_fix(recipe_docum
     assert words in capsys.readouterr().err
     assert [row["iteration"] for row in metrics_of(output_dir)] == [1]  # nothing trained
     export_checkpoint(str(old), str(tmp_path / "exported"), registry)
+
+
+class WritesAFile:
+    """Unpickled, it would write a file: what a crafted checkpoint could hide."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.path), "ran"))
+
+
+def test_a_crafted_file_in_accelerates_state_is_refused_and_runs_nothing(recipe_document, registry, write_recipe, tmp_path, capsys):
+    """accelerate reads its files as tensors and plain values too (weights_only): a crafted
+    optimizer.bin with a matching manifest is a located exit 2, and its code does not run."""
+    from rlkit_core.cli import main
+
+    output_dir = tmp_path / "run"
+    document = dict(recipe_document, run={**recipe_document["run"], "steps": 1, "output_dir": str(output_dir)})
+    run_recipe(parse_recipe(document, registry), quiet=True)
+    path = output_dir / "checkpoints" / "iter_000001"
+    marker = tmp_path / "code-ran"
+    state = torch.load(path / "state" / "optimizer.bin", weights_only=True)
+    state["extra"] = WritesAFile(marker)
+    torch.save(state, path / "state" / "optimizer.bin")
+    checkpoint.write_manifest(path)
+    capsys.readouterr()
+    assert main(["run", write_recipe(dict(document, run={**document["run"], "steps": 2})), "--resume", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume {path}: state holds more than tensors and plain values, which rlkit never loads" in err
+    assert "Traceback" not in err and not marker.exists()
