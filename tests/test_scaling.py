@@ -170,10 +170,10 @@ def test_two_fsdp_processes_checkpoint_their_shards_and_resume_exactly(recipe_do
     last = output_dir / "checkpoints" / "iter_000002"
     assert sorted(p.name for p in last.parent.iterdir()) == ["iter_000001", "iter_000002"]
     assert json.loads((last / "meta.json").read_text())["sharded"] is True
-    shards = sorted(p.name for p in (last / "sharded").rglob("*.distcp"))
+    shards = sorted(p.name for p in (last / "state").rglob("*.distcp"))
     assert len(shards) == 4  # weights and optimiser state, one file from each process
     listed = json.loads((last / "manifest.json").read_text())["files"]  # every process's shards, verified on resume
-    assert sorted(n for n in listed if n.endswith(".distcp")) == sorted(p.relative_to(last).as_posix() for p in (last / "sharded").rglob("*.distcp"))
+    assert sorted(n for n in listed if n.endswith(".distcp")) == sorted(p.relative_to(last).as_posix() for p in (last / "state").rglob("*.distcp"))
     assert "optimizer" not in torch.load(last / "trainer.pt", weights_only=False)  # the optimiser state is in the shards
     # the final model is whole: every weight loads, equal to the (gathered) weights of the last checkpoint
     final = AutoModelForCausalLM.from_pretrained(output_dir / "final_model").state_dict()

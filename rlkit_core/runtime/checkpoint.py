@@ -1,21 +1,29 @@
 """Checkpoints: everything a run needs to continue exactly where it stopped.
 
 Layout of `<output_dir>/checkpoints/iter_000012/`:
-  policy.safetensors      trainable policy tensors (all weights, or the LoRA adapters)
+  policy.safetensors      trainable policy tensors, whole (all weights, or the LoRA adapters):
+                          what `rlkit export` reads, and what a run without sharding resumes from
   value_head.safetensors  critic tensors (absent without a critic)
-  trainer.pt              optimiser, schedule, KL controller, RNG states of every process, iteration
+  state/                  accelerate's `save_state`: optimiser (optimizer.bin), schedule
+                          (scheduler.bin), each process's random states (random_states_<i>.pkl),
+                          the fp16 loss scaler (scaler.pt, under fp16 only); under FSDP also every
+                          process's shards of the weights and the optimiser state
+  trainer.pt              what accelerate does not hold: iteration, KL controller, the count of
+                          non-finite steps in a row
   meta.json               iteration, tracker run id, the recipe document, rlkit version, processes,
-                          whether the run was sharded
+                          whether the run was sharded, the layout
   manifest.json           every other file's path, size and SHA-256, written last: a checkpoint
                           whose files do not match it (cut short, emptied, changed) is not used
-  sharded/                under FSDP only: accelerate's `save_state`, every process's shards of the
-                          weights and the optimiser state; trainer.pt then holds no optimiser state
 
-Under several processes every one of them calls `save_checkpoint` (each hands over its RNG state)
-and the main process writes; under DDP the weights and optimiser state are the same in every
-process. Under FSDP every process writes its own shards into sharded/, and the main process writes
-the whole weights (gathered) into the .safetensors files as well, so `rlkit export` and a reader
-of the checkpoint see the same layout whatever the engine; resuming reads the shards.
+Every engine (one process, DDP, FSDP) goes through the same calls: every process calls
+`save_checkpoint`, accelerate writes state/ (each process its random states and, under FSDP, its
+shards), and the main process writes the whole weights (gathered under FSDP) and rlkit's files.
+Without sharding accelerate is told to leave the weights out of state/ (a save hook), since the
+.safetensors files hold them already; under FSDP resuming reads the shards.
+rlkit's own state is a file of its own rather than an object registered with accelerate
+(`register_for_checkpointing`): accelerate unpickles registered objects with `weights_only=False`,
+which would let a crafted checkpoint run code, while trainer.pt is read as tensors and plain values.
+The prompt stream and rlkit's seeded streams need no state: they are functions of (seed, iteration).
 A checkpoint is written into a hidden temporary folder and renamed into place only when complete,
 so a crash mid-write never leaves one that looks whole; only the latest `keep` are kept. A copy
 made later (to another disk, by hand) can still be cut short or corrupted: the manifest finds it.
@@ -23,6 +31,7 @@ made later (to another disk, by hand) can still be cut short or corrupted: the m
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -33,6 +42,7 @@ import shutil
 import signal
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -40,8 +50,9 @@ from rlkit_core import __version__
 from rlkit_core.errors import RlkitError, RunError
 
 PREFIX = "iter_"
-SHARDED = "sharded"
+STATE = "state"
 MANIFEST = "manifest.json"
+LAYOUT = 2  # meta.json's "layout": 2 since accelerate's save_state holds the optimiser, schedule, RNG and loss scaler
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -49,7 +60,8 @@ def checkpoint_root(output_dir: str | Path) -> Path:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """This process's global random states (the ones accelerate's save_state records)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -58,6 +70,7 @@ def rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -67,49 +80,78 @@ def save_checkpoint(trainer, run_id: str | None, keep: int, rng: dict | None = N
     taken earlier by `rng_state`). A failed write (a full disk) leaves the earlier checkpoints as they were
     and stops the run with exit code 1 on every process."""
     processes = trainer.processes
-    rng_states = processes.gather_objects(rng or rng_state())
     final = checkpoint_root(trainer.output_dir) / f"{PREFIX}{trainer.iteration:06d}"
     temporary = final.parent / f".{final.name}.tmp-{processes.gather_objects(os.getpid())[0]}"  # the main process's id, everywhere
     if processes.is_main:
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
-    if processes.sharded:
-        processes.wait()
-        trainer.accelerator.save_state(str(temporary / SHARDED))  # every process writes its shards
-        processes.wait()  # every shard is on disk before the main process lists them in the manifest
+    processes.wait()  # the folder exists before any process writes into it
     problem = None
+    try:
+        _save_accelerate_state(trainer, temporary / STATE, rng)
+    except OSError as exc:
+        problem = _write_failed(trainer, final, exc)
+    processes.wait()  # every process's files are on disk before the main process lists them in the manifest
     with trainer.full_weights():
-        if processes.is_main:
+        if processes.is_main and problem is None:
             try:
-                _write_checkpoint(trainer, temporary, final, run_id, keep, rng_states)
+                _write_checkpoint(trainer, temporary, final, run_id, keep)
             except OSError as exc:
-                shutil.rmtree(temporary, ignore_errors=True)
-                earlier = complete_checkpoints(trainer.output_dir)
-                kept = f"the latest complete one, {earlier[-1]}, is intact" if earlier else "there is no earlier one"
-                problem = (f"writing the checkpoint {final} failed: {exc.strerror or exc}; {kept}; free some space (or set "
-                           "run.output_dir elsewhere) and continue with --resume auto")
+                problem = _write_failed(trainer, final, exc)
     problems = [p for p in processes.gather_objects(problem) if p]  # also: every process waits for the write
     if problems:
+        if processes.is_main:
+            shutil.rmtree(temporary, ignore_errors=True)
         raise RunError(problems[0])
     return final
 
 
-def _write_checkpoint(trainer, temporary: Path, final: Path, run_id: str | None, keep: int, rng_states: list[dict]) -> None:
-    sharded = trainer.processes.sharded
+def _write_failed(trainer, final: Path, exc: OSError) -> str:
+    earlier = complete_checkpoints(trainer.output_dir)
+    kept = f"the latest complete one, {earlier[-1]}, is intact" if earlier else "there is no earlier one"
+    return (f"writing the checkpoint {final} failed: {exc.strerror or exc}; {kept}; free some space (or set "
+            "run.output_dir elsewhere) and continue with --resume auto")
+
+
+def _save_accelerate_state(trainer, folder: Path, rng: dict | None) -> None:
+    """accelerate's save_state into `folder`, with the random state `rng` in place of the current
+    one when given; the current one is put back after."""
+    current = rng_state() if rng is not None else None
+    if rng is not None:
+        _set_rng_state(rng)
+    try:
+        with _weights_left_to_rlkit(trainer):
+            trainer.accelerator.save_state(str(folder))
+    finally:
+        if current is not None:
+            _set_rng_state(current)
+
+
+@contextlib.contextmanager
+def _weights_left_to_rlkit(trainer):
+    """Without sharding, accelerate's save_state and load_state skip the weights (rlkit writes and
+    reads them as policy.safetensors and value_head.safetensors); under FSDP they pass through,
+    as accelerate saves and loads the shards before these hooks run."""
+    accelerator = trainer.accelerator
+    hooks = [accelerator.register_save_state_pre_hook(lambda models, weights, folder: weights.clear()),
+             accelerator.register_load_state_pre_hook(lambda models, folder: models.clear())]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _write_checkpoint(trainer, temporary: Path, final: Path, run_id: str | None, keep: int) -> None:
     save_file({k: v.contiguous() for k, v in trainer.policy.state_dict().items()}, temporary / "policy.safetensors")
     _test_fault(trainer.iteration)
     if trainer.value_head is not None:
         save_file({k: v.contiguous() for k, v in _critic_state(trainer).items()}, temporary / "value_head.safetensors")
-    torch.save({
-        "iteration": trainer.iteration,
-        **({} if sharded else {"optimizer": trainer.optimizer.state_dict()}),
-        "scheduler": trainer.scheduler.state_dict(),
-        "kl": trainer.parts.kl.state_dict(),
-        "rng_by_process": rng_states,
-    }, temporary / "trainer.pt")
+    torch.save({"iteration": trainer.iteration, "kl": trainer.parts.kl.state_dict(),
+                "nonfinite_in_a_row": trainer.nonfinite_in_a_row}, temporary / "trainer.pt")
     meta = {"iteration": trainer.iteration, "run_id": run_id, "rlkit_version": __version__, "recipe": trainer.recipe.document,
-            "processes": len(rng_states), "sharded": sharded}
+            "processes": trainer.processes.count, "sharded": trainer.processes.sharded, "layout": LAYOUT}
     (temporary / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
     write_manifest(temporary)
     if final.exists():  # the same iteration written again (a resumed run redoing it): replace it whole
@@ -205,9 +247,17 @@ def usable_checkpoint(output_dir: str | Path) -> tuple[Path | None, list[tuple[P
     return None, damaged
 
 
-def choose(resume: str, output_dir: str | Path) -> tuple[Path, str]:
-    """The checkpoint `--resume` names (`auto`: the latest usable one in output_dir), verified, and
-    a line for the user naming the damaged ones passed over ("" when none was)."""
+def choose(resume: str, output_dir: str | Path, resuming: bool = True) -> tuple[Path, str]:
+    """The checkpoint `--resume` names (`auto`: the latest usable one in output_dir), verified (and,
+    when `resuming`, in a layout this rlkit resumes), and a line for the user naming the damaged
+    ones passed over ("" when none was)."""
+    path, note = _verified(resume, output_dir)
+    if resuming and (problem := layout_problem(path)):
+        raise RlkitError(f"--resume {resume}: {path}: {problem}" if resume == "auto" else f"--resume {resume}: {problem}")
+    return path, note
+
+
+def _verified(resume: str, output_dir: str | Path) -> tuple[Path, str]:
     if resume == "auto":
         found, damaged = usable_checkpoint(output_dir)
         passed = ", ".join(f"{path} is damaged ({why})" for path, why in damaged)
@@ -232,19 +282,32 @@ def choose(resume: str, output_dir: str | Path) -> tuple[Path, str]:
     return path, ""
 
 
-def resolve(resume: str, output_dir: str | Path) -> Path:
+def resolve(resume: str, output_dir: str | Path, resuming: bool = True) -> Path:
     """`auto` → the latest usable checkpoint in output_dir; otherwise the given folder, verified."""
-    return choose(resume, output_dir)[0]
+    return choose(resume, output_dir, resuming)[0]
 
 
 def read_meta(path: Path) -> dict:
     return json.loads((path / "meta.json").read_text())
 
 
+def layout_problem(path: Path, meta: dict | None = None) -> str | None:
+    """Why this rlkit cannot resume the checkpoint's layout (None: it can). Checkpoints from before
+    `LAYOUT` 2 kept the optimiser, schedule and random states in trainer.pt and had no state/."""
+    meta = read_meta(path) if meta is None else meta
+    if meta.get("layout") == LAYOUT:
+        return None
+    return (f"the checkpoint is in an earlier rlkit's layout (optimiser and random states in trainer.pt, no {STATE}/ "
+            f"folder; written by rlkit {meta.get('rlkit_version', 'unknown')}), which this rlkit does not resume; continue "
+            "it with the rlkit that wrote it, or start over with --overwrite; rlkit export still reads its weights")
+
+
 def load_checkpoint(trainer, path: Path) -> dict:
     """Restore `trainer` from `path`; returns the checkpoint's meta (iteration, run id, recipe).
-    Every process loads; each takes back its own RNG state."""
+    Every process loads; each takes back its own random states."""
     meta = read_meta(path)
+    if problem := layout_problem(path, meta):
+        raise RlkitError(f"--resume {path}: {problem}")
     sharded = trainer.processes.sharded
     if meta.get("sharded", False) != sharded:
         engines = {True: "under FSDP (configs/accelerate/fsdp.yaml)", False: "without sharding (one process or DDP)"}
@@ -254,22 +317,25 @@ def load_checkpoint(trainer, path: Path) -> dict:
     if written_by != processes:
         raise RlkitError(f"--resume {path}: the checkpoint was written by {written_by} processes and this run has "
                          f"{processes}; resume with {written_by} processes (each continues its own random stream)")
-    if sharded:
-        trainer.accelerator.load_state(str(path / SHARDED))  # every process reads its shards
-    else:
+    state = _plain_values(path, path / "trainer.pt", lambda: torch.load(path / "trainer.pt", map_location="cpu", weights_only=True))
+    if not sharded:  # under FSDP accelerate loads the shards
         trainer.policy.load_state_dict(load_file(path / "policy.safetensors", device=str(trainer.device)))
         if trainer.value_head is not None:
             trainer.value_head.load_state_dict(load_file(path / "value_head.safetensors", device=str(trainer.device)))
-    try:  # tensors and plain values only: a checkpoint from elsewhere runs no code; RNG states stay on the CPU
-        state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise RlkitError(f"--resume {path}: trainer.pt holds more than tensors and plain values, which rlkit never loads "
-                         f"(it could run code): {str(exc).splitlines()[0]}; resume from a checkpoint rlkit wrote") from None
-    if not sharded:
-        trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
+    with _weights_left_to_rlkit(trainer):  # optimiser, schedule, loss scaler, this process's random states
+        _plain_values(path, path / STATE, lambda: trainer.accelerator.load_state(str(path / STATE)))
     trainer.parts.kl.load_state_dict(state["kl"])
-    by_process = state["rng_by_process"] if "rng_by_process" in state else [state["rng"]]  # "rng": rlkit 0.1.0
-    _set_rng_state(by_process[trainer.processes.index])
+    trainer.nonfinite_in_a_row = state["nonfinite_in_a_row"]
     trainer.iteration = state["iteration"]
     return meta
+
+
+def _plain_values(checkpoint: Path, where: Path, load):
+    """`load()`, which reads tensors and plain values only (torch's weights_only, as accelerate's
+    loads do too): a checkpoint from elsewhere runs no code, and one that tries is refused."""
+    try:
+        return load()
+    except pickle.UnpicklingError as exc:
+        raise RlkitError(f"--resume {checkpoint}: {where.relative_to(checkpoint)} holds more than tensors and plain values, "
+                         f"which rlkit never loads (it could run code): {str(exc).splitlines()[0]}; resume from a "
+                         "checkpoint rlkit wrote") from None

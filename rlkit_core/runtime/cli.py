@@ -1,6 +1,6 @@
 """The `rlkit` command: run, check, check-checkpoint, export, plugins.
 
-Exit codes: 0 success; 2 bad input (recipe, arguments, a damaged checkpoint, an output folder
+Exit codes: 0 success; 2 bad input (recipe, arguments, a damaged or earlier-layout checkpoint, an output folder
 another run holds), printed without a traceback; 1 failure at run time; 3 stopped by a health check
 in health.stop_on; 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM). RLKIT_DEBUG=1 prints the
 traceback of rlkit's own errors too.
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
                             "and, without --num-processes, its num_processes")
     check.add_argument("--prompt-tokens", type=int, default=128, metavar="N", help="prompt length the memory estimate assumes")
 
-    verify = commands.add_parser("check-checkpoint", help="verify a checkpoint's files against its manifest; trains nothing")
+    verify = commands.add_parser("check-checkpoint", help="verify a checkpoint's files against its manifest, and that its layout is one this rlkit resumes; trains nothing")
     verify.add_argument("path", help="a checkpoint folder (<output_dir>/checkpoints/iter_NNNNNN), or a run's output_dir: "
                                      "every checkpoint in it, and the one --resume auto would take")
 
@@ -165,7 +165,7 @@ def _cmd_run(args) -> int:
 
 def _cmd_check_checkpoint(args) -> int:
     """Exit 0 when the checkpoint (or, for an output_dir, the one `--resume auto` would take) is
-    usable; 2 when it is damaged or there is none."""
+    usable; 2 when it is damaged, in a layout this rlkit does not resume, or there is none."""
     from pathlib import Path
 
     from rlkit_core.runtime import checkpoint
@@ -181,7 +181,8 @@ def _cmd_check_checkpoint(args) -> int:
                          f"{checkpoint.PREFIX}* folder under <output_dir>/checkpoints, or the output_dir")
     for folder in found:
         why = checkpoint.damage(folder)
-        print(f"{folder}: {'damaged: ' + why if why else 'usable'}")
+        layout = None if why else checkpoint.layout_problem(folder)
+        print(f"{folder}: {'damaged: ' + why if why else 'not resumable: ' + layout if layout else 'usable'}")
     print(f"--resume auto would resume from {checkpoint.resolve('auto', path)}")
     return 0
 

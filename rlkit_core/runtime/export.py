@@ -20,7 +20,7 @@ def export_checkpoint(path: str, out: str, registry: Registry, merge_lora: bool 
     With LoRA, `merge_lora` folds the adapters into the base weights; without it the adapters are
     saved on their own (peft's layout), which is smaller but needs peft to load.
     """
-    source = checkpoint.resolve(path, ".")
+    source = checkpoint.resolve(path, ".", resuming=False)  # the weights' files are the same in every layout
     target = Path(out)
     if target.exists() and any(target.iterdir()):
         raise RlkitError(f"rlkit export: {target} exists and is not empty; choose a new folder")

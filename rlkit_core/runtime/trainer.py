@@ -96,8 +96,9 @@ class Trainer:
         # accelerate owns the processes, backward, gradient clipping and mixed precision, so one
         # process and `accelerate launch` (several) go through the same calls.
         # Components are built on self.device; `prepare` must not move them (run.device = "cuda:1").
+        # The schedule steps once per `scheduler.step()` (not once per process, accelerate's default).
         self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision, device_placement=False,
-                                       fsdp_plugin=fsdp_plugin(run.mixed_precision))
+                                       fsdp_plugin=fsdp_plugin(run.mixed_precision), step_scheduler_with_optimizer=False)
         if problem := engine_problem(self.accelerator):
             raise RunError(problem)
         self.processes = Processes(self.accelerator)
@@ -129,12 +130,13 @@ class Trainer:
         # the same update up to rounding, also on FSDP2's DTensor shards
         optimizer = torch.optim.AdamW(groups, weight_decay=optim.weight_decay, eps=optim.adam_eps,
                                       fused=self.device.type in ("cpu", "cuda"))
-        # The schedule stays outside `prepare`: accelerate would step it once per process.
         self.trainable, self.optimizer = self.accelerator.prepare(TrainableModules(self.policy, self.value_head), optimizer)
         # what the optimiser updates: the same tensors, or under FSDP the shards that replaced them
         self.parameters = [p for g in optimizer.param_groups for p in g["params"]]
         updates = run.steps * ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
-        self.scheduler = get_scheduler(optim.schedule, optimizer, num_warmup_steps=optim.warmup_steps, num_training_steps=updates)
+        # prepared, so that accelerate's save_state holds it with the optimiser, loss scaler and random states
+        self.scheduler = self.accelerator.prepare(get_scheduler(optim.schedule, optimizer, num_warmup_steps=optim.warmup_steps,
+                                                                num_training_steps=updates))
         self.iteration = 0  # iterations completed
         self.last_batch: RolloutBatch | None = None  # the latest scored batch, for sample tables
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl")
