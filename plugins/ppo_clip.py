@@ -12,6 +12,7 @@ from rlkit_core.functional import (
     RATIO_LEVELS,
     aggregation_weights,
     importance_weights,
+    kl_per_token,
     masked_mean,
     masked_sum,
     policy_loss,
@@ -51,9 +52,12 @@ class PPOClip(Loss):
     usually after one bad step) is reported as `skipped` and the loop leaves the weights alone:
     the clipped objective bounds each token's push but not the damage of following it.
 
-    Every `loss_*` term (policy, value, entropy, and the loop's β·KL) aggregates as `aggregation`
-    says (`rlkit_core.functional.aggregation_weights`); the per-response forms divide by the
-    rollouts of an optimiser step, `ppo.minibatch_size`, which is the same whatever the split."""
+    Every `loss_*` term (policy, value, entropy, and β·KL with `ppo.kl_penalty = "loss"`) aggregates
+    as `aggregation` says (`rlkit_core.functional.aggregation_weights`); the per-response forms
+    divide by the rollouts of an optimiser step, `ppo.minibatch_size`, which is the same whatever
+    the split."""
+
+    takes_kl_penalty = True
 
     def __init__(self, config: PPOClipConfig, context):
         self.config = config
@@ -66,6 +70,7 @@ class PPOClip(Loss):
                                "token_sum_norm to the longest response in tokens"])
 
     def aggregation(self, minibatch, token_count):
+        """(per-token weights or None, divisor): every `loss_*` term is Σ_counted w·x / divisor."""
         weights = aggregation_weights(minibatch.response_mask, self.config.aggregation, self.norm)
         divisor = token_count if weights is None else self.responses_per_step
         if self.config.mask_truncated:
@@ -106,6 +111,9 @@ class PPOClip(Loss):
         if self.config.entropy_coef:
             entropy = current.entropy if weights is None else weights * current.entropy
             terms["loss_entropy"] = -self.config.entropy_coef * masked_sum(entropy, mask) / divisor
+        if current.kl_coef:
+            kl = kl_per_token(current.logprobs, minibatch.ref_logprobs, current.kl_estimator)
+            terms["loss_kl"] = current.kl_coef * masked_sum(kl if weights is None else weights * kl, mask) / divisor
         threshold = self.config.ratio_threshold or float("inf")
         terms["skipped"] = (pg["ratio_mean"] > threshold).float()  # a tensor: the loop reads it once per step
         return terms

@@ -311,6 +311,29 @@ def importance_weights(
     return torch.where(counted, weights, torch.ones_like(weights))
 
 
+def shaped_scores(scores: torch.Tensor, ended: torch.Tensor, lengths: torch.Tensor, missing_eos_penalty: float = 0.0,
+                  max_length: int = 0, overlong_buffer: int = 0, overlong_factor: float = 1.0, clip: float = 0.0) -> torch.Tensor:
+    """[B] scores as the rewards take them: less `missing_eos_penalty` for a response that never
+    ended, less DAPO's overlong penalty (`overlong_penalty`; off with no buffer), clipped to ±`clip`
+    (0: not clipped). The order is the recipe's: penalties first, so a clip bounds the total."""
+    scores = scores - missing_eos_penalty * (~ended).float()
+    if overlong_buffer:
+        scores = scores - overlong_penalty(lengths, max_length, overlong_buffer, overlong_factor)
+    if clip:
+        scores = scores.clamp(-clip, clip)
+    return scores
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float = 0.0) -> torch.Tensor:
+    """[B, R] per-token rewards (Ziegler et al. 2019, arXiv:1909.08593): −kl_coef · KL at every
+    token, plus the sequence's score at its last counted token (the EOS when there is one).
+    `kl_coef` 0: the KL penalty is not in the reward (it is in the loss, or off)."""
+    rewards = -kl_coef * kl if kl_coef else torch.zeros_like(kl)
+    last = mask.sum(dim=1).long() - 1
+    rewards[torch.arange(len(scores), device=scores.device), last] += scores
+    return rewards
+
+
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476): [B] response lengths in
     tokens -> [B] penalties ≥ 0, to subtract from the scores.

@@ -192,6 +192,10 @@ class LossInputs:
     logprobs: torch.Tensor  # [b, R] log π_θ of the sampled tokens
     values: torch.Tensor | None  # [b, R] V_θ, None without a critic
     entropy: torch.Tensor  # [b, R] entropy of π_θ at each position; detached unless `Loss.entropy_in_loss`
+    # β of the KL penalty when the recipe puts it in the loss (`ppo.kl_penalty = "loss"`), else 0,
+    # and the per-token estimator to take of log π_θ against `minibatch.ref_logprobs`
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
 
 
 class Loss(Part):
@@ -200,6 +204,9 @@ class Loss(Part):
     loop to take no optimiser step on this minibatch."""
 
     entropy_in_loss: bool = False  # True when a `loss_*` term uses `entropy`: the loop then keeps its graph
+    # flag rlkit reads from the class: True when `__call__` adds `loss_kl`, `current.kl_coef` times the
+    # per-token KL aggregated as its other terms, so that `ppo.kl_penalty = "loss"` may choose it
+    takes_kl_penalty: ClassVar[bool] = False
 
     @abstractmethod
     def __call__(self, minibatch: RolloutBatch, current: LossInputs, token_count: float) -> dict[str, torch.Tensor]:
@@ -207,19 +214,12 @@ class Loss(Part):
         count of the optimiser step), so that results do not depend on how the batch was split.
 
         `loss_*` terms are sums over the minibatch's tokens divided by `token_count`, or, for a loss
-        that averages per response (see `aggregation`), by the rollouts of the optimiser step over
+        that averages per response, by the rollouts of the optimiser step over
         all processes (`recipe.ppo.minibatch_size`): the loop adds them up over micro-batches and
         processes. Other terms are means over the minibatch's own counted tokens, which the loop
         combines weighted by token count; a name ending in `_max` is combined by its maximum, and
         so is `skipped`: one micro-batch or process that asks for it skips the whole optimiser step
         (the backward passes still run, in every process)."""
-
-    def aggregation(self, minibatch: RolloutBatch, token_count: float) -> tuple[torch.Tensor | None, float]:
-        """(per-token weights or None, divisor): how this loss turns per-token terms into a `loss_*`
-        term, Σ_counted w·x / divisor (`rlkit_core.functional.aggregation_weights`). The loop uses it
-        for the terms it adds itself (β·KL with `ppo.kl_penalty = "loss"`). Default: the mean over
-        the step's tokens."""
-        return None, token_count
 
 
 class Generator(Part):

@@ -51,7 +51,7 @@ def main(document_path: str, out: str) -> None:
     whole, _ = trainer.rollout(trainer.stream.batch(0))
     rows = len(whole) // processes.count
     mine = whole.select(torch.arange(processes.index * rows, (processes.index + 1) * rows))
-    update_metrics = trainer.train_on(trainer.evaluate(mine))
+    update_metrics = trainer.train_on(trainer.with_advantages(mine))
     weights = flat_weights(trainer)
     agreed = [same_everywhere(trainer)]
 

@@ -46,7 +46,7 @@ def test_models_without_logits_to_keep_or_a_trunk_give_the_same(policy, inputs):
 
 def test_response_logprobs_equal_the_ones_from_every_position(recipe_document, builtin_registry):
     trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
-    batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
     sequence = batch.sequence()
     with torch.no_grad():
         logprobs, values, _, _ = trainer._response_view(batch, sequence, grad=False)

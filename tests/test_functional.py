@@ -29,6 +29,8 @@ from rlkit_core.functional import (
     overlong_penalty,
     policy_loss,
     sequence_log_ratio,
+    shaped_scores,
+    token_rewards,
     value_loss,
 )
 
@@ -611,3 +613,25 @@ def test_constant_groups_by_hand_and_against_loop():
         members = {s for s, gid in zip(scores.tolist(), group_ids.tolist()) if gid == group_ids[i]}
         assert got[i] == (len(members) == 1)
     assert any(got) and not all(got)
+
+
+def test_shaped_scores_by_hand():
+    scores, ended, lengths = torch.tensor([1.0, 2.0, 0.5]), torch.tensor([True, False, True]), torch.tensor([3, 10, 9])
+    # no setting: the scores as they are
+    assert shaped_scores(scores, ended, lengths).tolist() == [1.0, 2.0, 0.5]
+    # missing EOS: the second never ended, 2 - 0.5 = 1.5; limit 10, buffer 4: lengths 10 and 9 lose
+    # (10 - 6) / 4 · 1 = 1 and (9 - 6) / 4 = 0.75; then the clip at ±0.8 bounds the totals
+    shaped = shaped_scores(scores, ended, lengths, missing_eos_penalty=0.5, max_length=10, overlong_buffer=4)
+    assert shaped.tolist() == approx([1.0, 0.5, -0.25])
+    assert shaped_scores(scores, ended, lengths, 0.5, 10, 4, clip=0.8).tolist() == approx([0.8, 0.5, -0.25])
+    assert shaped_scores(torch.tensor([-3.0]), torch.tensor([True]), torch.tensor([1]), clip=2.0).tolist() == [-2.0]
+
+
+def test_token_rewards_by_hand():
+    scores = torch.tensor([2.0, -1.0])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.0, 0.0]])  # zero on padding, as the trainer keeps it
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    # β 0.5: -0.05, -0.1, -0.15 + 2 at the last counted token; the second row's only token: -0.2 - 1
+    assert token_rewards(scores, kl, mask, kl_coef=0.5).flatten().tolist() == approx([-0.05, -0.1, 1.85, -0.2 - 1.0, 0.0, 0.0])
+    # no KL in the reward: the score alone, at each row's last counted token
+    assert token_rewards(scores, kl, mask).tolist() == [[0.0, 0.0, 2.0], [-1.0, 0.0, 0.0]]

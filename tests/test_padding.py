@@ -115,7 +115,7 @@ def test_the_update_on_trimmed_micro_batches_equals_the_padded_one(ragged_docume
     ragged_document["ppo"].update(split)
     ragged_document["optim"]["max_grad_norm"] = 0.0  # the step sees the summed gradient as it is
     trainer = Trainer(parse_recipe(ragged_document, builtin_registry))
-    batch = trainer.evaluate(rollout(trainer))
+    batch = trainer.with_advantages(rollout(trainer))
     token_count = batch.response_mask.sum()
     trainer._micro_step(batch, token_count)  # the whole padded minibatch at once: the fixed split of one
     padded = torch.cat([p.grad.flatten() for p in trainer.parameters])

@@ -9,7 +9,7 @@ import pytest
 from rlkit_core import hookspecs
 from rlkit_core.config import greater_than, setting
 from rlkit_core.errors import RecipeError
-from rlkit_core.interfaces import KIND_TABLE, AdvantageEstimator, Generator, RewardSource
+from rlkit_core.interfaces import KIND_TABLE, AdvantageEstimator, Generator, Loss, RewardSource
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import HOOKS, load_registry
@@ -155,3 +155,29 @@ def test_a_generator_config_must_declare_the_settings_rlkit_reads():
     assert "MisnamedSamplerConfig.renamed names 'temperature', which rlkit does not read from it (it reads: max_new_tokens, batch_size)" in why
     assert "MisnamedSamplerConfig has no field 'max_tokenz' for the setting 'max_new_tokens' that rlkit reads" in why
     assert "MisnamedSamplerConfig has no field 'batch_size' for the setting 'batch_size'" in why
+
+
+class MeanLogprobLoss(Loss):
+    """A loss that does not take the KL penalty: it never adds β·KL itself."""
+
+    def __init__(self, config, context):
+        pass
+
+    def __call__(self, minibatch, current, token_count):
+        return {"loss_policy": -(current.logprobs * minibatch.response_mask).sum() / token_count}
+
+
+def test_kl_in_the_loss_needs_a_loss_that_takes_it(recipe_document):
+    registry = loaded("plain-loss", register_losses=lambda register: register("plain", MeanLogprobLoss, EmptyConfig))
+    recipe_document["loss"] = {"type": "plain"}
+    recipe_document["ppo"]["kl_penalty"] = "loss"
+    recipe_document["ppo"]["kl_estimator"] = "k3"
+    with pytest.raises(RecipeError) as refused:
+        parse_recipe(recipe_document, registry)
+    assert [p.split(":")[0] for p in refused.value.problems] == ["$.ppo.kl_penalty"]
+    assert "loss 'plain' does not take the KL penalty" in str(refused.value)
+    recipe_document["ppo"]["kl_penalty"] = "reward"  # the penalty in the reward: any loss will do
+    assert parse_recipe(recipe_document, registry)["loss"].component.factory is MeanLogprobLoss
+    recipe_document["loss"] = {"type": "ppo-clip"}
+    recipe_document["ppo"]["kl_penalty"] = "loss"
+    assert parse_recipe(recipe_document, registry)["loss"].component.factory.takes_kl_penalty

@@ -65,7 +65,7 @@ def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch(grpo_document, b
     assert metrics["batch/dropped_groups"] >= flat_prompts
     assert metrics["batch/extra_rounds"] >= 1
     # each kept row is the response the reward scored, with the sampler's log-probs of its own tokens
-    evaluated = trainer.evaluate(batch)
+    evaluated = trainer.with_advantages(batch)
     assert float((evaluated.old_logprobs - evaluated.sampled_logprobs).abs().max()) < 1e-4
     assert batch.scores.tolist() == approx([0.5 if p[0] in "ab" else sum(c.islower() for c in r) / 8
                                            for p, r in zip(batch.prompts, batch.responses)])
@@ -145,7 +145,7 @@ def test_overlong_penalty_shapes_the_scores(recipe_document, builtin_registry):
     recipe_document["ppo"].update({"overlong_buffer": 4, "overlong_penalty": 1.0, "missing_eos_penalty": 0.25})
     trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
     # max_new_tokens 8, buffer 4: lengths 3, 6, 8 lose 0, (6 - 4)/4 = 0.5, 1; the last never ended: 0.25 more
-    shaped = trainer._shaped(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([True, True, False]), torch.tensor([3, 6, 8]))
+    shaped = trainer.shaped(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([True, True, False]), torch.tensor([3, 6, 8]))
     assert shaped.tolist() == approx([1.0, 0.5, -0.25])
 
 

@@ -229,7 +229,7 @@ def test_gradient_accumulation_gives_the_same_update(recipe_document, builtin_re
         trainer.optimizer.optimizer.register_step_pre_hook(
             lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.parameters])))
         torch.manual_seed(5)
-        batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+        batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
         metrics = trainer.train_on(batch)
         return gradients, metrics
 

@@ -20,7 +20,7 @@ def make_trainer(document, registry, **changes):
 def test_first_step_ratio_is_one_and_logprobs_match_the_sampler(recipe_document, builtin_registry):
     trainer = make_trainer(recipe_document, builtin_registry)
     batch, _ = trainer.rollout(trainer.stream.batch(0))
-    batch = trainer.evaluate(batch)
+    batch = trainer.with_advantages(batch)
     mask = batch.response_mask.bool()
     # The training code path, before any update, reproduces π_old: ratio exactly 1.
     logprobs, _, _, _ = trainer._response_view(batch, batch.sequence(), grad=False)
@@ -34,7 +34,7 @@ def test_first_step_ratio_is_one_and_logprobs_match_the_sampler(recipe_document,
 
 def test_score_lands_on_the_last_counted_token(recipe_document, builtin_registry):
     trainer = make_trainer(recipe_document, builtin_registry, kl__type="fixed", kl__beta=0.0)
-    batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
     last = batch.response_mask.sum(dim=1) - 1
     expected = torch.zeros_like(batch.rewards)
     expected[torch.arange(len(batch)), last] = batch.scores
@@ -43,7 +43,7 @@ def test_score_lands_on_the_last_counted_token(recipe_document, builtin_registry
 
 def test_temperature_is_applied_when_recomputing(recipe_document, builtin_registry):
     trainer = make_trainer(recipe_document, builtin_registry, generator__temperature=0.7)
-    batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
     mask = batch.response_mask.bool()
     assert torch.allclose(batch.old_logprobs[mask], batch.sampled_logprobs[mask], atol=1e-4)
 
@@ -98,7 +98,7 @@ def test_gradient_checkpointing_recomputes_during_the_update_and_changes_nothing
         document = {table: dict(body) for table, body in recipe_document.items()}
         trainer = make_trainer(document, builtin_registry, policy__gradient_checkpointing=checkpointing, policy__lora_r=lora_r)
         torch.manual_seed(5)
-        batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+        batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
         calls = []
         model = trainer.policy.model.get_base_model() if lora_r else trainer.policy.model
         # a module inside a block (transformers keeps the block's own hooks out of the recomputation),
@@ -124,7 +124,7 @@ def test_forward_batch_size_only_changes_how_the_rollout_is_chunked(recipe_docum
         document = {table: dict(body) for table, body in recipe_document.items()}
         trainer = make_trainer(document, builtin_registry, ppo__forward_batch_size=forward_batch_size)
         torch.manual_seed(5)
-        return trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+        return trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
 
     whole, chunked = evaluated(0), evaluated(3)
     for name in ("old_logprobs", "ref_logprobs", "values", "advantages"):
@@ -156,7 +156,7 @@ def test_a_minibatch_whose_ratio_exploded_is_skipped(recipe_document, builtin_re
     skipped and the weights must not move at all; at the default of 10 none is."""
     trainer = make_trainer(recipe_document, builtin_registry, loss__ratio_threshold=0.5)
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-    batch = trainer.evaluate(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
     with warnings.catch_warnings(record=True) as caught:  # the schedule moves on without a warning to the user
         warnings.simplefilter("always")
         metrics = trainer.train_on(batch)

@@ -37,6 +37,7 @@ from rlkit_core.recipe.schema import (
     RunConfig,
     batch_arithmetic_problems,
     critic_problems,
+    kl_penalty_problems,
     kl_problems,
     launch_problems,
     launched_processes,
@@ -287,6 +288,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
             problems += sharding_problems(components["policy"].config, components["generator"].component.name)
     if core["ppo"] is not None and components.get("generator") is not None:
         problems += overlong_problems(core["ppo"], components["generator"])
+    if core["ppo"] is not None and components.get("loss") is not None:
+        problems += kl_penalty_problems(core["ppo"], components["loss"])
     eval_metrics, found = _eval_metrics(core["eval"], registry)
     problems += found
     if problems:

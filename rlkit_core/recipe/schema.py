@@ -174,6 +174,16 @@ def critic_problems(ppo: PPOConfig, advantage, value_head) -> list[Problem]:
     return problems
 
 
+def kl_penalty_problems(ppo: PPOConfig, loss) -> list[Problem]:
+    """`ppo.kl_penalty = "loss"` asks the loss to add β·KL itself; a loss that does not say it does
+    (`Loss.takes_kl_penalty`) would train without the penalty. `loss` is the checked component table."""
+    if ppo.kl_penalty != "loss" or loss.component.factory.takes_kl_penalty:
+        return []
+    return [Problem("$.ppo.kl_penalty", f"'loss' adds β·KL to the loss, but loss {loss.component.name!r} does not take the KL "
+                                        "penalty; put it in the reward (kl_penalty = \"reward\") or use a loss that takes it "
+                                        "('ppo-clip')")]
+
+
 def overlong_problems(ppo: PPOConfig, generator) -> list[Problem]:
     """`ppo.overlong_buffer` needs a length limit to count back from: the generator's
     response limit (`SamplingSettings.response_limit`), at least as long as the buffer. `generator`

@@ -24,6 +24,16 @@ def combined_by_max(name: str) -> bool:
     return name.endswith("_max") or name == "skipped"
 
 
+def add_terms(known: dict[str, torch.Tensor], terms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A micro-batch's terms added into its step's so far: by their maximum for `combined_by_max`
+    names, by their sum for the rest (over processes, `Processes.combine_terms` does the same)."""
+    combined = dict(known)
+    for name, value in terms.items():
+        combine = torch.maximum if combined_by_max(name) else torch.add
+        combined[name] = value if name not in known else combine(known[name], value)
+    return combined
+
+
 class TrainableModules(torch.nn.Module):
     """Policy and critic as one module for `accelerator.prepare`.
 

@@ -66,7 +66,7 @@ class DynamicSampler:
             for name, value in timing.items():
                 metrics[name] = metrics.get(name, 0.0) + value if name.startswith("time/") else value
             lengths = batch.response_mask.sum(dim=1)
-            constant = constant_groups(trainer._shaped(batch.scores, batch.ended, lengths), batch.group_ids)
+            constant = constant_groups(trainer.shaped(batch.scores, batch.ended, lengths), batch.group_ids)
             starts = torch.arange(0, len(batch), self.k, device=batch.group_ids.device)
             informative = starts[~constant[starts]]
             kept.append(self._groups(batch, informative[:lacking()]))  # more informative groups than room: the rest unused

@@ -31,7 +31,8 @@ from rlkit_core.functional import (
     masked_mean,
     masked_sum,
     masked_var,
-    overlong_penalty,
+    shaped_scores,
+    token_rewards,
 )
 from rlkit_core.interfaces import Generation, LossInputs
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts, within_context
@@ -41,6 +42,7 @@ from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import (
     Processes,
     TrainableModules,
+    add_terms,
     combined_by_max,
     critic_problem,
     engine_problem,
@@ -289,38 +291,31 @@ class Trainer:
         self.positions[phase] = (computed + part.prompt_mask.numel() + part.response_mask.numel(),
                                  real + int(part.prompt_mask.sum()) + int(part.response_mask.sum()))
 
-    def _shaped(self, scores: torch.Tensor, ended: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Scores as the rewards take them: less the missing-EOS and overlong penalties, clipped."""
+    def shaped(self, scores: torch.Tensor, ended: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Scores as the rewards take them, with the recipe's penalties and clip (`shaped_scores`)."""
         ppo = self.recipe.ppo
-        scores = scores - ppo.missing_eos_penalty * (~ended).float()
-        if ppo.overlong_buffer:
-            limit = self.recipe["generator"].config.max_new_tokens
-            scores = scores - overlong_penalty(lengths, limit, ppo.overlong_buffer, ppo.overlong_penalty)
-        if ppo.score_clip:
-            scores = scores.clamp(-ppo.score_clip, ppo.score_clip)
-        return scores
+        limit = self.recipe["generator"].config.response_limit if ppo.overlong_buffer else 0
+        return shaped_scores(scores, ended, lengths, ppo.missing_eos_penalty, limit, ppo.overlong_buffer, ppo.overlong_penalty,
+                             ppo.score_clip)
 
     def greedy_baseline(self, records: list[dict], batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """`batch` with `baseline_scores`: the shaped score of the greedy response to each of `records`
         (ReMax's baseline), given to every sample of that prompt."""
         greedy, timing = self.rollout(records, samples_per_prompt=1, greedy=True)
-        baseline = self._shaped(greedy.scores, greedy.ended, greedy.response_mask.sum(dim=1)).repeat_interleave(self.recipe.ppo.samples_per_prompt)
+        baseline = self.shaped(greedy.scores, greedy.ended, greedy.response_mask.sum(dim=1)).repeat_interleave(self.recipe.ppo.samples_per_prompt)
         return batch.with_(baseline_scores=baseline), {"time/baseline": timing["time/generate"] + timing["time/score"]}
 
     @torch.no_grad()
-    def evaluate(self, batch: RolloutBatch) -> RolloutBatch:
-        """Old and reference log-probs, values, per-token KL and rewards, advantages and returns.
+    def with_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        """`batch` with old and reference log-probs, values, per-token KL and rewards, advantages and
+        returns: everything the update reads.
 
         The forward passes run on this process's rollouts; the advantages are estimated over the
         global batch (whitening statistics, groups), and this process keeps its rows of them."""
-        ppo = self.recipe.ppo
         batch = self.compare_to_reference(batch)
         mask = batch.response_mask
-        scores = self._shaped(batch.scores, batch.ended, mask.sum(dim=1))
-        beta = self.parts.kl.beta
-        rewards = -beta * batch.kl if ppo.kl_penalty == "reward" else torch.zeros_like(batch.kl)
-        last = mask.sum(dim=1).long() - 1  # the last counted token: the EOS when there is one
-        rewards[torch.arange(len(batch), device=self.device), last] += scores
+        kl_coef = self.parts.kl.beta if self.recipe.ppo.kl_penalty == "reward" else 0.0
+        rewards = token_rewards(self.shaped(batch.scores, batch.ended, mask.sum(dim=1)), batch.kl, mask, kl_coef)
         batch = batch.with_(rewards=rewards)
         advantages, returns = self.parts.advantage.estimate(self.processes.gather_batch(batch, self.tokenizer.pad_token_id))
         return batch.with_(advantages=self.processes.local_rows(advantages, rewards),
@@ -354,26 +349,9 @@ class Trainer:
                         micro = batch.select(piece).trimmed()
                         self._count_positions("train", micro)
                         terms = self._micro_step(micro, token_count)
-                    for name, value in terms.items():
-                        known = step_terms.get(name)
-                        combine = torch.maximum if combined_by_max(name) else torch.add
-                        step_terms[name] = value if known is None else combine(known, value)
+                    step_terms = add_terms(step_terms, terms)
                 terms = self.processes.combine_terms(step_terms)
-                grad_norm = 0.0
-                # Every process took part in the backward passes (DDP needs them all); all skip or none does.
-                # The loss is summed over processes and the gradient norm is of the all-reduced
-                # gradients, so a non-finite value on one process is non-finite on every one.
-                nonfinite = not math.isfinite(float(terms["loss"]))
-                if not float(terms.get("skipped", 0.0)) and not nonfinite:
-                    # a float: under FSDP the norm is a sharded tensor
-                    grad_norm = float(self.accelerator.clip_grad_norm_(self.parameters, optim.max_grad_norm or float("inf")))
-                    nonfinite = not math.isfinite(grad_norm)
-                    if not nonfinite or self.recipe.run.mixed_precision == "fp16":
-                        self.optimizer.step()  # under fp16 the loss scaler skips an overflowed step itself and lowers its scale
-                self._count_nonfinite(nonfinite)
-                with warnings.catch_warnings():  # a skipped step uses up its place in the schedule on purpose
-                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
-                    self.scheduler.step()
+                grad_norm, nonfinite = self._optimizer_step(terms)
                 for name, value in terms.items():
                     per_step[f"train/{name}"].append(value)
                 per_step["train/grad_norm"].append(torch.tensor(grad_norm))  # before clipping
@@ -388,6 +366,28 @@ class Trainer:
         metrics["train/grad_norm_max"] = max(steps["train/grad_norm"])
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
+
+    def _optimizer_step(self, terms: dict[str, torch.Tensor]) -> tuple[float, bool]:
+        """Clip the gradients and step, unless the loss asked to skip this minibatch or is not
+        finite; then the schedule steps either way. Returns (gradient norm before clipping, whether
+        the loss or the gradient was non-finite).
+
+        Every process took part in the backward passes (DDP needs them all); all skip or none does.
+        The loss is summed over processes and the gradient norm is of the all-reduced gradients, so
+        a non-finite value on one process is non-finite on every one."""
+        grad_norm = 0.0
+        nonfinite = not math.isfinite(float(terms["loss"]))
+        if not float(terms.get("skipped", 0.0)) and not nonfinite:
+            # a float: under FSDP the norm is a sharded tensor
+            grad_norm = float(self.accelerator.clip_grad_norm_(self.parameters, self.recipe.optim.max_grad_norm or float("inf")))
+            nonfinite = not math.isfinite(grad_norm)
+            if not nonfinite or self.recipe.run.mixed_precision == "fp16":
+                self.optimizer.step()  # under fp16 the loss scaler skips an overflowed step itself and lowers its scale
+        self._count_nonfinite(nonfinite)
+        with warnings.catch_warnings():  # a skipped step uses up its place in the schedule on purpose
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
+            self.scheduler.step()
+        return grad_norm, nonfinite
 
     def _count_nonfinite(self, nonfinite: bool) -> None:
         """A step with a non-finite loss or gradient leaves the weights alone; `run.max_skips_in_a_row`
@@ -406,11 +406,9 @@ class Trainer:
         with self.accelerator.autocast():  # accelerate's prepared module autocasts by itself, except under FSDP
             logprobs, values, entropy, _ = self.trainable(self._response_view, micro, micro.sequence(), True)
         mask = micro.response_mask
-        terms = self.parts.loss(micro, LossInputs(logprobs=logprobs, values=values, entropy=entropy), token_count)
-        if ppo.kl_penalty == "loss":
-            kl = kl_per_token(logprobs, micro.ref_logprobs, ppo.kl_estimator)
-            weights, divisor = self.parts.loss.aggregation(micro, token_count)  # as the loss aggregates its own terms
-            terms["loss_kl"] = self.parts.kl.beta * masked_sum(kl if weights is None else weights * kl, mask) / divisor
+        kl_coef = self.parts.kl.beta if ppo.kl_penalty == "loss" else 0.0
+        current = LossInputs(logprobs=logprobs, values=values, entropy=entropy, kl_coef=kl_coef, kl_estimator=ppo.kl_estimator)
+        terms = self.parts.loss(micro, current, token_count)
         total = sum(value for name, value in terms.items() if name.startswith("loss_"))
         # DDP averages gradients over processes; the loss is a share of a global sum, so undo the mean.
         self.accelerator.backward(total * self.processes.count)
@@ -431,7 +429,7 @@ class Trainer:
             batch, timing = self.greedy_baseline(records, batch)
             metrics.update(timing)
         forward_started = time.perf_counter()
-        batch = self.evaluate(batch)
+        batch = self.with_advantages(batch)
         train_started = time.perf_counter()
         metrics.update(self.train_on(batch))
         finished = time.perf_counter()

@@ -276,13 +276,13 @@ class LossContract(ComponentContract):
     kind = "loss"
 
     @staticmethod
-    def current(batch: RolloutBatch, with_values: bool) -> LossInputs:
+    def current(batch: RolloutBatch, with_values: bool, kl_coef: float = 0.0) -> LossInputs:
         """What the current parameters say: close to the rollout, with gradient, NaN on padding."""
         noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(1)) * 0.1
         logprobs = (batch.old_logprobs + noise).requires_grad_()
         values = (batch.values + noise).requires_grad_() if with_values else None
         entropy = torch.rand(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(2)).requires_grad_()
-        return LossInputs(logprobs=logprobs, values=values, entropy=entropy)
+        return LossInputs(logprobs=logprobs, values=values, entropy=entropy, kl_coef=kl_coef)
 
     def terms(self, instance, with_values=True, token_count=None):
         batch = rollout_batch(with_values=with_values)
@@ -310,11 +310,12 @@ class LossContract(ComponentContract):
         """The loop runs a minibatch as micro-batches in several processes and adds their `loss_*`
         terms, all given the step's global token count: the sum must be the whole minibatch's term."""
         batch = rollout_batch()
-        current = self.current(batch, with_values=True)
+        current = self.current(batch, with_values=True, kl_coef=0.1 if type(instance).takes_kl_penalty else 0.0)
         count = float(batch.response_mask.sum())
         whole = instance(batch, current, count)
         parts = [torch.tensor([0, 4]), torch.tensor([1, 2, 5]), torch.tensor([3])]
-        split = [instance(batch.select(rows), LossInputs(*(value[rows] for value in attrs.astuple(current, recurse=False))), count)
+        tensors = {name: value for name, value in attrs.asdict(current, recurse=False).items() if isinstance(value, torch.Tensor)}
+        split = [instance(batch.select(rows), attrs.evolve(current, **{name: value[rows] for name, value in tensors.items()}), count)
                  for rows in parts]
         for name, value in whole.items():
             if name.startswith("loss_"):
@@ -323,6 +324,19 @@ class LossContract(ComponentContract):
                     f"{name}: the parts add up to {float(added)}, the whole minibatch gives {float(value)}; divide sums "
                     "by the token_count given (or another count of the whole step), not by the minibatch's own size")
 
+
+    def test_the_kl_penalty_is_a_loss_term_when_declared(self, instance):
+        """`takes_kl_penalty`: β·KL of the current log-probs against the reference is a `loss_kl`
+        term, present only when `kl_coef` is nonzero; a loss that does not declare it is refused with
+        `ppo.kl_penalty = "loss"` by the recipe check instead."""
+        if not type(instance).takes_kl_penalty:
+            pytest.skip("this loss does not take the KL penalty (ppo.kl_penalty = 'loss' refuses it)")
+        batch = rollout_batch()
+        count = float(batch.response_mask.sum())
+        with_kl = instance(batch, self.current(batch, with_values=True, kl_coef=0.5), count)
+        without = instance(batch, self.current(batch, with_values=True), count)
+        assert "loss_kl" in with_kl and with_kl["loss_kl"].requires_grad and torch.isfinite(with_kl["loss_kl"])
+        assert float(without.get("loss_kl", torch.tensor(0.0))) == 0.0, "kl_coef 0 means no KL term"
 
 # --- model kinds -------------------------------------------------------------------------------
 
