@@ -22,7 +22,9 @@ from rlkit_core.settings import SamplingSettings
 
 
 @attrs.frozen
-class HFGeneratorConfig(SamplingSettings):
+class SamplingConfig(SamplingSettings):
+    """The sampling settings both built-in generators take (`vllm`'s config adds its engine's)."""
+
     renamed = {"batch_size": None}  # prompts go to the sampler all at once
     max_new_tokens: int = setting(64, help="longest response in tokens", validator=greater_than(0))
     min_new_tokens: int = setting(0, help="EOS is forbidden before this many tokens (the sampler then differs from π; keep 0 for exact PPO)", validator=at_least(0))
@@ -32,9 +34,9 @@ class HFGeneratorConfig(SamplingSettings):
 
 
 @attrs.frozen
-class HFGenerateConfig(HFGeneratorConfig):
-    """The `hf` generator's settings: the sampling settings (which the vllm generator shares) and
-    how many prompts go into one `generate` call."""
+class HFGeneratorConfig(SamplingConfig):
+    """The `hf` generator's settings: the sampling settings and how many prompts go into one
+    `generate` call."""
 
     renamed = {}
 
@@ -66,7 +68,7 @@ class HFGenerator(Generator):
     """Pure temperature sampling by default (no top-k/top-p), so that the sampler is exactly π/T
     and the KL to the reference cannot go negative through truncation."""
 
-    def __init__(self, config: HFGenerateConfig, context):
+    def __init__(self, config: HFGeneratorConfig, context):
         self.config = config
         self.temperature = config.temperature
         self.policy = context.policy
@@ -89,7 +91,7 @@ class HFGenerator(Generator):
 
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
-        size = getattr(self.config, "batch_size", 0) or len(prompt_ids)  # sampling settings alone: all at once
+        size = self.config.generate_batch or len(prompt_ids)  # 0 (or sampling settings alone): all at once
         if size >= len(prompt_ids):
             return self._generate(*without_padding_columns(prompt_ids, prompt_mask), greedy)
         # Chunks of prompts of similar length, longest first, each without the columns that are
@@ -124,4 +126,4 @@ class HFGenerator(Generator):
 
 @hookimpl
 def register_generators(register):
-    register("hf", HFGenerator, HFGenerateConfig)
+    register("hf", HFGenerator, HFGeneratorConfig)

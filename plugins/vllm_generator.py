@@ -45,7 +45,7 @@ from rlkit_core.functional import response_mask
 from rlkit_core.interfaces import Generation, Generator
 from rlkit_core.prompts import PromptLengthLimit
 from rlkit_core.randomness import sampling_seed
-from rlkit_plugins.hf_generator import HFGeneratorConfig
+from rlkit_plugins.hf_generator import SamplingConfig
 
 # The tested range (pyproject's extras pin the same): the layerwise reload module and
 # `wake_up(tags)` are in both; 0.34 is not out.
@@ -65,7 +65,7 @@ def _top_p(instance, attribute, value):
 
 
 @attrs.frozen
-class VLLMGeneratorConfig(HFGeneratorConfig):
+class VLLMGeneratorConfig(SamplingConfig):
     """The hf generator's sampling settings (the same words in a recipe, within vLLM's ranges), then the engine's."""
 
     temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed (vLLM: 0.01 to 2)", validator=between(MIN_TEMPERATURE, MAX_TEMPERATURE))

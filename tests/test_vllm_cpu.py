@@ -22,7 +22,7 @@ from rlkit_core.context import BuildContext
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.prompts import encode_prompts
 from rlkit_core.recipe.document import structure_table
-from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
+from rlkit_plugins.hf_generator import HFGenerator, SamplingConfig
 from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, installed_vllm
 
@@ -150,7 +150,7 @@ def test_same_first_token_distribution_as_the_hf_generator(policy, generator):
     generator.sync_weights(policy)
     torch.manual_seed(1)
     ours = generator.generate(prompt_ids, prompt_mask).response_ids[:, 0]
-    hf = HFGenerator(HFGeneratorConfig(max_new_tokens=1, temperature=TEMPERATURE), _context(".", policy)).generate(prompt_ids[:1].expand(draws, -1), prompt_mask[:1].expand(draws, -1)).response_ids[:, 0]
+    hf = HFGenerator(SamplingConfig(max_new_tokens=1, temperature=TEMPERATURE), _context(".", policy)).generate(prompt_ids[:1].expand(draws, -1), prompt_mask[:1].expand(draws, -1)).response_ids[:, 0]
     with torch.no_grad():
         logits = policy.model(prompt_ids[:1], attention_mask=prompt_mask[:1]).logits[0, -1].float() / TEMPERATURE
     logits[list(policy.suppressed_token_ids)] = float("-inf")
@@ -198,7 +198,7 @@ def test_greedy_with_repeated_prompts_matches_transformers_greedy(policy, genera
     prompt_ids, prompt_mask = _prompts(policy, TEXTS)
     generator.sync_weights(policy)
     ours = generator.generate(prompt_ids, prompt_mask, greedy=True)
-    hf = HFGenerator(HFGeneratorConfig(max_new_tokens=MAX_NEW), _context(".", policy)).generate(prompt_ids, prompt_mask, greedy=True)
+    hf = HFGenerator(SamplingConfig(max_new_tokens=MAX_NEW), _context(".", policy)).generate(prompt_ids, prompt_mask, greedy=True)
     assert torch.equal(ours.response_ids, hf.response_ids) and torch.equal(ours.response_mask, hf.response_mask)
 
 

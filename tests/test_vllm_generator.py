@@ -22,7 +22,7 @@ from rlkit_core.runtime.cli import main
 from rlkit_core.testing import policy_inputs
 from rlkit_core.testing.contracts import GeneratorContract
 from rlkit_plugins import vllm_generator
-from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
+from rlkit_plugins.hf_generator import HFGenerator, SamplingConfig
 from rlkit_plugins.vllm_generator import (
     Sample,
     VLLMGenerator,
@@ -413,7 +413,7 @@ class StandInEngine:
         self.tied = {"lm_head.weight"} if base.config.tie_word_embeddings else set()
         shadow = types.SimpleNamespace(model=self.model, tokenizer=policy.tokenizer, eos_token_ids=policy.eos_token_ids,
                                        suppressed_token_ids=policy.suppressed_token_ids)
-        sampling = HFGeneratorConfig(max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens,
+        sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens,
                                      temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
         self.sampler = HFGenerator(sampling, types.SimpleNamespace(policy=shadow))
         self.tokenizer = policy.tokenizer

@@ -14,7 +14,7 @@ from rlkit_core import (
     one_of,
     setting,
 )
-from rlkit_plugins.hf_generator import HFGenerateConfig, HFGenerator
+from rlkit_plugins.hf_generator import HFGeneratorConfig, HFGenerator
 from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 
 
@@ -59,7 +59,7 @@ class SamplerConfig(SamplingSettings):
 
 class Sampler(HFGenerator):
     def __init__(self, config: SamplerConfig, context):
-        super().__init__(HFGenerateConfig(max_new_tokens=config.max_tokens, batch_size=config.prompts_per_call), context)
+        super().__init__(HFGeneratorConfig(max_new_tokens=config.max_tokens, batch_size=config.prompts_per_call), context)
 
 
 @attrs.frozen
