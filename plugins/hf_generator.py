@@ -68,6 +68,8 @@ class HFGenerator(Generator):
     """Pure temperature sampling by default (no top-k/top-p), so that the sampler is exactly π/T
     and the KL to the reference cannot go negative through truncation."""
 
+    runs_under_fsdp = True  # samples with the policy module, inside the engine
+
     def __init__(self, config: HFGeneratorConfig, context):
         self.config = config
         self.temperature = config.temperature

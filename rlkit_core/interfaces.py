@@ -226,6 +226,9 @@ class Generator(Part):
     """Samples responses and the sampler's log-probs for a batch of prompts."""
 
     temperature: float  # the loop divides logits by it when it recomputes log-probs
+    # flag rlkit reads from the class: True when the generator samples with the policy module itself
+    # (inside the training engine), so that it runs under FSDP, where weights are sharded
+    runs_under_fsdp: ClassVar[bool] = False
 
     @abstractmethod
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, greedy: bool = False) -> Generation:

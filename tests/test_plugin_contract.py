@@ -181,3 +181,28 @@ def test_kl_in_the_loss_needs_a_loss_that_takes_it(recipe_document):
     recipe_document["loss"] = {"type": "ppo-clip"}
     recipe_document["ppo"]["kl_penalty"] = "loss"
     assert parse_recipe(recipe_document, registry)["loss"].component.factory.takes_kl_penalty
+
+
+@attrs.frozen
+class TokensSamplerConfig(SamplingSettings):
+    renamed = {"max_new_tokens": "max_tokens", "batch_size": None}
+    max_tokens: int = setting(8, help="longest response", validator=greater_than(0))
+
+
+class EngineSampler(Sampler):
+    runs_under_fsdp = True  # samples with the policy module itself
+
+
+def test_fsdp_runs_a_generator_that_says_it_samples_inside_the_engine(recipe_document, monkeypatch):
+    def register_generators(register):
+        register("outside", Sampler, TokensSamplerConfig)
+        register("inside", EngineSampler, TokensSamplerConfig)
+
+    registry = loaded("samplers", register_generators=register_generators)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    recipe_document["generator"] = {"type": "inside"}
+    assert parse_recipe(recipe_document, registry)["generator"].component.factory is EngineSampler
+    recipe_document["generator"] = {"type": "outside"}
+    with pytest.raises(RecipeError, match=r"\$\.generator\.type: 'outside' is not run under FSDP"):
+        parse_recipe(recipe_document, registry)

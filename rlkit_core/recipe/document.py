@@ -285,7 +285,7 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
     if core["run"] is not None and components.get("policy") is not None:
         problems += launch_problems(core["run"], components["policy"].config, torch.cuda.is_available())
         if components.get("generator") is not None:
-            problems += sharding_problems(components["policy"].config, components["generator"].component.name)
+            problems += sharding_problems(components["policy"].config, components["generator"])
     if core["ppo"] is not None and components.get("generator") is not None:
         problems += overlong_problems(core["ppo"], components["generator"])
     if core["ppo"] is not None and components.get("loss") is not None:

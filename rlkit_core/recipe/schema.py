@@ -226,8 +226,9 @@ def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
     return problems
 
 
-def sharding_problems(policy_config, generator_type: str) -> list[Problem]:
-    """What rlkit cannot run under FSDP (an `accelerate launch` whose config selects it)."""
+def sharding_problems(policy_config, generator) -> list[Problem]:
+    """What rlkit cannot run under FSDP (an `accelerate launch` whose config selects it). `generator`
+    is the checked component table."""
     if not sharded_launch():
         return []
     problems = []
@@ -244,9 +245,10 @@ def sharding_problems(policy_config, generator_type: str) -> list[Problem]:
         dtype = field_of(policy_config, "dtype")
         problems.append(Problem(f"$.policy.{dtype}", f"{policy_config.weights_dtype!r} weights are not run under FSDP (untested); "
                                                      f"keep policy.{dtype} = 'float32' and set run.mixed_precision = 'bf16' for bf16 compute"))
-    if generator_type != "hf":
-        problems.append(Problem("$.generator.type", f"{generator_type!r} is not run under FSDP (it reads the weights outside "
-                                                    "the engine); use the 'hf' generator, or launch with configs/accelerate/ddp.yaml"))
+    if not generator.component.factory.runs_under_fsdp:
+        problems.append(Problem("$.generator.type", f"{generator.component.name!r} is not run under FSDP (it reads the weights "
+                                                    "outside the engine); use the 'hf' generator, or launch with "
+                                                    "configs/accelerate/ddp.yaml"))
     return problems
 
 
