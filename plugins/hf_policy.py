@@ -15,6 +15,7 @@ import torch
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, one_of, setting
+from rlkit_core.context import building_at
 from rlkit_core.errors import RecipeError
 from rlkit_core.hf_loading import LOAD_ERRORS, check_tokenizer, load_problem, settle_pad
 from rlkit_core.interfaces import Policy, PolicyOutput
@@ -37,7 +38,7 @@ class HFPolicyConfig(PolicySettings):
     trust_remote_code: bool = setting(False, help="allow model code from the checkpoint (only for checkpoints you trust)")
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False):
+def load_tokenizer(name: str, trust_remote_code: bool = False, where: str = "$.policy"):
     """A left-padding tokenizer that has an EOS; its PAD is settled by `settle_pad` once the
     model's end ids are known."""
     from transformers import AutoTokenizer
@@ -45,11 +46,11 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.eos_token_id is None:
-        raise RecipeError([f"$.policy.tokenizer: tokenizer {name!r} has no EOS token; responses could never end"])
+        raise RecipeError([f"{where}.tokenizer: tokenizer {name!r} has no EOS token; responses could never end"])
     return tokenizer
 
 
-def end_token_ids(tokenizer, generation_config, end_tokens=()) -> tuple[int, ...]:
+def end_token_ids(tokenizer, generation_config, end_tokens=(), where: str = "$.policy") -> tuple[int, ...]:
     """The tokenizer's EOS first, then every other end id the model's generation config names
     (chat models stop on an end-of-turn token as well as on end-of-text), then the recipe's."""
     named = generation_config.eos_token_id
@@ -57,7 +58,7 @@ def end_token_ids(tokenizer, generation_config, end_tokens=()) -> tuple[int, ...
     for token in end_tokens:
         index = tokenizer.convert_tokens_to_ids(token)
         if index is None or (index == tokenizer.unk_token_id and token != tokenizer.unk_token):
-            raise RecipeError([f"$.policy.end_tokens: {token!r} is not a token of the policy's tokenizer; "
+            raise RecipeError([f"{where}.end_tokens: {token!r} is not a token of the policy's tokenizer; "
                                "name it exactly as the tokenizer spells it (see tokenizer.json's added_tokens)"])
         ids.append(index)
     return tuple(dict.fromkeys(i for i in ids if i is not None))
@@ -80,16 +81,17 @@ class HFPolicy(Policy):
         from transformers import AutoModelForCausalLM
 
         self.config = config
+        where = building_at(context, "policy")
         try:
-            self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+            self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code, where)
         except (OSError, ValueError) as exc:
-            where = "$.policy.tokenizer" if config.tokenizer else "$.policy.model"
-            raise RecipeError([load_problem(config.tokenizer or config.model, where, "a tokenizer", exc)]) from None
+            setting = "tokenizer" if config.tokenizer else "model"
+            raise RecipeError([load_problem(config.tokenizer or config.model, f"{where}.{setting}", "a tokenizer", exc)]) from None
         try:
             base = AutoModelForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code)
         except LOAD_ERRORS as exc:
-            raise RecipeError([load_problem(config.model, "$.policy.model", "a causal language model", exc)]) from None
-        self.eos_token_ids = end_token_ids(self.tokenizer, base.generation_config, config.end_tokens)
+            raise RecipeError([load_problem(config.model, f"{where}.model", "a causal language model", exc)]) from None
+        self.eos_token_ids = end_token_ids(self.tokenizer, base.generation_config, config.end_tokens, where)
         if settle_pad(self.tokenizer, self.eos_token_ids):
             # The added PAD only fills masked positions; it must never be sampled or take
             # probability from real tokens, so the loop masks it out of every softmax.

@@ -5,6 +5,7 @@ import torch
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, greater_than, one_of, setting
+from rlkit_core.context import building_at
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import (
     AGGREGATIONS,
@@ -66,7 +67,7 @@ class PPOClip(Loss):
         generator = context.recipe["generator"].config
         self.norm = config.token_sum_norm or generator.response_limit
         if config.aggregation == "seq-mean-token-sum-norm" and not self.norm:
-            raise RecipeError([f"$.loss.token_sum_norm: the generator has no {field_of(generator, 'max_new_tokens')} to divide by; set "
+            raise RecipeError([f"{building_at(context, 'loss')}.token_sum_norm: the generator has no {field_of(generator, 'max_new_tokens')} to divide by; set "
                                "token_sum_norm to the longest response in tokens"])
 
     def aggregation(self, minibatch, token_count):

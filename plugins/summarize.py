@@ -44,7 +44,7 @@ class RougeConfig:
 
 @attrs.frozen
 class WarmStartConfig(PolicySettings):
-    renamed = {"model": None, "trust_remote_code": None, "gradient_checkpointing": None}  # the model is built, not named
+    renamed = {"model": None, "tokenizer": None, "trust_remote_code": None, "gradient_checkpointing": None}  # the model is built, not named
 
     cache_dir: str = setting(factory=default_cache_dir, help="where the warm-start model is built once and reused")
     n_layer: int = setting(2, help="transformer layers", validator=greater_than(0))
@@ -131,7 +131,7 @@ class WarmStartPolicy(HFPolicy):
         from rlkit_plugins.warm_start import build_warm_start
 
         if config.n_embd % config.n_head:
-            raise RecipeError([f"$.policy.n_head: {config.n_head} does not divide n_embd={config.n_embd}"])
+            raise RecipeError([f"{building_at(context, 'policy')}.n_head: {config.n_head} does not divide n_embd={config.n_embd}"])
         folder = Path(config.cache_dir) / (
             f"summarizer-l{config.n_layer}-d{config.n_embd}-h{config.n_head}-s{config.sft_steps}-f{config.sft_filler_share:g}-seed{config.seed}")
         if not (folder / "warm_start.json").exists():

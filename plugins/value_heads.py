@@ -13,6 +13,7 @@ from rlkit_core.errors import RecipeError
 from rlkit_core.hf_loading import LOAD_ERRORS, PAD_TOKEN, check_tokenizer, load_problem, vocabulary_mismatch
 from rlkit_core.interfaces import ValueHead
 from rlkit_core.randomness import switch_off_dropout
+from rlkit_core.settings import field_of
 
 
 @attrs.frozen
@@ -55,12 +56,6 @@ class SharedValueHead(ValueHead):
 
     def load_state_dict(self, state) -> None:
         self.head.load_state_dict(state)
-
-
-def policy_tokenizer_name(recipe) -> str:
-    """Where the recipe's policy takes its tokenizer from, when its config says (empty otherwise)."""
-    config = recipe["policy"].config
-    return getattr(config, "tokenizer", "") or getattr(config, "model", "")
 
 
 def critic_vocabulary_problem(model: str, policy_tokenizer, critic_tokenizer, critic_rows: int, where: str) -> str | None:
@@ -117,10 +112,12 @@ class SeparateValueHead(ValueHead):
     def check(config: SeparateValueConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check`: the critic's tokenizer against the policy's."""
         problems, notes = [], []
-        policy_name = policy_tokenizer_name(recipe)
+        policy = recipe["policy"].config
+        policy_name = policy.tokenizer_name
         if not policy_name:
             return problems, notes
-        policy_tokenizer = check_tokenizer(policy_name, "$.policy.model", problems, notes)
+        setting = "tokenizer" if policy_name != policy.model_name else "model"
+        policy_tokenizer = check_tokenizer(policy_name, f"$.policy.{field_of(policy, setting)}", problems, notes)
         critic_tokenizer = check_tokenizer(config.model, f"{where}.model", problems, notes)
         if policy_tokenizer is not None and critic_tokenizer is not None:
             problem = critic_vocabulary_problem(config.model, policy_tokenizer, critic_tokenizer, len(critic_tokenizer), where)

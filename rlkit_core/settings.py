@@ -96,7 +96,14 @@ class ModelSettings(CoreSettings):
 class PolicySettings(ModelSettings):
     """A policy's settings that rlkit reads."""
 
-    reads: ClassVar[Mapping[str, Any]] = {**ModelSettings.reads, "dtype": "float32", "gradient_checkpointing": False}
+    reads: ClassVar[Mapping[str, Any]] = {**ModelSettings.reads, "dtype": "float32", "gradient_checkpointing": False,
+                                          "tokenizer": ""}
+
+    @property
+    def tokenizer_name(self) -> str:
+        """Where the policy's tokenizer comes from: its own setting, else the model's directory
+        ("" when the policy builds both); a separate critic is checked against it."""
+        return self._value("tokenizer") or self.model_name
 
     @property
     def weights_dtype(self) -> str:

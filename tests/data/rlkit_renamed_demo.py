@@ -21,7 +21,7 @@ from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 @attrs.frozen
 class LMConfig(PolicySettings):
     renamed = {"model": "checkpoint", "dtype": "precision", "gradient_checkpointing": "recompute",
-               "trust_remote_code": "run_model_code"}
+               "trust_remote_code": "run_model_code", "tokenizer": None}
     checkpoint: str = setting(help="the model directory")
     precision: str = setting("float32", help="weights dtype", validator=one_of("float32", "bfloat16", "float16"))
     recompute: bool = setting(False, help="recompute activations in the backward pass")
