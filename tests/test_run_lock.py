@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,10 +63,35 @@ def test_staleness_is_judged_by_pid_host_and_the_process_start_time(tmp_path):
         RunLock(tmp_path).acquire()
 
 
+GATED_REWARD = '''
+import os
+import time
+
+
+def gated(prompts, responses, letter):
+    """Scores once the test opens the gate: until then the run that trains holds its folder, however
+    slowly the other process starts."""
+    deadline = time.monotonic() + 240
+    while not os.path.exists(os.environ["RLKIT_TEST_GATE"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [sum(c.islower() for c in r) / 8 for r in responses]
+'''
+
+
 def test_two_runs_started_together_into_one_folder_one_trains_the_other_is_refused(recipe_document, write_recipe, tmp_path):
-    output_dir = tmp_path / "shared"
+    output_dir, gate = tmp_path / "shared", tmp_path / "gate"
+    (tmp_path / "gated_reward.py").write_text(GATED_REWARD)
+    recipe_document["reward"] = {"type": "python", "function": f"{tmp_path / 'gated_reward.py'}:gated"}
     recipe = recipe_for(recipe_document, write_recipe, output_dir, steps=3)
-    processes = [subprocess.Popen(RUN + [recipe], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    env = {**ENV, "RLKIT_TEST_GATE": str(gate)}
+    processes = [subprocess.Popen(RUN + [recipe], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        while all(p.poll() is None for p in processes):  # the refused one ends; the other waits at the gate
+            assert time.monotonic() < deadline, "neither run ended within 300 s"
+            time.sleep(0.05)
+    finally:
+        gate.touch()  # let the other train
     results = [(p, *p.communicate(timeout=300)) for p in processes]
     codes = sorted(p.returncode for p, _, _ in results)
     assert codes == [0, 2], [err[-2000:] for _, _, err in results]
