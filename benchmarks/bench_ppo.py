@@ -108,7 +108,7 @@ def padding_shares(trainer, batch, counted: dict, epochs: int) -> dict[str, dict
               "forward": {"before": 1 - real / padded}, "train": {"before": 1 - real / padded}}
     for phase in ("forward", "train"):
         computed, kept = counted[phase]
-        shares[phase]["after"] = 1 - kept / computed if computed else 0.0
+        shares[phase]["after"] = 1 - float(kept) / computed if computed else 0.0
     return {phase: {k: round(v, 3) for k, v in share.items()} for phase, share in shares.items()}
 
 

@@ -286,10 +286,11 @@ class Trainer:
         return pieces
 
     def _count_positions(self, phase: str, part: RolloutBatch) -> None:
-        """Positions computed and positions that are real tokens, per phase (the benchmark's padding share)."""
+        """Positions computed and positions that are real tokens, per phase (the benchmark's padding
+        share). The real count stays a device tensor: reading it here would wait for every piece."""
         computed, real = self.positions[phase]
         self.positions[phase] = (computed + part.prompt_mask.numel() + part.response_mask.numel(),
-                                 real + int(part.prompt_mask.sum()) + int(part.response_mask.sum()))
+                                 real + part.prompt_mask.sum() + part.response_mask.sum())
 
     def shaped(self, scores: torch.Tensor, ended: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Scores as the rewards take them, with the recipe's penalties and clip (`shaped_scores`)."""
