@@ -16,7 +16,8 @@ to its longest prompt and response is padding. EOS is the model's own: `write_mo
 random GPT-2 (here with 512 positions and an output layer of its own) a constant lift of the EOS
 logit, so that sampling ends a response after about 30 tokens on average (geometrically); the peer
 loads the same folder (`--model-dir`, which compare.py writes once). rlkit runs it with token
-budgets (`ppo.max_tokens_per_microbatch`, `ppo.max_tokens_per_forward`). The report's
+budgets (`ppo.max_tokens_per_microbatch`, `ppo.max_tokens_per_forward`) and several rollouts
+packed into each row (`ppo.pack_sequences`; `--pack off` measures without). The report's
 `padding_share` gives, per phase, the share of computed positions that are padding: `before`, as
 if every pass were padded to the batch's longest prompt and response (rlkit before trimming),
 and `after`, what this run computed.
@@ -170,6 +171,7 @@ def parse_args():
     parser.add_argument("--model-dir", default="", help="load this model folder (write_model) instead of writing one")
     parser.add_argument("--max-tokens-per-microbatch", type=int, default=-1, help="ppo.max_tokens_per_microbatch (-1: the shape's: 0 standard, 1024 ragged)")
     parser.add_argument("--max-tokens-per-forward", type=int, default=-1, help="ppo.max_tokens_per_forward (-1: the shape's: 0 standard, 2048 ragged)")
+    parser.add_argument("--pack", default="shape", choices=["shape", "on", "off"], help="ppo.pack_sequences (shape: on for ragged, off for standard)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=32, help="standard shape: every response's length")
     parser.add_argument("--seed", type=int, default=0)
@@ -213,7 +215,7 @@ def main() -> None:
             "run": {"steps": args.steps, "seed": args.seed, "output_dir": str(Path(tmp) / "run"), "device": args.device,
                     "threads": args.threads},
             "ppo": {"batch_size": args.batch, "minibatch_size": 16, "epochs": 4, "max_tokens_per_microbatch": micro_budget,
-                    "max_tokens_per_forward": forward_budget},
+                    "max_tokens_per_forward": forward_budget, "pack_sequences": args.pack == "on" or (args.pack == "shape" and ragged)},
             "optim": {"learning_rate": 1e-4, "max_grad_norm": 0.0},
             "policy": {"type": "hf", "model": str(model_dir), "dtype": args.dtype, "gradient_checkpointing": args.gradient_checkpointing},
             "generator": {"type": args.generator, "max_new_tokens": response_len, "min_new_tokens": min_len, "temperature": 1.0},
@@ -277,6 +279,7 @@ def main() -> None:
         "steps": args.steps,
         "max_tokens_per_microbatch": micro_budget,
         "max_tokens_per_forward": forward_budget,
+        "pack_sequences": recipe.ppo.pack_sequences,
         "mean_prompt_tokens": round(prompt_tokens / args.batch, 1),
         "mean_response_tokens": round(response_tokens / args.batch, 1),
         "seconds_per_iteration": round(per_iteration, 3),

@@ -5,7 +5,8 @@
 # of minibatch 16. Prints bench_ppo.py's JSON line: `tokens_per_second_in` (generate, forward,
 # train), `train_tflops`, `train_mfu` (training FLOP/s over the nominal dense bf16 peak,
 # PEAK_TFLOPS, default 989 for an H100/H200 SXM) and the ratio to a bf16 8192² matmul measured
-# in the same process.
+# in the same process. Then the same model on the ragged shape (prompts of 16..256 bytes,
+# responses ending at EOS after 4..128 tokens; packed rows and token budgets sized for a GPU).
 #
 #     bash benchmarks/gpu_bench.sh            # from the repository root, in the project's venv
 #
@@ -15,4 +16,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 "$PYTHON" benchmarks/bench_ppo.py --device cuda --dtype bfloat16 --generator hf --steps "${STEPS:-3}" \
     --width 1280 --layers 24 --heads 20 --batch "${BATCH:-64}" --response-len "${RESPONSE_LEN:-128}" \
+    --peak-tflops "${PEAK_TFLOPS:-989}"
+"$PYTHON" benchmarks/bench_ppo.py --device cuda --dtype bfloat16 --generator hf --steps "${STEPS:-3}" --shape ragged \
+    --width 1280 --layers 24 --heads 20 --batch "${BATCH:-64}" --max-tokens-per-microbatch 8192 --max-tokens-per-forward 16384 \
     --peak-tflops "${PEAK_TFLOPS:-989}"

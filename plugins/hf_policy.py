@@ -77,6 +77,10 @@ def fuse_gelu(model: torch.nn.Module) -> None:
 
 
 class HFPolicy(Policy):
+    # transformers builds a block-diagonal causal mask from restarting position ids when no
+    # attention mask is passed (its masking utilities, which every built-in architecture uses)
+    packs_sequences = True
+
     def __init__(self, config: HFPolicyConfig, context=None):
         from transformers import AutoModelForCausalLM
 

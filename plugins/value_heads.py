@@ -36,6 +36,8 @@ class SharedValueHead(ValueHead):
     """A zero-initialised linear map from the policy's last hidden state, so values start at 0
     and the critic adds one vector of parameters, not a second model."""
 
+    packs_sequences = True  # reads the policy's hidden states, wherever they lie
+
     def __init__(self, config: SharedValueConfig, context):
         hidden = context.policy.model.config.get_text_config().hidden_size
         self.head = torch.nn.Linear(hidden, 1).to(context.device)
@@ -80,6 +82,8 @@ class SeparateValueHead(ValueHead):
     the policy's token ids, so it must share the policy's vocabulary (checked when built and by
     `rlkit check`); a PAD that rlkit added to the policy never reaches it (padding is masked, and
     its ids are replaced before the critic's embedding)."""
+
+    packs_sequences = True  # a transformers trunk, as the `hf` policy's
 
     def __init__(self, config: SeparateValueConfig, context):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -127,8 +131,10 @@ class SeparateValueHead(ValueHead):
 
     def values(self, policy_output, input_ids, attention_mask, position_ids):
         trunk = getattr(self.model, self.model.base_model_prefix)
-        input_ids = input_ids.masked_fill(attention_mask == 0, 0)  # padding is masked; an added PAD id may lie past this table
-        hidden = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        if attention_mask is not None:  # packed rows hold no PAD (their filler is a real token)
+            input_ids = input_ids.masked_fill(attention_mask == 0, 0)  # padding is masked; an added PAD id may lie past this table
+        # no cache: transformers reads packed rows from the position ids only when there is none
+        hidden = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
         return self.score(hidden).float().squeeze(-1)
 
     def parameters(self):
@@ -148,6 +154,8 @@ class NoCritic(ValueHead):
     """`none` is the absence of a critic: the loop builds no value head for an estimator that needs
     no values, and a recipe that pairs `none` with one that does is refused when it is read. So
     the class is never instantiated; building it says why."""
+
+    packs_sequences = True  # no critic runs
 
     def __new__(cls, config: NoValueConfig, context):
         raise RecipeError(["$.value_head.type: 'none' builds no critic; it goes with a critic-free advantage estimator "

@@ -79,6 +79,10 @@ class Policy(Part):
     tokenizer: Any  # a transformers tokenizer with distinct pad and EOS tokens
     eos_token_ids: tuple[int, ...]  # every id that ends a response; the tokenizer's EOS first
     suppressed_token_ids: tuple[int, ...] = ()  # ids never emitted (a PAD rlkit added): masked out of every softmax
+    # flag rlkit reads from the class: True when `forward` and `reference_logits` take packed rows
+    # (`ppo.pack_sequences`): attention_mask None, position_ids that restart at 0 where each of
+    # several sequences in a row starts, attention kept within each; `start` is then 0
+    packs_sequences: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -121,6 +125,9 @@ class Policy(Part):
 
 class ValueHead(Part):
     """The critic: a value for every position."""
+
+    # flag rlkit reads from the class: True when `values` takes packed rows as `Policy.packs_sequences` says
+    packs_sequences: ClassVar[bool] = False
 
     @abstractmethod
     def values(self, policy_output: PolicyOutput, input_ids, attention_mask, position_ids) -> torch.Tensor:

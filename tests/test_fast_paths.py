@@ -49,7 +49,7 @@ def test_response_logprobs_equal_the_ones_from_every_position(recipe_document, b
     batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
     sequence = batch.sequence()
     with torch.no_grad():
-        logprobs, values, _, _ = trainer._response_view(batch, sequence, grad=False)
+        logprobs, values, _, _ = trainer._response_view(batch, trainer._rows(batch), grad=False)
         every = trainer.policy.forward(*sequence)
     response_logits = every.logits[:, batch.prompt_length - 1:-1]
     expected = logprobs_from_logits(response_logits, batch.response_ids, trainer.parts.generator.temperature,

@@ -1,5 +1,6 @@
 """No work on padding: forward passes trimmed to their own longest prompt and response, pieces
-grouped by length, token-budget micro-batches; each checked against the padded computation."""
+grouped by length, token-budget micro-batches, several rollouts packed into one row; each checked
+against the padded computation."""
 
 import attrs
 import pytest
@@ -10,6 +11,7 @@ from rlkit_core.errors import RecipeError
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime.microbatches import TooLong, budget_pieces, fixed_pieces
+from rlkit_core.runtime.packing import PackedRows, PaddedRows
 from rlkit_core.runtime.trainer import Trainer
 
 
@@ -51,12 +53,50 @@ def test_pieces_group_rollouts_by_length_within_the_budget():
     assert [p.tolist() for p in fixed_pieces(index, [8, 3, 16, 5], 2)] == [[2, 0], [3, 1]]
 
 
+def test_packed_rows_lay_the_real_tokens_end_to_end_with_positions_that_restart():
+    # real lengths: rollout 0 is 2 + 2 = 4 tokens, rollout 1 is 3 + 1 = 4, rollout 2 is 1 + 1 = 2
+    batch = RolloutBatch(
+        prompts=["ab", "abc", "a"], columns={}, group_ids=torch.tensor([0, 1, 2]),
+        prompt_ids=torch.tensor([[0, 5, 6], [5, 6, 7], [0, 0, 9]]), prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]]),
+        response_ids=torch.tensor([[8, 1], [1, 0], [3, 0]]), response_mask=torch.tensor([[1, 1], [1, 0], [1, 0]]),
+        sampled_logprobs=torch.zeros(3, 2),
+    )
+    rows = PackedRows(batch, [2, 3, 1], [2, 1, 1])
+    # width 4 (the longest): rollout 0 fills row 0, rollout 1 row 1, rollout 2 (2 tokens) starts row 2; filler repeats
+    # the first real token (5)
+    ids, mask, positions = rows.inputs
+    assert mask is None and rows.start == 0 and rows.computed == 12
+    assert ids.tolist() == [[5, 6, 8, 1], [5, 6, 7, 1], [9, 3, 5, 5]]
+    assert positions.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 0, 0]]
+    # the position before each response token: rollout 0's tokens sit at flat 2, 3 (read 1, 2); rollout 1's at 7 (read 6);
+    # rollout 2's at 9 (read 8); padding reads position 0
+    assert rows.response_index.tolist() == [[1, 2], [6, 0], [8, 0]]
+    per_position = torch.arange(12).view(3, 4)
+    assert rows.at_response(per_position).tolist() == [[1, 2], [6, 0], [8, 0]]
+    # two short rollouts share a row when they fit: lengths 4, 2, 2 in width 4
+    shorter = batch.with_(prompt_mask=torch.tensor([[0, 1, 1], [0, 0, 1], [0, 0, 1]]))
+    ids, _, positions = PackedRows(shorter, [2, 1, 1], [2, 1, 1]).inputs
+    assert ids.tolist() == [[5, 6, 8, 1], [7, 1, 9, 3]] and positions.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]]
+
+
+def test_packed_pieces_count_their_rows_times_their_width():
+    index = torch.tensor([0, 1, 2, 3])
+    prompts, responses = [5, 2, 8, 3], [3, 1, 8, 2]  # totals 8, 3, 16, 5
+    # longest first, width 16: [2] alone is 16; 0 (8 tokens) needs a second row: 32 > 20
+    # then width 8: 0, then 3 (5) → a row of its own: 16; then 1 (3 tokens) fits beside 3: still 16
+    assert [p.tolist() for p in budget_pieces(index, prompts, responses, 20, packed=True)] == [[2], [0, 3, 1]]
+    assert [p.tolist() for p in budget_pieces(index, prompts, responses, 32, packed=True)] == [[2, 0, 3, 1]]  # rows 16 | 8 5 3
+    # padded, the same budget of 20 holds fewer: [0, 3] is 2 × (5 + 3) = 16, adding 1 makes 3 × 8 = 24
+    assert [p.tolist() for p in budget_pieces(index, prompts, responses, 20)] == [[2], [0, 3], [1]]
+
+
 def ragged(batch: RolloutBatch, pad: int, seed: int = 0) -> RolloutBatch:
-    """`batch` with responses that end after 1..R tokens and three more all-padding columns before
-    the prompts and after the responses: the padded computation that trimming must reproduce."""
+    """`batch` with responses cut after 1..R tokens (none longer than it was) and three more
+    all-padding columns before the prompts and after the responses: the padded computation that
+    trimming must reproduce."""
     generator = torch.Generator().manual_seed(seed)
     rows, width = batch.response_ids.shape
-    lengths = torch.randint(1, width + 1, (rows,), generator=generator)
+    lengths = torch.minimum(torch.randint(1, width + 1, (rows,), generator=generator), batch.response_mask.sum(dim=1))
     mask = (torch.arange(width) < lengths[:, None]).long()
     extra = torch.zeros(rows, 3, dtype=torch.long)
     return batch.with_(
@@ -84,20 +124,28 @@ def ragged_document(request, recipe_document, tmp_path):
 
 
 def rollout(trainer: Trainer) -> RolloutBatch:
+    """A ragged batch; the critic's zero-initialised head gets weights, so that values differ by position."""
     torch.manual_seed(5)
+    head = getattr(trainer.value_head, "head", None) or trainer.value_head.score
+    torch.nn.init.normal_(head.weight, std=0.1)
     return ragged(trainer.rollout(trainer.stream.batch(0))[0], trainer.tokenizer.pad_token_id)
 
 
-@pytest.mark.parametrize("budget", [0, 60])
-def test_no_grad_passes_on_trimmed_pieces_equal_the_padded_computation(ragged_document, builtin_registry, budget):
-    ragged_document["ppo"].update({"forward_batch_size": 0 if budget else 4, "max_tokens_per_forward": budget})
+@pytest.mark.parametrize("packed, budget", [(False, 0), (False, 60), (True, 0), (True, 100)],
+                         ids=["trimmed-fixed", "trimmed-budget", "packed-fixed", "packed-budget"])
+def test_no_grad_passes_on_trimmed_pieces_equal_the_padded_computation(ragged_document, builtin_registry, budget, packed):
+    """Packed with a budget, short rollouts share rows: attention must stay within each."""
+    ragged_document["ppo"].update({"forward_batch_size": 0 if budget else 4, "max_tokens_per_forward": budget,
+                                   "pack_sequences": packed})
     trainer = Trainer(parse_recipe(ragged_document, builtin_registry))
     batch = rollout(trainer)
+    laid_out, rows_of = [], trainer._rows
+    trainer._rows = lambda part: laid_out.append((len(part), len(rows_of(part).inputs[0]))) or rows_of(part)
     compared = trainer.compare_to_reference(batch)
 
     with torch.no_grad():  # the whole padded batch in one pass, as before trimming
         sequence = batch.sequence()
-        logprobs, values, _, _ = trainer._response_view(batch, sequence, grad=False)
+        logprobs, values, _, _ = trainer._response_view(batch, PaddedRows(batch), grad=False)
         ref_logits = trainer.policy.reference_logits(*sequence, start=batch.prompt_length - 1)[:, :-1]
         ref_logprobs = logprobs_from_logits(ref_logits, batch.response_ids, trainer.parts.generator.temperature,
                                             trainer.policy.suppressed_token_ids)
@@ -108,31 +156,42 @@ def test_no_grad_passes_on_trimmed_pieces_equal_the_padded_computation(ragged_do
     computed, real = trainer.positions["forward"]
     assert computed < 0.8 * (batch.prompt_mask.numel() + batch.response_mask.numel())  # pieces were trimmed
     assert real == int(batch.prompt_mask.sum() + batch.response_mask.sum())
+    if packed:  # rows of rollouts end to end leave less padding than any trimmed piece
+        assert computed < 1.25 * real, (computed, real)
+    if packed and budget:
+        assert sum(rows for _, rows in laid_out) < len(batch)  # some rows held several rollouts
 
 
-@pytest.mark.parametrize("split", [{"gradient_accumulation_steps": 4}, {"max_tokens_per_microbatch": 60}])
-def test_the_update_on_trimmed_micro_batches_equals_the_padded_one(ragged_document, builtin_registry, split):
-    ragged_document["ppo"].update(split)
+@pytest.mark.parametrize("packed, split, policy", [
+    (False, {"gradient_accumulation_steps": 4}, {}), (False, {"max_tokens_per_microbatch": 60}, {}),
+    (True, {"gradient_accumulation_steps": 4}, {}), (True, {"max_tokens_per_microbatch": 100}, {}),
+    (True, {"max_tokens_per_microbatch": 100}, {"gradient_checkpointing": True, "lora_r": 4}),
+], ids=["trimmed-accumulating", "trimmed-budget", "packed-accumulating", "packed-budget", "packed-budget-lora-checkpointing"])
+def test_the_update_on_trimmed_micro_batches_equals_the_padded_one(ragged_document, builtin_registry, split, packed, policy):
+    ragged_document["ppo"].update(split, pack_sequences=packed)
+    ragged_document["policy"].update(policy)
     ragged_document["optim"]["max_grad_norm"] = 0.0  # the step sees the summed gradient as it is
     trainer = Trainer(parse_recipe(ragged_document, builtin_registry))
     batch = trainer.with_advantages(rollout(trainer))
     token_count = batch.response_mask.sum()
-    trainer._micro_step(batch, token_count)  # the whole padded minibatch at once: the fixed split of one
+    trainer._micro_step(batch, PaddedRows(batch), token_count)  # the whole padded minibatch at once: the fixed split of one
     padded = torch.cat([p.grad.flatten() for p in trainer.parameters])
     trainer.optimizer.zero_grad(set_to_none=True)
 
     gradients = []  # the summed gradient the optimiser step sees
     trainer.optimizer.optimizer.register_step_pre_hook(lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.parameters])))
-    micro_batches, step = [], trainer._micro_step  # (rows, padded positions) of each
-    trainer._micro_step = lambda micro, count: micro_batches.append(
-        (len(micro), len(micro) * (micro.prompt_length + micro.response_ids.shape[1]))) or step(micro, count)
+    micro_batches, step = [], trainer._micro_step  # (rollouts, computed positions, rows) of each
+    trainer._micro_step = lambda micro, rows, count: micro_batches.append(
+        (len(micro), rows.computed, len(rows.inputs[0]))) or step(micro, rows, count)
     trainer.train_on(batch)
     assert len(gradients) == 1 and padded.abs().max() > 1e-3
     assert (gradients[0] - padded).abs().max() < 1e-5 * padded.abs().max()
     assert len(micro_batches) > 1  # the minibatch was split, by length
-    assert sum(rows for rows, _ in micro_batches) == len(batch)
+    assert sum(rollouts for rollouts, _, _ in micro_batches) == len(batch)
     if "max_tokens_per_microbatch" in split:
-        assert all(positions <= 60 for _, positions in micro_batches)
+        assert all(positions <= split["max_tokens_per_microbatch"] for _, positions, _ in micro_batches)
+    if packed and "max_tokens_per_microbatch" in split:  # pieces of similar lengths: only a budget's larger ones share rows
+        assert sum(rows for _, _, rows in micro_batches) < len(batch)
 
 
 def test_a_rollout_longer_than_the_budget_is_a_located_error(recipe_document, builtin_registry):

@@ -183,6 +183,24 @@ def test_kl_in_the_loss_needs_a_loss_that_takes_it(recipe_document):
     assert parse_recipe(recipe_document, registry)["loss"].component.factory.takes_kl_penalty
 
 
+def test_packing_needs_a_policy_and_critic_that_declare_it(recipe_document):
+    from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
+
+    class UnpackedPolicy(HFPolicy):  # its own model code, say, that builds no mask from position ids
+        packs_sequences = False
+
+    registry = loaded("unpacked", register_policies=lambda register: register("unpacked", UnpackedPolicy, HFPolicyConfig))
+    recipe_document["ppo"]["pack_sequences"] = True
+    assert parse_recipe(recipe_document, registry)["policy"].component.factory.packs_sequences  # the built-in declares it
+    recipe_document["policy"]["type"] = "unpacked"
+    with pytest.raises(RecipeError) as refused:
+        parse_recipe(recipe_document, registry)
+    assert [p.split(":")[0] for p in refused.value.problems] == ["$.ppo.pack_sequences"]
+    assert "policy 'unpacked' does not declare packs_sequences" in str(refused.value) and "set pack_sequences = false" in str(refused.value)
+    recipe_document["ppo"]["pack_sequences"] = False
+    assert parse_recipe(recipe_document, registry)["policy"].component.factory is UnpackedPolicy
+
+
 @attrs.frozen
 class TokensSamplerConfig(SamplingSettings):
     renamed = {"max_new_tokens": "max_tokens", "batch_size": None}

@@ -201,7 +201,7 @@ def test_check_warns_on_k1_in_the_loss(recipe_document, builtin_registry):
 def test_entropy_keeps_a_graph_only_when_the_loss_uses_it(recipe_document, builtin_registry, coef, graphed):
     trainer = Trainer(parse_recipe(document(recipe_document, loss={"entropy_coef": coef}), builtin_registry))
     batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
-    _, _, entropy, _ = trainer._response_view(batch, batch.sequence(), grad=True)
+    _, _, entropy, _ = trainer._response_view(batch, trainer._rows(batch), grad=True)
     assert entropy.requires_grad is graphed
     assert torch.isfinite(entropy).all()
 

@@ -46,7 +46,7 @@ def rlkit_script() -> str:
 
 
 @pytest.fixture(params=["full", "lora-separate-critic-accumulating", "padless-gpt2-separate-critic",
-                        "grpo-sequence-mean-kl-loss-accumulating", "token-budgets"])
+                        "grpo-sequence-mean-kl-loss-accumulating", "token-budgets", "packed-separate-critic"])
 def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
     # one minibatch per epoch: one process's minibatch of 16 is two processes' minibatches of 8
     recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16})
@@ -60,6 +60,9 @@ def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
         recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
     if request.param == "token-budgets":  # micro-batches of a few rollouts each, as many in every process; global token counts
         recipe_document["ppo"].update({"max_tokens_per_microbatch": 40, "max_tokens_per_forward": 60})
+    if request.param == "packed-separate-critic":  # several rollouts a row, in the policy's and the critic's passes
+        recipe_document["ppo"].update({"pack_sequences": True, "max_tokens_per_microbatch": 60, "max_tokens_per_forward": 100})
+        recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
     if request.param == "padless-gpt2-separate-critic":  # an added, suppressed PAD and a critic that never sees it
         from rlkit_core.testing.offline_models import write_tiny_model
 
@@ -72,7 +75,7 @@ def test_two_processes_make_one_update_identical_everywhere(two_process_document
     assert assert_two_processes_update_as_one(two_process_document, tmp_path, WORKER)["held"] == 1  # DDP: every weight everywhere
 
 
-@pytest.mark.parametrize("variant", ["full", "separate-critic-checkpointing", "lora", "bf16", "padless-gpt2", "token-budgets"])
+@pytest.mark.parametrize("variant", ["full", "separate-critic-checkpointing", "lora", "bf16", "padless-gpt2", "packed-token-budgets"])
 def test_two_fsdp_processes_make_the_update_of_one(variant, recipe_document, tiny_reward_model, tmp_path):
     """FSDP2 shards the policy's blocks, the rest of it and the critic over two processes; the
     update must still be the one a single process makes on the whole batch (with LoRA the
@@ -83,8 +86,9 @@ def test_two_fsdp_processes_make_the_update_of_one(variant, recipe_document, tin
         recipe_document["policy"]["gradient_checkpointing"] = True
     if variant == "lora":
         recipe_document["policy"]["lora_r"] = 4
-    if variant == "token-budgets":  # FSDP's gathers pair up only if every process runs as many micro-batches
-        recipe_document["ppo"].update({"gradient_accumulation_steps": 1, "max_tokens_per_microbatch": 40, "max_tokens_per_forward": 60})
+    if variant == "packed-token-budgets":  # FSDP's gathers pair up only if every process runs as many micro-batches
+        recipe_document["ppo"].update({"gradient_accumulation_steps": 1, "max_tokens_per_microbatch": 40, "max_tokens_per_forward": 60,
+                                       "pack_sequences": True})
     if variant == "padless-gpt2":  # the added PAD row is sharded with the embedding and stays suppressed
         from rlkit_core.testing.offline_models import write_tiny_model
 

@@ -23,7 +23,7 @@ def test_first_step_ratio_is_one_and_logprobs_match_the_sampler(recipe_document,
     batch = trainer.with_advantages(batch)
     mask = batch.response_mask.bool()
     # The training code path, before any update, reproduces π_old: ratio exactly 1.
-    logprobs, _, _, _ = trainer._response_view(batch, batch.sequence(), grad=False)
+    logprobs, _, _, _ = trainer._response_view(batch, trainer._rows(batch), grad=False)
     ratio = torch.exp(logprobs - batch.old_logprobs)[mask]
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)
     # ... and agrees with the sampler's own log-probs (padding, positions and temperature all right).

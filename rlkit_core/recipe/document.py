@@ -38,6 +38,7 @@ from rlkit_core.recipe.schema import (
     batch_arithmetic_problems,
     critic_problems,
     kl_penalty_problems,
+    packing_problems,
     kl_problems,
     launch_problems,
     launched_processes,
@@ -290,6 +291,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         problems += overlong_problems(core["ppo"], components["generator"])
     if core["ppo"] is not None and components.get("loss") is not None:
         problems += kl_penalty_problems(core["ppo"], components["loss"])
+    if core["ppo"] is not None and components.get("policy") is not None and components.get("value_head") is not None:
+        problems += packing_problems(core["ppo"], components["policy"], components["value_head"])
     eval_metrics, found = _eval_metrics(core["eval"], registry)
     problems += found
     if problems:

@@ -64,6 +64,7 @@ class PPOConfig:
     forward_batch_size: int = setting(0, help="rollouts per no-grad forward pass of the rollout stage (0: minibatch_size)", validator=at_least(0))
     max_tokens_per_microbatch: int = setting(0, help="token budget of one training micro-batch in each process instead of gradient_accumulation_steps: rollouts of similar length, rows × (longest prompt + longest response) within it (0: off)", validator=at_least(0))
     max_tokens_per_forward: int = setting(0, help="the same budget for the no-grad forward passes of the rollout stage, instead of forward_batch_size (0: off)", validator=at_least(0))
+    pack_sequences: bool = setting(False, help="lay several rollouts end to end in each row of the forward passes and micro-batches (position ids restart, attention stays within each), so that no position computes padding; the policy and critic must declare packs_sequences")
     epochs: int = setting(4, help="passes over the rollout batch per iteration", validator=greater_than(0))
     kl_penalty: str = setting("reward", help="'reward': −β·KL in the per-token rewards; 'loss': β·KL added to the loss", validator=one_of("reward", "loss"))
     kl_estimator: str = setting(attrs.Factory(lambda ppo: "k3" if ppo.kl_penalty == "loss" else "k1", takes_self=True),
@@ -182,6 +183,17 @@ def kl_penalty_problems(ppo: PPOConfig, loss) -> list[Problem]:
     return [Problem("$.ppo.kl_penalty", f"'loss' adds β·KL to the loss, but loss {loss.component.name!r} does not take the KL "
                                         "penalty; put it in the reward (kl_penalty = \"reward\") or use a loss that takes it "
                                         "('ppo-clip')")]
+
+
+def packing_problems(ppo: PPOConfig, policy, value_head) -> list[Problem]:
+    """`ppo.pack_sequences` needs a policy and a critic that keep attention within each packed
+    rollout (`Policy.packs_sequences`, `ValueHead.packs_sequences`); one that does not would let
+    rollouts attend to each other. `policy` and `value_head` are the checked component tables."""
+    if not ppo.pack_sequences:
+        return []
+    return [Problem("$.ppo.pack_sequences", f"{kind} {table.component.name!r} does not declare packs_sequences (that it keeps "
+                                            "attention within each of several rollouts in one row); set pack_sequences = false")
+            for kind, table in (("policy", policy), ("value head", value_head)) if not table.component.factory.packs_sequences]
 
 
 def overlong_problems(ppo: PPOConfig, generator) -> list[Problem]:

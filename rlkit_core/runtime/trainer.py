@@ -53,6 +53,7 @@ from rlkit_core.runtime.evaluation import hold_out
 from rlkit_core.runtime.faults import BadReward, NonFiniteSteps, checked_scores, failure_text
 from rlkit_core.runtime.metrics_log import MetricsLog
 from rlkit_core.runtime.microbatches import TooLong, budget_pieces, fixed_pieces, padded_to
+from rlkit_core.runtime.packing import PackedRows, PaddedRows
 from rlkit_core.runtime.prompt_stream import PromptStream
 from rlkit_core.settings import field_of
 
@@ -209,23 +210,26 @@ class Trainer:
         return scores
 
     # --- stage 2: what the rollout policy, the reference and the critic say -------------------
-    @staticmethod
-    def _at_response(per_position: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
-        """The positions that predict the response tokens: position t's output is about token t + 1."""
-        return per_position[:, batch.prompt_length - 1:-1]
+    def _rows(self, part: RolloutBatch):
+        """How `part` (a trimmed piece) lies in the rows of its forward pass: packed when the
+        recipe asks (`rlkit_core.runtime.packing`), else one rollout per row."""
+        if self.recipe.ppo.pack_sequences:
+            return PackedRows(part, *lengths_of(part))
+        return PaddedRows(part)
 
-    def _response_view(self, batch: RolloutBatch, sequence, grad: bool):
-        """(logprobs, values, entropy, response logits) of the current parameters on `batch`.
+    def _response_view(self, batch: RolloutBatch, rows, grad: bool):
+        """(logprobs, values, entropy, response logits) of the current parameters on `batch`, laid
+        out as `rows` (`_rows`).
 
         Entropy keeps its graph only when the loss optimises it; otherwise it is a detached
         diagnostic, so no [b, R, V] buffers are held for a backward that never uses them."""
-        out = self.policy.forward(*sequence, start=batch.prompt_length - 1)
-        logits = out.logits[:, :-1]  # positions P-1 .. L-2: the ones that predict the response
+        out = self.policy.forward(*rows.inputs, start=rows.start)
+        logits = rows.response_logits(out.logits)
         temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
         logprobs = logprobs_from_logits(logits, batch.response_ids, temperature, suppressed)
         values = None
         if self.value_head is not None:
-            values = self._at_response(self.value_head.values(out, *sequence), batch)
+            values = rows.at_response(self.value_head.values(out, *rows.inputs))
         entropy = None
         if grad and self.parts.loss.entropy_in_loss:
             entropy = entropy_from_logits(logits, temperature, suppressed)
@@ -249,10 +253,10 @@ class Trainer:
                               ppo.forward_batch_size or ppo.minibatch_size, "max_tokens_per_forward")
         for index in chunks:
             part = batch.select(index).trimmed()
-            sequence = part.sequence()
+            rows = self._rows(part)
             with self.accelerator.autocast():
-                logprobs, values, _, logits = self._response_view(part, sequence, grad=False)
-                ref_logits = self.policy.reference_logits(*sequence, start=part.prompt_length - 1)[:, :-1]
+                logprobs, values, _, logits = self._response_view(part, rows, grad=False)
+                ref_logits = rows.response_logits(self.policy.reference_logits(*rows.inputs, start=rows.start))
             ref_logprobs = logprobs_from_logits(ref_logits, part.response_ids, temperature, suppressed)
             full = ppo.kl_estimator == "full"
             pieces["kl"].append(kl_per_token(logprobs, ref_logprobs, ppo.kl_estimator, logits if full else None,
@@ -261,7 +265,7 @@ class Trainer:
             pieces["ref_logprobs"].append(ref_logprobs)
             if values is not None:
                 pieces["values"].append(values)
-            self._count_positions("forward", part)
+            self._count_positions("forward", part, rows)
         original_order = torch.cat(chunks).argsort()  # the chunks hold the rows sorted by length
         fields = {name: torch.cat([padded_to(part, width) for part in parts])[original_order] for name, parts in pieces.items()}
         mask = batch.response_mask
@@ -276,20 +280,22 @@ class Trainer:
         if not budget:
             return fixed_pieces(index, [p + r for p, r in zip(*lengths)], size)
         try:
-            pieces = budget_pieces(index, *lengths, budget)
+            packed = self.recipe.ppo.pack_sequences
+            pieces = budget_pieces(index, *lengths, budget, packed=packed)
             if same_count and self.processes.count > 1:
-                pieces = budget_pieces(index, *lengths, budget, at_least=max(self.processes.gather_objects(len(pieces))))
+                count = max(self.processes.gather_objects(len(pieces)))
+                pieces = budget_pieces(index, *lengths, budget, at_least=count, packed=packed)
         except TooLong as too_long:
             raise RecipeError([f"$.ppo.{setting}: a rollout of {too_long.tokens} tokens (prompt and response) does not fit in "
                                f"the budget of {too_long.budget}; raise it to at least data.max_prompt_tokens + "
                                "generator.max_new_tokens, or limit the prompts with data.max_prompt_tokens"]) from None
         return pieces
 
-    def _count_positions(self, phase: str, part: RolloutBatch) -> None:
+    def _count_positions(self, phase: str, part: RolloutBatch, rows) -> None:
         """Positions computed and positions that are real tokens, per phase (the benchmark's padding
         share). The real count stays a device tensor: reading it here would wait for every piece."""
         computed, real = self.positions[phase]
-        self.positions[phase] = (computed + part.prompt_mask.numel() + part.response_mask.numel(),
+        self.positions[phase] = (computed + rows.computed,
                                  real + part.prompt_mask.sum() + part.response_mask.sum())
 
     def shaped(self, scores: torch.Tensor, ended: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -348,8 +354,9 @@ class Trainer:
                     syncing = number == len(pieces) - 1
                     with contextlib.nullcontext() if syncing else self.accelerator.no_sync(self.trainable):
                         micro = batch.select(piece).trimmed()
-                        self._count_positions("train", micro)
-                        terms = self._micro_step(micro, token_count)
+                        rows = self._rows(micro)
+                        self._count_positions("train", micro, rows)
+                        terms = self._micro_step(micro, rows, token_count)
                     step_terms = add_terms(step_terms, terms)
                 terms = self.processes.combine_terms(step_terms)
                 grad_norm, nonfinite = self._optimizer_step(terms)
@@ -399,13 +406,13 @@ class Trainer:
             raise NonFiniteSteps(f"{limit} optimiser steps in a row had a non-finite loss or gradient, in iteration "
                                  f"{self.iteration + 1}; the weights were left as they were before them")
 
-    def _micro_step(self, micro: RolloutBatch, token_count: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _micro_step(self, micro: RolloutBatch, rows, token_count: torch.Tensor) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch; returns its share of the step's terms (detached):
         `loss_*` and `loss` as they are (already over the global token count), diagnostics weighted
         by this micro-batch's share of the tokens, so that their sum is the global token mean."""
         ppo = self.recipe.ppo
         with self.accelerator.autocast():  # accelerate's prepared module autocasts by itself, except under FSDP
-            logprobs, values, entropy, _ = self.trainable(self._response_view, micro, micro.sequence(), True)
+            logprobs, values, entropy, _ = self.trainable(self._response_view, micro, rows, True)
         mask = micro.response_mask
         kl_coef = self.parts.kl.beta if ppo.kl_penalty == "loss" else 0.0
         current = LossInputs(logprobs=logprobs, values=values, entropy=entropy, kl_coef=kl_coef, kl_estimator=ppo.kl_estimator)
