@@ -87,14 +87,19 @@ def write_model(model_dir: Path, args) -> Path:
     return model_dir
 
 
+def prompt_texts(shape: str, seed: int, count: int) -> list[str]:
+    """The shape's prompts, random printable bytes; the peer reads the same ones on the ragged shape."""
+    rng = random.Random(seed)
+    low, high = RAGGED["prompt"] if shape == "ragged" else (PROMPT_BYTES, PROMPT_BYTES)
+    return ["".join(chr(rng.randint(33, 126)) for _ in range(rng.randint(low, high))) for _ in range(count)]
+
+
 def build_inputs(folder: Path, args) -> tuple[Path, Path]:
     model_dir = Path(args.model_dir) if args.model_dir else write_model(folder / "model", args)
-    rng = random.Random(args.seed)
     prompts = folder / "prompts.jsonl"
-    low, high = RAGGED["prompt"] if args.shape == "ragged" else (PROMPT_BYTES, PROMPT_BYTES)
     with prompts.open("w") as out:
-        for _ in range(args.batch * args.steps):
-            out.write(json.dumps({"prompt": "".join(chr(rng.randint(33, 126)) for _ in range(rng.randint(low, high)))}) + "\n")
+        for text in prompt_texts(args.shape, args.seed, args.batch * args.steps):
+            out.write(json.dumps({"prompt": text}) + "\n")
     return model_dir, prompts
 
 
@@ -169,8 +174,8 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--shape", default="standard", choices=["standard", "ragged"])
     parser.add_argument("--model-dir", default="", help="load this model folder (write_model) instead of writing one")
-    parser.add_argument("--max-tokens-per-microbatch", type=int, default=-1, help="ppo.max_tokens_per_microbatch (-1: the shape's: 0 standard, 1024 ragged)")
-    parser.add_argument("--max-tokens-per-forward", type=int, default=-1, help="ppo.max_tokens_per_forward (-1: the shape's: 0 standard, 2048 ragged)")
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=-1, help="ppo.max_tokens_per_microbatch (-1: the shape's: 0 standard, 4096 ragged)")
+    parser.add_argument("--max-tokens-per-forward", type=int, default=-1, help="ppo.max_tokens_per_forward (-1: the shape's: 0 standard, 8192 ragged)")
     parser.add_argument("--pack", default="shape", choices=["shape", "on", "off"], help="ppo.pack_sequences (shape: on for ragged, off for standard)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=32, help="standard shape: every response's length")
@@ -207,8 +212,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, prompts = build_inputs(Path(tmp), args)
         ragged = args.shape == "ragged"
-        micro_budget = args.max_tokens_per_microbatch if args.max_tokens_per_microbatch >= 0 else (1024 if ragged else 0)
-        forward_budget = args.max_tokens_per_forward if args.max_tokens_per_forward >= 0 else (2048 if ragged else 0)
+        micro_budget = args.max_tokens_per_microbatch if args.max_tokens_per_microbatch >= 0 else (4096 if ragged else 0)
+        forward_budget = args.max_tokens_per_forward if args.max_tokens_per_forward >= 0 else (8192 if ragged else 0)
         response_len = RAGGED["response"][1] if ragged else args.response_len
         min_len = RAGGED["response"][0] if ragged else args.response_len
         document = {

@@ -12,8 +12,9 @@ minibatch 16, lr 1e-4, adaptive KL (0.05, target 6, horizon 10000), γ 1, λ 0.9
 vf_coef 0.1. TRL's value head sits on the policy's trunk, as rlkit's `shared` head does.
 
 `--shape ragged --model-dir DIR` is the ragged shape: the model folder bench_ppo.py's `write_model`
-wrote (compare.py writes it once for both sides), prompts of 16..256 random byte ids, responses
-sampled until the model's own EOS after 4..128 tokens (TRL cuts each response after its EOS).
+wrote (compare.py writes it once for both sides), the prompts bench_ppo.py's `prompt_texts` makes
+for rlkit (16..256 random printable bytes, the same texts on both sides), responses sampled until
+the model's own EOS after 4..128 tokens (TRL cuts each response after its EOS).
 
 The time of an iteration runs from the call that samples to the end of `step` (TRL's whole
 update, statistics included), on the wall clock and in this process's CPU time; each figure is the
@@ -28,6 +29,9 @@ import resource
 import statistics
 import tempfile
 import time
+
+import sys
+from pathlib import Path
 
 import torch
 
@@ -72,10 +76,15 @@ def main() -> None:
     low, high = (4, 128) if ragged else (args.response_len, args.response_len)
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=high, min_new_tokens=low, pad_token_id=0)
 
+    if ragged:  # bench_ppo.py is plain Python at import: its prompt maker runs in this environment too
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from bench_ppo import prompt_texts
+
+        texts = prompt_texts("ragged", args.seed, args.batch * args.steps)
     rows = []
-    for _ in range(args.steps):
-        if ragged:
-            queries = [torch.randint(3, 259, (length,)) for length in torch.randint(16, 257, (args.batch,)).tolist()]
+    for step in range(args.steps):
+        if ragged:  # ByT5's ids are the bytes + 3
+            queries = [torch.tensor([byte + 3 for byte in text.encode()]) for text in texts[step * args.batch:(step + 1) * args.batch]]
         else:
             queries = list(torch.randint(3, 259, (args.batch, args.prompt_len)))
         started, cpu_started = time.perf_counter(), time.process_time()
