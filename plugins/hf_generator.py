@@ -1,15 +1,23 @@
-"""Generator `hf`: batched sampling with transformers' `generate` on the policy's own weights.
+"""Generator `hf`: batched sampling on the policy's own weights, with a decoding loop of rlkit's own.
 
-Sampling is exactly π/T unless the recipe asks otherwise: rlkit builds the whole generation config
-itself (temperature, lengths, its end ids, PAD, the suppressed ids) and swaps it in for the call, so
-a hub model's `generation_config.json` (repetition_penalty, no_repeat_ngram_size, top_k, ...) never
-changes what is sampled. The sampled log-probs come from the scores after every logits processor,
-so `check/logprob_gap` (learner vs sampler) shows any processing that makes the sampler differ from π.
+The loop runs the prompts once through the model with a KV cache, then one token per step for the
+rows still running: a row that ends (an end id, or `max_new_tokens`) leaves the cache and the
+step's inputs, so no step computes a finished row (transformers' `generate` computes every row
+until the longest response ends). Sampling is exactly π/T unless the recipe asks otherwise: the
+loop applies only the recipe's settings (temperature, top_k, top_p, min_new_tokens, the policy's
+suppressed ids), so a hub model's `generation_config.json` never changes what is sampled. The
+sampled log-probs come from the scores after all of these, so `check/logprob_gap` (learner vs
+sampler) shows any processing that makes the sampler differ from π.
+
+The random draws are generate's: `torch.multinomial(probs, 1)` draws one exponential variate per
+row and token (a sample is argmax(p / q), q ~ Exp(1)), so the loop draws q for every row of the call,
+finished ones included, and uses the running rows' part. The same seed gives the same tokens as
+`generate` did.
 """
 
 from __future__ import annotations
 
-import contextlib
+import inspect
 
 import attrs
 import torch
@@ -43,20 +51,6 @@ class HFGeneratorConfig(SamplingConfig):
     batch_size: int = setting(0, help="prompts per generate call, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
 
 
-@contextlib.contextmanager
-def generation_config_swapped(model, config):
-    """`model.generate` with `config` as the model's own generation config: transformers fills every
-    unset field of a passed config from the model's, so passing ours is not enough to shut out the
-    checkpoint's sampling defaults."""
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the transformers model
-    saved = target.generation_config
-    target.generation_config = config
-    try:
-        yield
-    finally:
-        target.generation_config = saved
-
-
 def without_padding_columns(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts without the leading columns that no prompt reaches: positions count real
     tokens only, so generation continues each prompt as it would with them."""
@@ -74,22 +68,9 @@ class HFGenerator(Generator):
         self.config = config
         self.temperature = config.temperature
         self.policy = context.policy
-
-    def generation_config(self, greedy: bool = False):
-        """The whole config, every sampling field set here (see the module docstring)."""
-        from transformers import GenerationConfig
-
-        tokenizer = self.policy.tokenizer
-        common = dict(
-            max_new_tokens=self.config.max_new_tokens, min_new_tokens=self.config.min_new_tokens or None,
-            eos_token_id=list(self.policy.eos_token_ids), pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id, suppress_tokens=list(self.policy.suppressed_token_ids) or None,
-            return_dict_in_generate=True, output_scores=True,
-        )
-        if greedy:
-            return GenerationConfig(do_sample=False, **common)
-        # top_k 0 is off; left unset, transformers would fill in its default of 50
-        return GenerationConfig(do_sample=True, temperature=self.temperature, top_k=self.config.top_k, top_p=self.config.top_p, **common)
+        # (positions the model computed, real tokens among them), summed over calls: the benchmark's
+        # padding share; the real count stays a device tensor (reading it would wait on the device)
+        self.positions = (0, 0)
 
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
@@ -115,15 +96,79 @@ class HFGenerator(Generator):
         pad = self.policy.tokenizer.pad_token_id
         was_training = model.training
         model.eval()
-        with generation_config_swapped(model, self.generation_config(greedy)):
-            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask)
-        model.train(was_training)
-        response_ids = out.sequences[:, prompt_ids.shape[1]:]
-        scores = torch.stack(out.scores, dim=1)  # [B, R, V] after temperature and every other processor
+        try:
+            response_ids, logprobs = self._decode(model, prompt_ids, prompt_mask, greedy)
+        finally:
+            model.train(was_training)
         mask = response_mask(response_ids, self.policy.eos_token_ids)
-        logprobs = torch.log_softmax(scores.float(), dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
-        logprobs = torch.where(mask.bool(), logprobs, 0.0)  # after the end the sampled PAD scores -inf
+        logprobs = torch.where(mask.bool(), logprobs, 0.0)
         return Generation(response_ids=response_ids * mask + pad * (1 - mask), response_mask=mask, logprobs=logprobs)
+
+    def _decode(self, model, prompt_ids, prompt_mask, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, R] sampled ids (anything after a row's end) and their log-probs, R the longest response.
+        `running` holds the batch rows still decoding; the cache, mask and positions hold only those."""
+        from transformers import DynamicCache
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the transformers model
+        rows, limit = prompt_ids.shape[0], self.config.max_new_tokens
+        accepted = inspect.signature(base.forward).parameters
+        cache = DynamicCache(config=base.config)
+        # transformers 5 calls the cache `cache`, 4 `past_key_values`; logits at the last position only
+        options = {"cache" if "cache" in accepted else "past_key_values": cache, "use_cache": True}
+        if "logits_to_keep" in accepted:
+            options["logits_to_keep"] = 1
+        ends = torch.tensor(self.policy.eos_token_ids, device=prompt_ids.device)
+        ids, mask = prompt_ids, prompt_mask
+        positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # real tokens only, as generate counts them
+        running = torch.arange(rows, device=prompt_ids.device)
+        tokens, logprobs = [], []  # per step, for the running rows
+        self.positions = (self.positions[0] + mask.numel(), self.positions[1] + mask.sum())
+        for step in range(limit):
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **options).logits[:, -1]
+            scores = self._processed(logits.to(dtype=torch.float32, copy=True), step, greedy)
+            if greedy:
+                chosen = scores.argmax(dim=-1)
+            else:  # torch.multinomial(softmax(scores), 1) with every row's draws (module docstring)
+                noise = torch.empty(rows, scores.shape[-1], device=scores.device).exponential_()[running]
+                chosen = (torch.softmax(scores, dim=-1) / noise).argmax(dim=-1)
+            tokens.append((running, chosen))
+            logprobs.append(torch.log_softmax(scores, dim=-1).gather(-1, chosen[:, None]).squeeze(-1))
+            if step + 1 == limit:
+                break
+            kept = torch.isin(chosen, ends, invert=True).nonzero().squeeze(1)  # the step's one read from the device
+            if len(kept) == 0:
+                break
+            if len(kept) < len(running):
+                cache.batch_select_indices(kept)
+                running, chosen, mask, positions = running[kept], chosen[kept], mask[kept], positions[kept]
+            ids, positions = chosen[:, None], positions[:, -1:] + 1
+            mask = torch.cat([mask, mask.new_ones(len(running), 1)], dim=1)
+            self.positions = (self.positions[0] + len(running), self.positions[1] + len(running))
+        pad = self.policy.tokenizer.pad_token_id
+        response_ids = prompt_ids.new_full((rows, len(tokens)), pad)
+        sampled = torch.zeros(rows, len(tokens), device=prompt_ids.device)
+        for step, ((at, chosen), logprob) in enumerate(zip(tokens, logprobs)):
+            response_ids[at, step], sampled[at, step] = chosen, logprob
+        return response_ids, sampled
+
+    def _processed(self, logits: torch.Tensor, step: int, greedy: bool) -> torch.Tensor:
+        """The scores a token is chosen from, as generate processes them: end ids forbidden before
+        `min_new_tokens`, the suppressed ids never, then (sampling) temperature, top-k, top-p."""
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        if step < self.config.min_new_tokens:
+            logits[:, list(self.policy.eos_token_ids)] = -float("inf")
+        if self.policy.suppressed_token_ids:
+            logits[:, list(self.policy.suppressed_token_ids)] = -float("inf")
+        if greedy:
+            return logits
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        if self.config.top_k:
+            logits = TopKLogitsWarper(self.config.top_k)(None, logits)
+        if self.config.top_p < 1.0:
+            logits = TopPLogitsWarper(self.config.top_p)(None, logits)
+        return logits
 
 
 @hookimpl
