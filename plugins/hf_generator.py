@@ -28,6 +28,10 @@ from rlkit_core.functional import response_mask
 from rlkit_core.interfaces import Generation, Generator
 from rlkit_core.settings import SamplingSettings
 
+# The prefill runs the prompts in groups of similar length, with at most this share of a group's
+# positions padding: a few more forward passes instead of computing a ragged batch's padding.
+PREFILL_PADDING = 0.1
+
 
 @attrs.frozen
 class SamplingConfig(SamplingSettings):
@@ -56,6 +60,32 @@ def without_padding_columns(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor)
     tokens only, so generation continues each prompt as it would with them."""
     start = int(prompt_mask.any(dim=0).long().argmax())
     return prompt_ids[:, start:], prompt_mask[:, start:]
+
+
+def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[int]:
+    """Sizes of consecutive groups of `lengths` (longest first) in which padding to the group's
+    longest is at most `padding` of the group's positions."""
+    sizes, longest, real = [], 0, 0
+    for length in lengths:
+        if sizes and (sizes[-1] + 1) * longest * (1 - padding) <= real + length:
+            sizes[-1], real = sizes[-1] + 1, real + length
+        else:
+            sizes.append(1)
+            longest, real = length, length
+    return sizes
+
+
+def joined_cache(caches: list, width: int, config):
+    """One KV cache for the rows of all `caches` (in order): each group's keys and values
+    left-padded with zeros to `width` columns, which the attention mask leaves out."""
+    from transformers import DynamicCache
+
+    joined = DynamicCache(config=config)
+    for index, layers in enumerate(zip(*(cache.layers for cache in caches))):
+        keys, values = ([torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0)) for t in tensors]
+                        for tensors in zip(*((layer.keys, layer.values) for layer in layers)))
+        joined.update(torch.cat(keys), torch.cat(values), index)
+    return joined
 
 
 class HFGenerator(Generator):
@@ -106,25 +136,23 @@ class HFGenerator(Generator):
 
     def _decode(self, model, prompt_ids, prompt_mask, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, R] sampled ids (anything after a row's end) and their log-probs, R the longest response.
-        `running` holds the batch rows still decoding; the cache, mask and positions hold only those."""
-        from transformers import DynamicCache
-
+        `running` holds the batch rows still decoding, in the cache's order; the cache, mask and
+        positions hold only those."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the transformers model
-        rows, limit = prompt_ids.shape[0], self.config.max_new_tokens
         accepted = inspect.signature(base.forward).parameters
-        cache = DynamicCache(config=base.config)
         # transformers 5 calls the cache `cache`, 4 `past_key_values`; logits at the last position only
-        options = {"cache" if "cache" in accepted else "past_key_values": cache, "use_cache": True}
-        if "logits_to_keep" in accepted:
-            options["logits_to_keep"] = 1
+        cache_name = "cache" if "cache" in accepted else "past_key_values"
+        options = {"use_cache": True, "logits_to_keep": 1} if "logits_to_keep" in accepted else {"use_cache": True}
+        rows, limit = prompt_ids.shape[0], self.config.max_new_tokens
+        logits, cache, running = self._prefill(model, base.config, prompt_ids, prompt_mask, options, cache_name)
+        options[cache_name] = cache
         ends = torch.tensor(self.policy.eos_token_ids, device=prompt_ids.device)
-        ids, mask = prompt_ids, prompt_mask
-        positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # real tokens only, as generate counts them
-        running = torch.arange(rows, device=prompt_ids.device)
+        mask = prompt_mask[running]
+        positions = (mask.long().cumsum(dim=1) - 1)[:, -1:]  # real tokens only, as generate counts them
         tokens, logprobs = [], []  # per step, for the running rows
-        self.positions = (self.positions[0] + mask.numel(), self.positions[1] + mask.sum())
         for step in range(limit):
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **options).logits[:, -1]
+            if step:
+                logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, **options).logits[:, -1]
             scores = self._processed(logits.to(dtype=torch.float32, copy=True), step, greedy)
             if greedy:
                 chosen = scores.argmax(dim=-1)
@@ -141,8 +169,7 @@ class HFGenerator(Generator):
             if len(kept) < len(running):
                 cache.batch_select_indices(kept)
                 running, chosen, mask, positions = running[kept], chosen[kept], mask[kept], positions[kept]
-            ids, positions = chosen[:, None], positions[:, -1:] + 1
-            mask = torch.cat([mask, mask.new_ones(len(running), 1)], dim=1)
+            mask, positions = torch.cat([mask, mask.new_ones(len(running), 1)], dim=1), positions + 1
             self.positions = (self.positions[0] + len(running), self.positions[1] + len(running))
         pad = self.policy.tokenizer.pad_token_id
         response_ids = prompt_ids.new_full((rows, len(tokens)), pad)
@@ -150,6 +177,28 @@ class HFGenerator(Generator):
         for step, ((at, chosen), logprob) in enumerate(zip(tokens, logprobs)):
             response_ids[at, step], sampled[at, step] = chosen, logprob
         return response_ids, sampled
+
+    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name) -> tuple[torch.Tensor, object, torch.Tensor]:
+        """The prompts through the model in groups of similar length, each cut to its longest prompt:
+        (last-position logits, one KV cache for all rows, the rows' order in both). A cache that
+        is not plain full attention in every layer (sliding windows, linear layers) is not joined:
+        then one group."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        lengths = prompt_mask.sum(dim=1)
+        order = lengths.argsort(descending=True, stable=True)
+        joinable = all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+        sizes = prefill_groups(lengths[order].tolist()) if joinable else [len(order)]
+        logits, caches = [], []
+        for rows in order.split(sizes):
+            ids, mask = without_padding_columns(prompt_ids[rows], prompt_mask[rows])
+            caches.append(DynamicCache(config=config))
+            positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **options, **{cache_name: caches[-1]})
+            logits.append(out.logits[:, -1])
+            self.positions = (self.positions[0] + mask.numel(), self.positions[1] + mask.sum())
+        return torch.cat(logits), caches[0] if len(caches) == 1 else joined_cache(caches, prompt_ids.shape[1], config), order
 
     def _processed(self, logits: torch.Tensor, step: int, greedy: bool) -> torch.Tensor:
         """The scores a token is chosen from, as generate processes them: end ids forbidden before
