@@ -41,20 +41,26 @@ def base_model(policy):
 
 def follow_script(policy, lift: float = 10.0):
     """A real model whose next token is mostly scripted: after token t, the logit of script[t] is
-    raised by `lift` (the model's own logits stay underneath, so log-probs are not trivial)."""
-    vocab = base_model(policy).get_output_embeddings().weight.shape[0]
-    script = torch.full((vocab,), -1)
+    raised by `lift` (the model's own logits stay underneath, so log-probs are not trivial). The
+    hooks sit on the embedding and output layers, which peft's wrapper also calls as modules."""
+    model = base_model(policy)
+    script = torch.full((model.get_output_embeddings().weight.shape[0],), -1)
     script[COUNTDOWN[1:]] = torch.tensor(COUNTDOWN[:-1])
     script[COUNTDOWN[0]] = policy.eos_token_ids[-1]  # the chat model's second end id
     script[FOREVER], script[ENDS_NOW] = FOREVER, policy.eos_token_ids[0]
+    fed = {}
 
-    def hook(module, args, kwargs, output):
-        logits = output.logits
-        targets = script[kwargs["input_ids"][:, -logits.shape[1]:]]
+    def remember(module, args):
+        fed["ids"] = args[0]
+
+    def steer(module, inputs, logits):
+        targets = script[fed["ids"][:, -logits.shape[1]:]]
         rows, columns = (targets >= 0).nonzero(as_tuple=True)
         logits[rows, columns, targets[rows, columns]] += lift
 
-    return base_model(policy).register_forward_hook(hook, with_kwargs=True)
+    model.get_input_embeddings().register_forward_pre_hook(remember)
+    model.get_output_embeddings().register_forward_hook(steer)
+    return fed
 
 
 def lift_logits(policy, ids, lift: float):
@@ -236,9 +242,8 @@ def test_prefill_groups_keep_padding_under_a_tenth():
 def test_finished_rows_leave_the_computation_and_the_counter_counts_what_ran(models):
     policy = make_policy(models, "byt5")
     follow_script(policy)
-    shapes = []
-    base_model(policy).register_forward_pre_hook(lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
-                                                 with_kwargs=True)
+    shapes = []  # of the token ids fed to each forward pass
+    base_model(policy).get_input_embeddings().register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
     # rows of 10, 9 and 3 prompt tokens whose responses end at steps 2, 5 and 5
     prompt_ids, prompt_mask = scripted_prompts(policy.tokenizer.pad_token_id, [10, 9, 3], [COUNTDOWN[1], COUNTDOWN[4], COUNTDOWN[4]])
     generator = make_generator(policy, max_new_tokens=8)
