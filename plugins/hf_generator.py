@@ -1,9 +1,10 @@
 """Generator `hf`: batched sampling on the policy's own weights, with a decoding loop of rlkit's own.
 
-The loop runs the prompts once through the model with a KV cache, then one token per step for the
-rows still running: a row that ends (an end id, or `max_new_tokens`) leaves the cache and the
-step's inputs, so no step computes a finished row (transformers' `generate` computes every row
-until the longest response ends). Sampling is exactly π/T unless the recipe asks otherwise: the
+The loop runs the prompts through the model once, in groups of similar length joined into one KV
+cache, then one token per step for the rows still running: a row that ends (an end id, or
+`max_new_tokens`) leaves the cache and the step's inputs, so no step computes a finished row
+(transformers' `generate`, which this loop replaced, computes every row of a padded batch until
+the longest response ends). Sampling is exactly π/T unless the recipe asks otherwise: the
 loop applies only the recipe's settings (temperature, top_k, top_p, min_new_tokens, the policy's
 suppressed ids), so a hub model's `generation_config.json` never changes what is sampled. The
 sampled log-probs come from the scores after all of these, so `check/logprob_gap` (learner vs
@@ -12,7 +13,7 @@ sampler) shows any processing that makes the sampler differ from π.
 The random draws are generate's: `torch.multinomial(probs, 1)` draws one exponential variate per
 row and token (a sample is argmax(p / q), q ~ Exp(1)), so the loop draws q for every row of the call,
 finished ones included, and uses the running rows' part. The same seed gives the same tokens as
-`generate` did.
+`generate` did, and leaves the random state where it did (tests/test_hf_generator_loop.py).
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ class SamplingConfig(SamplingSettings):
 @attrs.frozen
 class HFGeneratorConfig(SamplingConfig):
     """The `hf` generator's settings: the sampling settings and how many prompts go into one
-    `generate` call."""
+    decoding loop."""
 
     renamed = {}
 
-    batch_size: int = setting(0, help="prompts per generate call, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
+    batch_size: int = setting(0, help="prompts per decoding loop, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
 
 
 def without_padding_columns(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
