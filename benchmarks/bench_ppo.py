@@ -105,17 +105,22 @@ def build_inputs(folder: Path, args) -> tuple[Path, Path]:
 
 def padding_shares(trainer, batch, counted: dict, epochs: int) -> dict[str, dict[str, float]]:
     """Per phase, the share of computed positions that are padding: `before`, every pass padded to
-    the batch's longest prompt and response; `after`, what the trainer computed (`counted`: its
-    (computed, real) positions this iteration). Generation computes every row of a call at every
-    step until the longest response ends, before and after."""
+    the batch's longest prompt and response (generation: every row of the batch at every step until
+    the longest response ends, as transformers' `generate` computes); `after`, what this iteration
+    computed (`counted`: (computed, real) positions per phase, from the trainer, and from the `hf`
+    generator, which counts the positions its decoding loop runs; None for a generator that does not)."""
     real = float(batch.prompt_mask.sum() + batch.response_mask.sum())
     padded = batch.prompt_mask.numel() + batch.response_mask.numel()
-    shares = {"generate": {"before": 1 - real / padded, "after": 1 - real / padded},
-              "forward": {"before": 1 - real / padded}, "train": {"before": 1 - real / padded}}
-    for phase in ("forward", "train"):
-        computed, kept = counted[phase]
+    shares = {phase: {"before": 1 - real / padded, "after": None} for phase in ("generate", "forward", "train")}
+    for phase, (computed, kept) in counted.items():
         shares[phase]["after"] = 1 - float(kept) / computed if computed else 0.0
-    return {phase: {k: round(v, 3) for k, v in share.items()} for phase, share in shares.items()}
+    return {phase: {k: None if v is None else round(v, 3) for k, v in share.items()} for phase, share in shares.items()}
+
+
+def positions_generated(trainer) -> dict[str, tuple]:
+    """The generator's (computed, real) positions so far, where it counts them (`hf` does)."""
+    generator = trainer.parts.generator
+    return {"generate": generator.positions} if hasattr(generator, "positions") else {}
 
 
 def iteration_flops(config, batch: int, prompt: int, response: int, epochs: int) -> dict[str, float]:
@@ -238,10 +243,10 @@ def main() -> None:
         history = []
         for _ in range(args.steps):
             started, cpu_started = time.perf_counter(), time.process_time()
-            counted_before = dict(trainer.positions)
+            counted_before = dict(trainer.positions) | positions_generated(trainer)
             metrics = trainer.step()
-            counted = {phase: tuple(now - then for now, then in zip(trainer.positions[phase], counted_before[phase]))
-                       for phase in ("forward", "train")}
+            counted = {phase: tuple(now - then for now, then in zip(positions[phase], counted_before[phase]))
+                       for positions in (trainer.positions, positions_generated(trainer)) for phase in positions}
             lengths = list(zip(*(t.sum(dim=1).tolist() for t in (trainer.last_batch.prompt_mask, trainer.last_batch.response_mask))))
             stepped = time.perf_counter()
             trainer.metrics_log.append(trainer.iteration, metrics)
@@ -299,7 +304,8 @@ def main() -> None:
         "floor_seconds": round(floor, 3),
         "ratio_to_floor": round(per_iteration / floor, 2),
         "cpu_ratio_to_floor": None if cuda else round(cpu_per_iteration / (total_flops / cpu_peak), 2),
-        "padding_share": {phase: {when: statistics.median(h["padding"][phase][when] for h in steady) for when in ("before", "after")}
+        "padding_share": {phase: {when: None if steady[0]["padding"][phase][when] is None
+                                  else statistics.median(h["padding"][phase][when] for h in steady) for when in ("before", "after")}
                           for phase in ("generate", "forward", "train")},
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "mean_score_first_last": [round(history[0]["score/mean"], 3), round(history[-1]["score/mean"], 3)],

@@ -1,15 +1,24 @@
-"""Generator `hf`: batched sampling with transformers' `generate` on the policy's own weights.
+"""Generator `hf`: batched sampling on the policy's own weights, with a decoding loop of rlkit's own.
 
-Sampling is exactly π/T unless the recipe asks otherwise: rlkit builds the whole generation config
-itself (temperature, lengths, its end ids, PAD, the suppressed ids) and swaps it in for the call, so
-a hub model's `generation_config.json` (repetition_penalty, no_repeat_ngram_size, top_k, ...) never
-changes what is sampled. The sampled log-probs come from the scores after every logits processor,
-so `check/logprob_gap` (learner vs sampler) shows any processing that makes the sampler differ from π.
+The loop runs the prompts through the model once, in groups of similar length joined into one KV
+cache, then one token per step for the rows still running: a row that ends (an end id, or
+`max_new_tokens`) leaves the cache and the step's inputs, so no step computes a finished row
+(transformers' `generate`, which this loop replaced, computes every row of a padded batch until
+the longest response ends). Sampling is exactly π/T unless the recipe asks otherwise: the
+loop applies only the recipe's settings (temperature, top_k, top_p, min_new_tokens, the policy's
+suppressed ids), so a hub model's `generation_config.json` never changes what is sampled. The
+sampled log-probs come from the scores after all of these, so `check/logprob_gap` (learner vs
+sampler) shows any processing that makes the sampler differ from π.
+
+The random draws are generate's: `torch.multinomial(probs, 1)` draws one exponential variate per
+row and token (a sample is argmax(p / q), q ~ Exp(1)), so the loop draws q for every row of the call,
+finished ones included, and uses the running rows' part. The same seed gives the same tokens as
+`generate` did, and leaves the random state where it did (tests/test_hf_generator_loop.py).
 """
 
 from __future__ import annotations
 
-import contextlib
+import inspect
 
 import attrs
 import torch
@@ -19,6 +28,10 @@ from rlkit_core.config import at_least, between, greater_than, setting
 from rlkit_core.functional import response_mask
 from rlkit_core.interfaces import Generation, Generator
 from rlkit_core.settings import SamplingSettings
+
+# The prefill runs the prompts in groups of similar length, with at most this share of a group's
+# positions padding: a few more forward passes instead of computing a ragged batch's padding.
+PREFILL_PADDING = 0.1
 
 
 @attrs.frozen
@@ -36,25 +49,11 @@ class SamplingConfig(SamplingSettings):
 @attrs.frozen
 class HFGeneratorConfig(SamplingConfig):
     """The `hf` generator's settings: the sampling settings and how many prompts go into one
-    `generate` call."""
+    decoding loop."""
 
     renamed = {}
 
-    batch_size: int = setting(0, help="prompts per generate call, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
-
-
-@contextlib.contextmanager
-def generation_config_swapped(model, config):
-    """`model.generate` with `config` as the model's own generation config: transformers fills every
-    unset field of a passed config from the model's, so passing ours is not enough to shut out the
-    checkpoint's sampling defaults."""
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the transformers model
-    saved = target.generation_config
-    target.generation_config = config
-    try:
-        yield
-    finally:
-        target.generation_config = saved
+    batch_size: int = setting(0, help="prompts per decoding loop, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
 
 
 def without_padding_columns(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +61,32 @@ def without_padding_columns(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor)
     tokens only, so generation continues each prompt as it would with them."""
     start = int(prompt_mask.any(dim=0).long().argmax())
     return prompt_ids[:, start:], prompt_mask[:, start:]
+
+
+def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[int]:
+    """Sizes of consecutive groups of `lengths` (longest first) in which padding to the group's
+    longest is at most `padding` of the group's positions."""
+    sizes, longest, real = [], 0, 0
+    for length in lengths:
+        if sizes and (sizes[-1] + 1) * longest * (1 - padding) <= real + length:
+            sizes[-1], real = sizes[-1] + 1, real + length
+        else:
+            sizes.append(1)
+            longest, real = length, length
+    return sizes
+
+
+def joined_cache(caches: list, width: int, config):
+    """One KV cache for the rows of all `caches` (in order): each group's keys and values
+    left-padded with zeros to `width` columns, which the attention mask leaves out."""
+    from transformers import DynamicCache
+
+    joined = DynamicCache(config=config)
+    for index, layers in enumerate(zip(*(cache.layers for cache in caches))):
+        keys, values = ([torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0)) for t in tensors]
+                        for tensors in zip(*((layer.keys, layer.values) for layer in layers)))
+        joined.update(torch.cat(keys), torch.cat(values), index)
+    return joined
 
 
 class HFGenerator(Generator):
@@ -74,22 +99,9 @@ class HFGenerator(Generator):
         self.config = config
         self.temperature = config.temperature
         self.policy = context.policy
-
-    def generation_config(self, greedy: bool = False):
-        """The whole config, every sampling field set here (see the module docstring)."""
-        from transformers import GenerationConfig
-
-        tokenizer = self.policy.tokenizer
-        common = dict(
-            max_new_tokens=self.config.max_new_tokens, min_new_tokens=self.config.min_new_tokens or None,
-            eos_token_id=list(self.policy.eos_token_ids), pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id, suppress_tokens=list(self.policy.suppressed_token_ids) or None,
-            return_dict_in_generate=True, output_scores=True,
-        )
-        if greedy:
-            return GenerationConfig(do_sample=False, **common)
-        # top_k 0 is off; left unset, transformers would fill in its default of 50
-        return GenerationConfig(do_sample=True, temperature=self.temperature, top_k=self.config.top_k, top_p=self.config.top_p, **common)
+        # (positions the model computed, real tokens among them), summed over calls: the benchmark's
+        # padding share; the real count stays a device tensor (reading it would wait on the device)
+        self.positions = (0, 0)
 
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
@@ -115,15 +127,98 @@ class HFGenerator(Generator):
         pad = self.policy.tokenizer.pad_token_id
         was_training = model.training
         model.eval()
-        with generation_config_swapped(model, self.generation_config(greedy)):
-            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask)
-        model.train(was_training)
-        response_ids = out.sequences[:, prompt_ids.shape[1]:]
-        scores = torch.stack(out.scores, dim=1)  # [B, R, V] after temperature and every other processor
+        try:
+            response_ids, logprobs = self._decode(model, prompt_ids, prompt_mask, greedy)
+        finally:
+            model.train(was_training)
         mask = response_mask(response_ids, self.policy.eos_token_ids)
-        logprobs = torch.log_softmax(scores.float(), dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
-        logprobs = torch.where(mask.bool(), logprobs, 0.0)  # after the end the sampled PAD scores -inf
+        logprobs = torch.where(mask.bool(), logprobs, 0.0)
         return Generation(response_ids=response_ids * mask + pad * (1 - mask), response_mask=mask, logprobs=logprobs)
+
+    def _decode(self, model, prompt_ids, prompt_mask, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, R] sampled ids (anything after a row's end) and their log-probs, R the longest response.
+        `running` holds the batch rows still decoding, in the cache's order; the cache, mask and
+        positions hold only those."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the transformers model
+        accepted = inspect.signature(base.forward).parameters
+        # transformers 5 calls the cache `cache`, 4 `past_key_values`; logits at the last position only
+        cache_name = "cache" if "cache" in accepted else "past_key_values"
+        options = {"use_cache": True, "logits_to_keep": 1} if "logits_to_keep" in accepted else {"use_cache": True}
+        rows, limit = prompt_ids.shape[0], self.config.max_new_tokens
+        logits, cache, running = self._prefill(model, base.config, prompt_ids, prompt_mask, options, cache_name)
+        options[cache_name] = cache
+        ends = torch.tensor(self.policy.eos_token_ids, device=prompt_ids.device)
+        mask = prompt_mask[running]
+        positions = (mask.long().cumsum(dim=1) - 1)[:, -1:]  # real tokens only, as generate counts them
+        tokens, logprobs = [], []  # per step, for the running rows
+        for step in range(limit):
+            if step:
+                logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, **options).logits[:, -1]
+            scores = self._processed(logits.to(dtype=torch.float32, copy=True), step, greedy)
+            if greedy:
+                chosen = scores.argmax(dim=-1)
+            else:  # torch.multinomial(softmax(scores), 1) with every row's draws (module docstring)
+                noise = torch.empty(rows, scores.shape[-1], device=scores.device).exponential_()[running]
+                chosen = (torch.softmax(scores, dim=-1) / noise).argmax(dim=-1)
+            tokens.append((running, chosen))
+            logprobs.append(torch.log_softmax(scores, dim=-1).gather(-1, chosen[:, None]).squeeze(-1))
+            if step + 1 == limit:
+                break
+            kept = torch.isin(chosen, ends, invert=True).nonzero().squeeze(1)  # the step's one read from the device
+            if len(kept) == 0:
+                break
+            if len(kept) < len(running):
+                cache.batch_select_indices(kept)
+                running, chosen, mask, positions = running[kept], chosen[kept], mask[kept], positions[kept]
+            mask, positions = torch.cat([mask, mask.new_ones(len(running), 1)], dim=1), positions + 1
+            self.positions = (self.positions[0] + len(running), self.positions[1] + len(running))
+        pad = self.policy.tokenizer.pad_token_id
+        response_ids = prompt_ids.new_full((rows, len(tokens)), pad)
+        sampled = torch.zeros(rows, len(tokens), device=prompt_ids.device)
+        for step, ((at, chosen), logprob) in enumerate(zip(tokens, logprobs)):
+            response_ids[at, step], sampled[at, step] = chosen, logprob
+        return response_ids, sampled
+
+    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name) -> tuple[torch.Tensor, object, torch.Tensor]:
+        """The prompts through the model in groups of similar length, each cut to its longest prompt:
+        (last-position logits, one KV cache for all rows, the rows' order in both). A cache that
+        is not plain full attention in every layer (sliding windows, linear layers) is not joined:
+        then one group."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        lengths = prompt_mask.sum(dim=1)
+        order = lengths.argsort(descending=True, stable=True)
+        joinable = all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+        sizes = prefill_groups(lengths[order].tolist()) if joinable else [len(order)]
+        logits, caches = [], []
+        for rows in order.split(sizes):
+            ids, mask = without_padding_columns(prompt_ids[rows], prompt_mask[rows])
+            caches.append(DynamicCache(config=config))
+            positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **options, **{cache_name: caches[-1]})
+            logits.append(out.logits[:, -1])
+            self.positions = (self.positions[0] + mask.numel(), self.positions[1] + mask.sum())
+        return torch.cat(logits), caches[0] if len(caches) == 1 else joined_cache(caches, prompt_ids.shape[1], config), order
+
+    def _processed(self, logits: torch.Tensor, step: int, greedy: bool) -> torch.Tensor:
+        """The scores a token is chosen from, as generate processes them: end ids forbidden before
+        `min_new_tokens`, the suppressed ids never, then (sampling) temperature, top-k, top-p."""
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        if step < self.config.min_new_tokens:
+            logits[:, list(self.policy.eos_token_ids)] = -float("inf")
+        if self.policy.suppressed_token_ids:
+            logits[:, list(self.policy.suppressed_token_ids)] = -float("inf")
+        if greedy:
+            return logits
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        if self.config.top_k:
+            logits = TopKLogitsWarper(self.config.top_k)(None, logits)
+        if self.config.top_p < 1.0:
+            logits = TopPLogitsWarper(self.config.top_p)(None, logits)
+        return logits
 
 
 @hookimpl

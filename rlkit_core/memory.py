@@ -1,7 +1,7 @@
 """A per-process memory estimate for `rlkit check`, from the model's shape and the recipe's sizes.
 
 Peak = weights + gradients + optimiser state + the largest of the three stages' working memory:
-generation (KV cache and the sampled steps' logits), the no-grad forward passes (policy and
+generation (KV cache and one step's logits), the no-grad forward passes (policy and
 reference logits) and the update (activations of one micro-batch). Under DDP every process holds
 all of it; nothing is sharded. The activation terms follow Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models"): per layer and token about 34·h bytes at
@@ -68,7 +68,9 @@ def estimate(shape: ModelShape, work: Workload) -> dict[str, int]:
     f = work.forward_tokens / tokens if work.forward_tokens else work.forward_batch
     forward = int(2 * f * tokens * s.vocab * act + 2 * f * work.response_tokens * s.vocab * 4)  # policy and reference
     g = work.generate_batch
-    generate = 2 * s.layers * g * tokens * s.hidden * act + g * work.response_tokens * s.vocab * 4  # KV cache, step logits
+    # the KV cache, and one step's float32 scores with the few copies sampling makes of them
+    # (probabilities, noise, log-softmax): the `hf` loop keeps no step's scores past that step
+    generate = 2 * s.layers * g * tokens * s.hidden * act + 4 * g * s.vocab * 4
     stages = {"update": stored + head + block, "forward": forward + gathered, "generate": generate + gathered}
     return {"weights": weights, "gradients": gradients, "optimiser": optimiser, **stages,
             "peak": weights + gradients + optimiser + max(stages.values())}
