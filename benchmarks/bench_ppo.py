@@ -180,7 +180,7 @@ def parse_args():
     parser.add_argument("--shape", default="standard", choices=["standard", "ragged"])
     parser.add_argument("--model-dir", default="", help="load this model folder (write_model) instead of writing one")
     parser.add_argument("--max-tokens-per-microbatch", type=int, default=-1, help="ppo.max_tokens_per_microbatch (-1: the shape's: 0 standard, 4096 ragged)")
-    parser.add_argument("--max-tokens-per-forward", type=int, default=-1, help="ppo.max_tokens_per_forward (-1: the shape's: 0 standard, 8192 ragged)")
+    parser.add_argument("--max-tokens-per-forward", type=int, default=-1, help="ppo.max_tokens_per_forward (-1: the shape's: 0 standard, 16384 ragged: the whole batch of 64 in one piece)")
     parser.add_argument("--pack", default="shape", choices=["shape", "on", "off"], help="ppo.pack_sequences (shape: on for ragged, off for standard)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=32, help="standard shape: every response's length")
@@ -218,7 +218,7 @@ def main() -> None:
         model_dir, prompts = build_inputs(Path(tmp), args)
         ragged = args.shape == "ragged"
         micro_budget = args.max_tokens_per_microbatch if args.max_tokens_per_microbatch >= 0 else (4096 if ragged else 0)
-        forward_budget = args.max_tokens_per_forward if args.max_tokens_per_forward >= 0 else (8192 if ragged else 0)
+        forward_budget = args.max_tokens_per_forward if args.max_tokens_per_forward >= 0 else (16384 if ragged else 0)
         response_len = RAGGED["response"][1] if ragged else args.response_len
         min_len = RAGGED["response"][0] if ragged else args.response_len
         document = {

@@ -11,7 +11,7 @@ from rlkit_core.errors import RecipeError
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime.microbatches import TooLong, budget_pieces, fixed_pieces
-from rlkit_core.runtime.packing import PackedRows, PaddedRows
+from rlkit_core.runtime.packing import PackedRows, PaddedRows, packed_layout
 from rlkit_core.runtime.trainer import Trainer
 
 
@@ -77,6 +77,15 @@ def test_packed_rows_lay_the_real_tokens_end_to_end_with_positions_that_restart(
     shorter = batch.with_(prompt_mask=torch.tensor([[0, 1, 1], [0, 0, 1], [0, 0, 1]]))
     ids, _, positions = PackedRows(shorter, [2, 1, 1], [2, 1, 1]).inputs
     assert ids.tolist() == [[5, 6, 8, 1], [7, 1, 9, 3]] and positions.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]]
+
+
+def test_a_row_a_little_wider_than_the_longest_rollout_can_save_a_row():
+    # width 10: 10 | 9 | 6 (5 does not fit beside it) | 5: 4 rows, 40 positions for 30 tokens;
+    # width 11: 10 | 9 | 6 + 5: 3 rows, 33 positions (3 rows need at least 30 / 3 = 10, and 10 does not do)
+    assert packed_layout([10, 9, 6, 5]) == (11, [(0, 0), (1, 0), (2, 0), (2, 6)])
+    # 2 rows would need 15 > 1.25 × 10: not tried; as wide as the longest already leaves no room
+    assert packed_layout([10, 10, 10]) == (10, [(0, 0), (1, 0), (2, 0)])
+    assert packed_layout([4, 2, 2]) == (4, [(0, 0), (1, 0), (1, 2)])
 
 
 def test_packed_pieces_count_their_rows_times_their_width():

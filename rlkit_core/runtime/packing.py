@@ -2,8 +2,7 @@
 (`PaddedRows`), or several end to end in a row (`PackedRows`, `ppo.pack_sequences`).
 
 Packed, each rollout's real tokens (its prompt without the left padding, then its response up to
-its end) are placed first fit, in the piece's order (longest first, then the short rollouts that
-`budget_pieces` chose to fill the rows' ends), in rows as wide as the piece's longest rollout.
+its end) are placed first fit in rows about as wide as the piece's longest rollout (`packed_layout`).
 Position ids restart at 0 where a rollout starts and no attention mask is passed: a policy that
 declares `packs_sequences` keeps attention within each run of positions (transformers builds
 that block-diagonal mask from restarting position ids), so every real position computes what it
@@ -38,17 +37,51 @@ class PaddedRows:
         return per_position[:, self.start:-1]
 
 
+WIDER = 1.25  # how much wider than the longest rollout a packed row may be made, to need fewer rows
+
+
+def first_fit(lengths: list[int], width: int, order: list[int]) -> list[tuple[int, int]]:
+    """(row, offset) of each of `lengths` in rows of `width`, placed first fit in `order`."""
+    fill, places = FirstFit(width), [(0, 0)] * len(lengths)
+    for i in order:
+        places[i] = fill.place(lengths[i])
+    return places
+
+
+def row_count(places: list[tuple[int, int]]) -> int:
+    return 1 + max(row for row, _ in places)
+
+
+def packed_layout(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
+    """(width, (row, offset) of each rollout): first fit in the piece's order in rows as wide as its
+    longest rollout, as `PieceSize` counted it; or, where that leaves rows part empty, the narrowest
+    width up to `WIDER` × the longest at which first fit, longest first, needs fewer rows and
+    computes fewer positions (rows as wide as the longest rollout pack poorly: what is left of a
+    row is often too short for the next rollout)."""
+    longest, total = max(lengths), sum(lengths)
+    width, places = longest, first_fit(lengths, longest, list(range(len(lengths))))
+    longest_first = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    for rows in range(row_count(places) - 1, 0, -1):
+        candidate, step = max(longest, -(-total // rows)), max(1, longest // 100)  # the narrowest that might do
+        while candidate <= WIDER * longest and candidate * rows < width * row_count(places):
+            tried = first_fit(lengths, candidate, longest_first)
+            if row_count(tried) <= rows:
+                width, places = candidate, tried
+                break
+            candidate += step
+        else:
+            break  # no width within reach does it in `rows`: fewer rows would need wider ones still
+    return width, places
+
+
 class PackedRows:
     """Several rollouts per row (see the module docstring)."""
 
     start = 0  # logits at every position: the response positions lie anywhere in a row
 
     def __init__(self, batch: RolloutBatch, prompt_lengths: list[int], response_lengths: list[int]):
-        lengths = [p + r for p, r in zip(prompt_lengths, response_lengths)]
-        width = max(lengths)
-        fill = FirstFit(width)
-        places = [fill.place(length) for length in lengths]  # in the piece's order, as its size was counted
-        rows = 1 + max(row for row, _ in places)
+        width, places = packed_layout([p + r for p, r in zip(prompt_lengths, response_lengths)])
+        rows = row_count(places)
         device = batch.prompt_ids.device
         # where each rollout's first real token goes, as a flat index into rows × width
         base = torch.tensor([row * width + offset for row, offset in places], device=device)
