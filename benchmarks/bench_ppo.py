@@ -103,7 +103,7 @@ def build_inputs(folder: Path, args) -> tuple[Path, Path]:
     return model_dir, prompts
 
 
-def padding_shares(trainer, batch, counted: dict, epochs: int) -> dict[str, dict[str, float]]:
+def padding_shares(batch, counted: dict) -> dict[str, dict[str, float]]:
     """Per phase, the share of computed positions that are padding: `before`, every pass padded to
     the batch's longest prompt and response (generation: every row of the batch at every step until
     the longest response ends, as transformers' `generate` computes); `after`, what this iteration
@@ -253,7 +253,7 @@ def main() -> None:
             # tracking: the step's bookkeeping after the update, and writing metrics.jsonl
             metrics["time/tracking"] = (stepped - started - metrics["time/iteration"]) + (time.perf_counter() - stepped)
             metrics["time/cpu"] = time.process_time() - cpu_started
-            metrics["padding"] = padding_shares(trainer, trainer.last_batch, counted, 4)
+            metrics["padding"] = padding_shares(trainer.last_batch, counted)
             metrics["lengths"] = lengths
             history.append(metrics)
         if args.profile:

@@ -61,12 +61,13 @@ def packed_layout(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
     longest, total = max(lengths), sum(lengths)
     width, places = longest, first_fit(lengths, longest, list(range(len(lengths))))
     longest_first = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    positions = width * row_count(places)
     for rows in range(row_count(places) - 1, 0, -1):
         candidate, step = max(longest, -(-total // rows)), max(1, longest // 100)  # the narrowest that might do
-        while candidate <= WIDER * longest and candidate * rows < width * row_count(places):
+        while candidate <= WIDER * longest and candidate * rows < positions:
             tried = first_fit(lengths, candidate, longest_first)
             if row_count(tried) <= rows:
-                width, places = candidate, tried
+                width, places, positions = candidate, tried, candidate * row_count(tried)
                 break
             candidate += step
         else:
