@@ -206,9 +206,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from rlkit_core.recipe.document import parse_recipe
     from rlkit_core.recipe.plan import model_size
     from rlkit_core.recipe.plugins import load_registry
-    from rlkit_core.recipe.document import parse_recipe
     from rlkit_core.runtime.trainer import Trainer
 
     device = torch.device(args.device)

@@ -49,10 +49,10 @@ def document(folder: Path, lora_r: int, checkpointing: bool) -> dict:
 
 
 def one_case(folder: Path, lora_r: int, checkpointing: bool) -> dict:
-    from rlkit_core.recipe.plan import memory_estimate  # noqa: F401  (imports before the baseline)
     from rlkit_core.memory import Workload, estimate
-    from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.recipe.document import parse_recipe
+    from rlkit_core.recipe.plan import memory_estimate  # noqa: F401  (imports before the baseline)
+    from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.runtime.trainer import Trainer
 
     recipe = parse_recipe(document(folder, lora_r, checkpointing), load_registry(environ={"RLKIT_PLUGINS": "none"}))

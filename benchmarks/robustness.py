@@ -206,8 +206,8 @@ def summary(task: str, system: str, key: str, rows: list[dict], steps: int, over
 
 
 def run_task(task: str, seeds: list[int], steps: int, overrides: list[str], history_dir: Path | None = None) -> dict:
-    from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.recipe.document import apply_overrides, parse_recipe
+    from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.runtime.run import run_recipe
 
     build, _ = TASKS[task]
@@ -230,8 +230,8 @@ def run_task(task: str, seeds: list[int], steps: int, overrides: list[str], hist
 
 def peer_settings(document: dict) -> dict:
     """The recipe's PPO settings as trl_task.py takes them; rlkit's defaults where the recipe is silent."""
-    from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.recipe.document import parse_recipe
+    from rlkit_core.recipe.plugins import load_registry
 
     recipe = parse_recipe(document, load_registry())
     ppo, optim, kl, advantage, loss = recipe.ppo, recipe.optim, recipe["kl"], recipe["advantage"].config, recipe["loss"].config

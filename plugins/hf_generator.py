@@ -151,6 +151,7 @@ class HFGenerator(Generator):
         mask = prompt_mask[running]
         positions = (mask.long().cumsum(dim=1) - 1)[:, -1:]  # real tokens only, as generate counts them
         tokens, logprobs = [], []  # per step, for the running rows
+        chosen = torch.empty(0)  # the previous step's tokens, fed back from the second step on
         for step in range(limit):
             if step:
                 logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, **options).logits[:, -1]

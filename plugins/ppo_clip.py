@@ -1,7 +1,6 @@
 """Loss `ppo-clip`: clipped policy term, clipped value term, optional entropy bonus."""
 
 import attrs
-import torch
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, greater_than, one_of, setting

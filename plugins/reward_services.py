@@ -66,7 +66,7 @@ def _url(value: str) -> str | None:
         return ("holds credentials (user:password@host), and the recipe is logged with the run; put them in an "
                 "environment variable and name it in auth_env or headers_env")
     try:
-        parts.port
+        _ = parts.port  # urlsplit parses the port only when it is read
     except ValueError:
         return "has a port that is not a number from 0 to 65535"
     return None

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import attrs
+from rlkit_plugins import summarize_task
+from rlkit_plugins.hf_policy import DTYPES, HFPolicy, HFPolicyConfig
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
@@ -20,8 +22,6 @@ from rlkit_core.interfaces import Part, Policy, PromptSource, RewardSource
 from rlkit_core.progress import Progress
 from rlkit_core.prompts import PromptLengthLimit
 from rlkit_core.settings import PolicySettings
-from rlkit_plugins import summarize_task
-from rlkit_plugins.hf_policy import DTYPES, HFPolicy, HFPolicyConfig
 
 
 def default_cache_dir() -> str:

@@ -49,7 +49,7 @@ import random
 import re
 import zlib
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 PROMPT_SEPARATOR = "\nSummary: "
 MAX_DOCUMENT_BYTES = 110

@@ -24,7 +24,7 @@ class NoTracker(SilentTracker):
 
 @hookimpl
 def register_trackers(register):
-    from rlkit_plugins.mlflow_tracker import MLflowTracker, MLflowConfig
+    from rlkit_plugins.mlflow_tracker import MLflowConfig, MLflowTracker
 
     register("none", NoTracker, NoTrackerConfig)
     register("mlflow", MLflowTracker, MLflowConfig)

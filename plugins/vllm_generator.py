@@ -36,6 +36,7 @@ import attrs
 import numpy as np
 import torch
 from packaging.version import InvalidVersion, Version
+from rlkit_plugins.hf_generator import SamplingConfig
 
 from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
@@ -45,7 +46,6 @@ from rlkit_core.functional import response_mask
 from rlkit_core.interfaces import Generation, Generator
 from rlkit_core.prompts import PromptLengthLimit
 from rlkit_core.randomness import sampling_seed
-from rlkit_plugins.hf_generator import SamplingConfig
 
 # The tested range (pyproject's extras pin the same): the layerwise reload module and
 # `wake_up(tags)` are in both; 0.34 is not out.

@@ -44,11 +44,10 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
-
 from rlkit_plugins import summarize_task
 
 MARKER_FILE = "warm_start.json"

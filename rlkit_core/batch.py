@@ -7,7 +7,8 @@ Each stage reads the fields it needs and returns a copy with the fields it made
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch

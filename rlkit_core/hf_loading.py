@@ -14,7 +14,6 @@ import pickle
 import re
 from pathlib import Path
 
-
 PAD_TOKEN = "<|rlkit_pad|>"  # the PAD rlkit adds to a tokenizer that has none of its own
 # What transformers raises for a model or tokenizer it cannot load; UnpicklingError: a .bin weights
 # file that holds more than tensors (it is read with weights_only=True, so nothing in it runs).

@@ -10,15 +10,6 @@ from __future__ import annotations
 
 import torch
 
-SEED_STRIDE = 1_000_003
-
-
-def sampling_seed(seed: int, process_index: int) -> int:
-    """Process 0 keeps the run seed (a single process samples as it always did); the others get
-    their own streams, derived from it, so that they do not draw the same responses."""
-    return seed + SEED_STRIDE * process_index
-
-
 # A large prime keeps the streams of neighbouring seeds apart (seed 1's stream 0 is not seed 0's stream 1).
 SEED_STRIDE = 1_000_003
 EVALUATION_OFFSET = 7_919  # evaluation's streams stay apart from the run seed's
@@ -64,3 +55,9 @@ def switch_off_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+
+
+def extra_prompts_seed(seed: int) -> int:
+    """The seed of dynamic sampling's extra prompt stream (`PromptStream`), apart from the training
+    prompts' stream (it shares evaluation's offset, which seeds a stream of another kind)."""
+    return seed + EVALUATION_OFFSET

@@ -4,14 +4,14 @@ import json
 
 import pytest
 import torch
+from rlkit_plugins.hf_policy import load_tokenizer
+from rlkit_plugins.prompt_sources import JsonlConfig, JsonlPrompts
+from rlkit_plugins.rewards import PythonReward, PythonRewardConfig
 
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import response_mask
 from rlkit_core.prompts import encode_prompts
 from rlkit_core.runtime.faults import checked_scores
-from rlkit_plugins.hf_policy import load_tokenizer
-from rlkit_plugins.prompt_sources import JsonlConfig, JsonlPrompts
-from rlkit_plugins.rewards import PythonReward, PythonRewardConfig
 
 
 def test_response_mask_counts_up_to_and_including_the_first_eos():

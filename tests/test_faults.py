@@ -233,7 +233,7 @@ def test_sigterm_and_ctrl_c_checkpoint_the_iteration_and_exit_with_a_clear_line(
     for name, number, code in [("term", signal.SIGTERM, 143), ("ctrl_c", signal.SIGINT, 130)]:
         recipe, output_dir, _ = faulty(name=name, steps=5)
         process = started(recipe)
-        wait_for(process, lambda: (output_dir / "metrics.jsonl").exists(), "first iteration")
+        wait_for(process, lambda folder=output_dir: (folder / "metrics.jsonl").exists(), "first iteration")
         process.send_signal(number)
         _, stderr = process.communicate(timeout=120)
         assert process.returncode == code, stderr
@@ -250,7 +250,7 @@ def test_sigterm_and_ctrl_c_checkpoint_the_iteration_and_exit_with_a_clear_line(
 def test_a_second_ctrl_c_stops_at_once(faulty):
     recipe, output_dir, _ = faulty({2: "lambda good: __import__('time').sleep(60) or good"})  # a slow iteration 2
     process = started(recipe)
-    wait_for(process, lambda: (output_dir / "metrics.jsonl").exists(), "first iteration")
+    wait_for(process, lambda folder=output_dir: (folder / "metrics.jsonl").exists(), "first iteration")
     process.send_signal(signal.SIGINT)
     for line in process.stderr:  # the first Ctrl-C is acknowledged before the second is sent
         if "Ctrl-C again stops at once" in line:
@@ -266,7 +266,7 @@ def test_a_run_started_with_ctrl_c_ignored_keeps_ignoring_it(faulty):
     """As under nohup or in a background job: SIGINT stays ignored and the run goes to its end."""
     recipe, output_dir, _ = faulty({2: "lambda good: __import__('time').sleep(3) or good"}, steps=3)  # still running at the signal
     process = started(recipe, sigint=signal.SIG_IGN)
-    wait_for(process, lambda: (output_dir / "metrics.jsonl").exists(), "first iteration")
+    wait_for(process, lambda folder=output_dir: (folder / "metrics.jsonl").exists(), "first iteration")
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 0, stderr

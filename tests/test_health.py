@@ -217,6 +217,6 @@ def test_stop_on_ends_the_run_with_exit_3_and_a_checkpoint_to_resume(recipe_docu
     result = subprocess.run(RUN + [write_recipe(document)], env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr[-3000:]
     saved = output_dir / "checkpoints" / "iter_000001"
-    assert (f"rlkit run: health check zero_reward_variance fired after iteration 1 and is in health.stop_on: score/std = 0: "
+    assert ("rlkit run: health check zero_reward_variance fired after iteration 1 and is in health.stop_on: score/std = 0: "
             in result.stderr) and result.stderr.rstrip().endswith(f"saved {saved}; continue with --resume auto")
     assert [row["iteration"] for row in rows_of(output_dir)] == [1] and (saved / "manifest.json").is_file()

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig, prefill_groups, without_padding_columns
+from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 
 from rlkit_core.batch import sequence_inputs
 from rlkit_core.context import BuildContext
 from rlkit_core.functional import logprobs_from_logits, response_mask
 from rlkit_core.testing.offline_models import write_tiny_model
-from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig, prefill_groups, without_padding_columns
-from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 
 STYLES = ("byt5", "gpt2", "chat")
 COUNTDOWN = list(range(100, 110))  # a script: COUNTDOWN[k] -> COUNTDOWN[k - 1], COUNTDOWN[0] -> an end id

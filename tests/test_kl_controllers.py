@@ -1,7 +1,6 @@
 """KL controllers against the worked example of docs/ppo_reference.md."""
 
 import pytest
-
 from rlkit_plugins.kl import AdaptiveKL, AdaptiveKLConfig, FixedKL, FixedKLConfig
 
 

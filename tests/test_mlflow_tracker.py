@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 from mlflow import MlflowClient
-
 from rlkit_plugins.mlflow_tracker import MLflowConfig, MLflowTracker
 
 SERVER_START_SECONDS = 60
@@ -84,7 +83,6 @@ def log_a_run(tracker: MLflowTracker, root: Path) -> str:
 
 def test_limits_match_mlflow():
     from mlflow.utils import validation
-
     from rlkit_plugins import mlflow_tracker
 
     for name in ("MAX_PARAM_VAL_LENGTH", "MAX_TAG_VAL_LENGTH", "MAX_PARAMS_TAGS_PER_BATCH", "MAX_METRICS_PER_BATCH", "MAX_ENTITY_KEY_LENGTH"):

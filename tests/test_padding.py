@@ -240,8 +240,8 @@ def test_the_memory_estimate_takes_the_token_budget(recipe_document):
 def test_generation_in_length_ordered_chunks_gives_each_prompt_its_own_response(recipe_document, builtin_registry, tmp_path, style):
     """Greedy, so that the responses are fixed: chunked by length, without padding columns, each
     comes back in its place as in one padded call."""
-    from rlkit_core.testing.offline_models import write_tiny_model
     from rlkit_core.prompts import encode_prompts
+    from rlkit_core.testing.offline_models import write_tiny_model
 
     if style == "padless-gpt2":
         recipe_document["policy"]["model"] = str(write_tiny_model(tmp_path / "gpt2-style", "gpt2"))

@@ -5,6 +5,8 @@ import inspect
 
 import attrs
 import pytest
+from rlkit_plugins.critic_free import GRPO
+from test_plugins import EmptyConfig, plugin_module
 
 from rlkit_core import hookspecs
 from rlkit_core.config import greater_than, setting
@@ -15,8 +17,6 @@ from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import HOOKS, load_registry
 from rlkit_core.recipe.schema import COMPONENT_TABLES
 from rlkit_core.settings import SamplingSettings
-from rlkit_plugins.critic_free import GRPO
-from test_plugins import EmptyConfig, plugin_module
 
 
 def loaded(name, **hooks):

@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
 from rlkit_plugins.reward_services import HttpReward, HttpRewardConfig, JudgeConfig, OpenAIJudge, ServiceFailure
+
 from rlkit_core.errors import RecipeError
 from rlkit_core.testing.contracts import RewardContract
 
@@ -533,8 +533,8 @@ def warm_cache(tmp_path_factory):
 def test_the_http_recipe_against_the_example_server_trains_exactly_as_the_in_process_reward(tmp_path, warm_cache):
     import io
 
-    from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.recipe.document import load_recipe
+    from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.runtime.run import run_recipe
 
     def train(recipe, *overrides):
@@ -560,8 +560,8 @@ def test_the_http_recipe_against_the_example_server_trains_exactly_as_the_in_pro
 def test_a_run_graded_by_the_example_judge(example_server, tmp_path, warm_cache):
     import io
 
-    from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.recipe.document import load_recipe
+    from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.runtime.run import run_recipe
 
     judge_table = ('reward={type="openai-judge", url="' + example_server + '/v1", model="rule-judge", max_concurrent=4, '

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from test_faults import wait_for
 
 from rlkit_core.errors import RlkitError
 from rlkit_core.runtime import checkpoint
 from rlkit_core.runtime.run_lock import LOCK, Holder, RunLock, read_holder, running
-from test_faults import wait_for
 
 ENV = {**os.environ, "RLKIT_PLUGINS": "none"}
 RUN = [sys.executable, "-m", "rlkit_core.runtime.cli", "run", "--quiet"]

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import attrs
+import distributed_worker
+import fsdp_on_cpu
 import pytest
 import torch
 
@@ -23,9 +25,6 @@ from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime import checkpoint
 from rlkit_core.runtime.run import run_recipe
 from rlkit_core.runtime.trainer import Trainer
-
-import distributed_worker
-import fsdp_on_cpu
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
@@ -302,8 +301,8 @@ def test_fsdp_on_cpus_is_refused_at_start_as_accelerate_would_run_ddp(recipe_doc
 
 
 def test_fsdp_needs_a_critic_that_is_one_module():
-    from rlkit_core.runtime.distributed import critic_problem
     from rlkit_core.interfaces import ValueHead
+    from rlkit_core.runtime.distributed import critic_problem
 
     class Parameters(ValueHead):  # a head that is not one module
         def values(self, *args):

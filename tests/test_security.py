@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from rlkit_plugins.hf_policy import HFPolicyConfig
 from safetensors.torch import load_file
 
 from rlkit_core.runtime.checkpoint import write_manifest
 from rlkit_core.runtime.cli import main
 from rlkit_core.testing import recipe_toml
-from rlkit_plugins.hf_policy import HFPolicyConfig
 
 SECRETS = {
     "MLFLOW_TRACKING_USERNAME": "fake-user-3f9a1c",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from rlkit_plugins import summarize_task as st
 from rlkit_plugins import warm_start as ws
 
@@ -236,16 +235,18 @@ def test_foreign_directory_is_never_overwritten(tmp_path):
 
 
 def test_rouge_reward_names_a_missing_reference_column():
-    from rlkit_core.errors import RecipeError
     from rlkit_plugins.summarize import Rouge, RougeConfig
+
+    from rlkit_core.errors import RecipeError
 
     with pytest.raises(RecipeError, match=r"\$.reward.reference_field: the data has no column 'reference' \(columns: summary\)"):
         Rouge(RougeConfig()).score(["p"], ["r"], summary=["s"])
 
 
 def test_warm_start_n_head_must_divide_width(tmp_path):
-    from rlkit_core.errors import RecipeError
     from rlkit_plugins.summarize import WarmStartConfig, WarmStartPolicy
+
+    from rlkit_core.errors import RecipeError
 
     with pytest.raises(RecipeError, match=r"\$.policy.n_head: 3 does not divide n_embd=16"):
         WarmStartPolicy(WarmStartConfig(cache_dir=str(tmp_path), n_embd=16, n_head=3), None)
@@ -328,8 +329,8 @@ def test_default_recipe_shrunk_runs_on_its_careless_warm_start(tmp_path):
     import json
     from pathlib import Path
 
-    from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.recipe.document import load_recipe
+    from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.runtime.run import run_recipe
 
     overrides = [

@@ -5,14 +5,14 @@ import copy
 import math
 
 import pytest
-
-from rlkit_core.recipe.document import parse_recipe
-from rlkit_core.runtime.cli import main
-from rlkit_core.runtime.trainer import Trainer
 from rlkit_plugins.hf_generator import HFGenerator
 from rlkit_plugins.kl import AdaptiveKL, FixedKL
 from rlkit_plugins.rewards import PythonReward, RewardModel
 from rlkit_plugins.vllm_generator import VLLMGeneratorConfig, missing_here
+
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.cli import main
+from rlkit_core.runtime.trainer import Trainer
 
 
 def one_step(document, registry):

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from rlkit_plugins.hf_generator import HFGenerator, SamplingConfig
+from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
+from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, installed_vllm
 
 from rlkit_core.context import BuildContext
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.prompts import encode_prompts
 from rlkit_core.recipe.document import structure_table
-from rlkit_plugins.hf_generator import HFGenerator, SamplingConfig
-from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
-from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, installed_vllm
 
 FOUND = installed_vllm()
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(FOUND is None or not FOUND.cpu, reason="needs vLLM's CPU build (README: vLLM on a CPU)")]
@@ -214,8 +214,9 @@ def test_the_trainers_autocast_does_not_reach_the_engine(policy, generator):
 def test_a_push_that_leaves_weights_out_is_refused(policy, generator):
     """What a dropped weight would do silently: vLLM keeps its placeholder (or, for the rest of a
     layer given only part of its tensors, uninitialised memory)."""
-    from rlkit_core.errors import RunError
     from rlkit_plugins.vllm_generator import vllm_weights
+
+    from rlkit_core.errors import RunError
 
     partial = [(name, w) for name, w in vllm_weights(policy.model) if name == "transformer.h.0.attn.c_attn.weight"]
     with pytest.raises(RunError, match="the weight push left .* of vLLM's weights unloaded"):

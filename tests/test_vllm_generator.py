@@ -12,15 +12,6 @@ import types
 
 import pytest
 import torch
-from safetensors import safe_open
-
-from rlkit_core.context import BuildContext
-from rlkit_core.errors import RecipeError, RunError
-from rlkit_core.prompts import PromptLengthLimit, encode_prompts
-from rlkit_core.recipe.document import structure_table
-from rlkit_core.runtime.cli import main
-from rlkit_core.testing import policy_inputs
-from rlkit_core.testing.contracts import GeneratorContract
 from rlkit_plugins import vllm_generator
 from rlkit_plugins.hf_generator import HFGenerator, SamplingConfig
 from rlkit_plugins.vllm_generator import (
@@ -35,6 +26,15 @@ from rlkit_plugins.vllm_generator import (
     version_problem,
     vllm_weights,
 )
+from safetensors import safe_open
+
+from rlkit_core.context import BuildContext
+from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.prompts import PromptLengthLimit, encode_prompts
+from rlkit_core.recipe.document import structure_table
+from rlkit_core.runtime.cli import main
+from rlkit_core.testing import policy_inputs
+from rlkit_core.testing.contracts import GeneratorContract
 
 # --- the recipe-to-engine mapping ----------------------------------------------------------------
 
@@ -571,7 +571,7 @@ def test_the_engine_is_called_outside_the_trainers_autocast(tiny_model, tmp_path
     generator = _generator(policy, tmp_path)
     engine, seen = generator.engine, []
     for name in ("load_weights", "generate"):
-        def recording(*args, _call=getattr(engine, name), **kwargs):
+        def recording(*args, _call=getattr(engine, name), **kwargs):  # noqa: B008 (binds this loop's method)
             seen.append(torch.is_autocast_enabled("cpu"))
             return _call(*args, **kwargs)
         setattr(engine, name, recording)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlkit_plugins.hf_generator import HFGenerator, SamplingConfig
+from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
+from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, missing_here
 
 from rlkit_core.context import BuildContext
 from rlkit_core.functional import logprobs_from_logits, masked_mean
 from rlkit_core.prompts import encode_prompts
 from rlkit_core.recipe.document import structure_table
-from rlkit_plugins.hf_generator import HFGenerator, SamplingConfig
-from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
-from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, missing_here
 
 MISSING = missing_here(VLLMGeneratorConfig(sleep_level=1), "cuda")
 pytestmark = pytest.mark.skipif(bool(MISSING), reason="needs vLLM's CUDA build and a GPU: " + "; ".join(MISSING))

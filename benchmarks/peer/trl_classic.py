@@ -27,10 +27,9 @@ import argparse
 import json
 import resource
 import statistics
+import sys
 import tempfile
 import time
-
-import sys
 from pathlib import Path
 
 import torch

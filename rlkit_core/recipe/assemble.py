@@ -8,7 +8,6 @@ from rlkit_core.context import BuildContext
 from rlkit_core.interfaces import KIND_TABLE
 from rlkit_core.recipe.document import Recipe
 
-
 Components = attrs.make_class(
     "Components",
     {kind.table: attrs.field(type=kind.interface | None if kind.table == "value_head" else kind.interface) for kind in KIND_TABLE},

@@ -38,11 +38,11 @@ from rlkit_core.recipe.schema import (
     batch_arithmetic_problems,
     critic_problems,
     kl_penalty_problems,
-    packing_problems,
     kl_problems,
     launch_problems,
     launched_processes,
     overlong_problems,
+    packing_problems,
     schedule_problems,
     sharding_problems,
 )

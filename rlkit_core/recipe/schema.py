@@ -16,7 +16,6 @@ from rlkit_core.functional import KL_ESTIMATORS
 from rlkit_core.interfaces import KIND_TABLE
 from rlkit_core.settings import field_of
 
-
 CHECKS = ("zero_reward_variance", "all_truncated", "logprob_gap_jump", "entropy_collapse", "kl_over_target", "zero_gradients")
 
 

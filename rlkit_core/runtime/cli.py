@@ -133,9 +133,9 @@ def accelerate_launch_environment(config_file: str) -> dict[str, str]:
 def _cmd_check(args) -> int:
     if args.offline:
         os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub when it is first imported, below
+    from rlkit_core.recipe.document import load_recipe
     from rlkit_core.recipe.plan import describe_plan
     from rlkit_core.recipe.plugins import load_registry
-    from rlkit_core.recipe.document import load_recipe
 
     if args.accelerate_config:
         os.environ.update(accelerate_launch_environment(args.accelerate_config))
@@ -148,9 +148,9 @@ def _cmd_check(args) -> int:
 
 def _cmd_run(args) -> int:
     from rlkit_core.errors import RecipeError
+    from rlkit_core.recipe.document import load_recipe
     from rlkit_core.recipe.plan import preflight
     from rlkit_core.recipe.plugins import load_registry
-    from rlkit_core.recipe.document import load_recipe
     from rlkit_core.runtime.run import run_recipe
 
     if args.allow_changes and not args.resume:
@@ -188,8 +188,8 @@ def _cmd_check_checkpoint(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from rlkit_core.runtime.export import export_checkpoint
     from rlkit_core.recipe.plugins import load_registry
+    from rlkit_core.runtime.export import export_checkpoint
 
     target = export_checkpoint(args.checkpoint, args.out, load_registry(), merge_lora=args.merge_lora)
     print(f"wrote {target}; load it with transformers' AutoModelForCausalLM.from_pretrained({str(target)!r})")

@@ -16,9 +16,8 @@ import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.functional import constant_groups
+from rlkit_core.randomness import extra_prompts_seed
 from rlkit_core.runtime.prompt_stream import PromptStream
-
-EXTRA_STREAM_SEED = 7_919  # added to the run's seed: the extra prompts are a stream of their own
 
 
 def concatenated(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
@@ -51,7 +50,7 @@ class DynamicSampler:
         ppo = trainer.recipe.ppo
         self.k, self.max_rounds = ppo.samples_per_prompt, ppo.max_extra_rounds
         # the prompts of extra round r of iteration i depend only on (seed, i, r), as the main stream's do
-        self.extra = PromptStream(trainer.records, ppo.batch_size // self.k, trainer.recipe.run.seed + EXTRA_STREAM_SEED)
+        self.extra = PromptStream(trainer.records, ppo.batch_size // self.k, extra_prompts_seed(trainer.recipe.run.seed))
 
     def rollout(self, records: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
         trainer, processes = self.trainer, self.trainer.processes

@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from rlkit_core.errors import RunError
-from rlkit_core.recipe.schema import CHECKS, HealthConfig
+from rlkit_core.recipe.schema import HealthConfig
 
 TINY = 1e-12  # a standard deviation or gradient norm this small is zero (float rounding of equal numbers)
 

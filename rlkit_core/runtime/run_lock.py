@@ -44,7 +44,7 @@ class Holder:
     process_start: str | None = None  # the kernel's start time of the process: tells a reused pid apart
 
     @classmethod
-    def this_process(cls) -> "Holder":
+    def this_process(cls) -> Holder:
         return cls(os.getpid(), socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S %Z"), _process_start(os.getpid()))
 
     def __str__(self) -> str:
@@ -164,7 +164,7 @@ class RunLock:
             except OSError:
                 pass
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc) -> None:

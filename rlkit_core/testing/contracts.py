@@ -35,7 +35,6 @@ from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.interfaces import KIND_TABLE, KINDS, Generation, LossInputs, PolicyOutput
 from rlkit_core.recipe.document import Recipe, parse_recipe
 from rlkit_core.recipe.plugins import load_registry
-from rlkit_core.recipe.schema import COMPONENT_TABLES
 from rlkit_core.testing import policy_inputs, rollout_batch, write_tiny_causal_lm
 
 __all__ = [

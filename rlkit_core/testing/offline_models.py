@@ -71,8 +71,15 @@ def write_tiny_model(path: Path, style: str = "byt5", classifier: bool = False, 
     that is exactly the tokenizer's. `spare_rows`: a causal LM's embedding rows past the tokenizer's
     vocabulary (default: 6 for "chat", none otherwise). `seed`: default 0 for a causal LM, 1 for a
     classifier, so that a reward model is not the policy's twin."""
-    from transformers import (ByT5Tokenizer, GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig,
-                              LlamaForCausalLM, LlamaForSequenceClassification)
+    from transformers import (
+        ByT5Tokenizer,
+        GPT2Config,
+        GPT2ForSequenceClassification,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        LlamaForSequenceClassification,
+    )
 
     tokenizer = ByT5Tokenizer() if style == "byt5" else build_bpe_tokenizer(style)
     eos, bos, pad = tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id

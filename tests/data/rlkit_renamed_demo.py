@@ -4,6 +4,8 @@ The policy and generator hand their work to the built-in `hf` classes under the 
 
 import attrs
 import torch
+from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
+from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 
 from rlkit_core import (
     AdvantageEstimator,
@@ -14,8 +16,6 @@ from rlkit_core import (
     one_of,
     setting,
 )
-from rlkit_plugins.hf_generator import HFGeneratorConfig, HFGenerator
-from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 
 
 @attrs.frozen

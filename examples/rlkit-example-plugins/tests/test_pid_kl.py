@@ -3,9 +3,9 @@
 import math
 
 import pytest
+from rlkit_example_plugins.pid_kl import PIDKL, PIDKLConfig
 
 from rlkit_core.testing.contracts import KLControllerContract
-from rlkit_example_plugins.pid_kl import PIDKL, PIDKLConfig
 
 
 class TestPIDContract(KLControllerContract):
