@@ -12,6 +12,8 @@ the factory builds with `context.build(choice)`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 HELP = "help"
@@ -29,15 +31,15 @@ class Nested:
     extra: type | None = None
 
 
-def setting(default=attrs.NOTHING, *, help, validator=None, factory=None, kw_only=False):
-    """An attrs field with a help text; `factory` for mutable defaults; `kw_only` for settings a
+def setting(default=attrs.NOTHING, *, help, validator=None, factory=None, kw_only=False) -> Any:
+    """An attrs field with a help text (typed Any, as `attrs.field` is to a type checker); `factory` for mutable defaults; `kw_only` for settings a
     base class shares with subclasses that have required fields."""
     if factory is not None:
         return attrs.field(factory=factory, validator=validator, metadata={HELP: help}, kw_only=kw_only)
     return attrs.field(default=default, validator=validator, metadata={HELP: help}, kw_only=kw_only)
 
 
-def nested_component(kind: str, *, help, extra: type | None = None, default=attrs.NOTHING, validator=None):
+def nested_component(kind: str, *, help, extra: type | None = None, default=attrs.NOTHING, validator=None) -> Any:
     """A setting that holds one component table of `kind`: `[reward.judge]` with a `type` and that
     component's settings. The recipe loader puts a `rlkit_core.recipe.document.ComponentChoice` here
     (annotate the field so); `default=None` makes the table optional."""
