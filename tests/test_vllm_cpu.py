@@ -150,7 +150,8 @@ def test_same_first_token_distribution_as_the_hf_generator(policy, generator):
     generator.sync_weights(policy)
     torch.manual_seed(1)
     ours = generator.generate(prompt_ids, prompt_mask).response_ids[:, 0]
-    hf = HFGenerator(SamplingConfig(max_new_tokens=1, temperature=TEMPERATURE), _context(".", policy)).generate(prompt_ids[:1].expand(draws, -1), prompt_mask[:1].expand(draws, -1)).response_ids[:, 0]
+    hf = HFGenerator(SamplingConfig(max_new_tokens=1, temperature=TEMPERATURE), _context(".", policy)).generate(
+        prompt_ids[:1].expand(draws, -1), prompt_mask[:1].expand(draws, -1)).response_ids[:, 0]
     with torch.no_grad():
         logits = policy.model(prompt_ids[:1], attention_mask=prompt_mask[:1]).logits[0, -1].float() / TEMPERATURE
     logits[list(policy.suppressed_token_ids)] = float("-inf")
