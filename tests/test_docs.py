@@ -55,4 +55,4 @@ def test_the_placeholder_is_replaced_only_where_it_stands():
 def test_a_pipe_in_a_help_text_stays_in_its_cell():
     hook = load_hook()
     table = hook.settings_table([{"name": "x", "type": "str", "default": "a|b", "required": False, "help": "one | two"}])
-    assert table.splitlines()[-1] == "| `x` | `str` | `'a\\|b'` | one \\| two |"
+    assert table.splitlines()[-1] == "| `x` | `str` | `'a|b'` | one \\| two |"

@@ -28,6 +28,7 @@ def builtin_rows() -> list[dict[str, Any]]:
 
 
 def _cell(text: str) -> str:
+    """Prose for a table cell, where a pipe would end the cell (inside backticks it would not)."""
     return text.replace("|", "\\|").replace("\n", " ")
 
 
@@ -37,14 +38,14 @@ def _default(field: dict[str, Any]) -> str:
     value = field["default"]
     if isinstance(value, str) and value.startswith(os.path.expanduser("~") + os.sep):
         value = "~" + value[len(os.path.expanduser("~")):]  # the builder's home, not a reader's
-    return f"`{_cell(repr(value))}`"
+    return f"`{value!r}`"
 
 
 def settings_table(fields: list[dict[str, Any]]) -> str:
     if not fields:
         return "No settings.\n"
     lines = ["| setting | type | default | what it does |", "|---|---|---|---|"]
-    lines += [f"| `{f['name']}` | `{_cell(f['type'])}` | {_default(f)} | {_cell(f['help'])} |" for f in fields]
+    lines += [f"| `{f['name']}` | `{f['type']}` | {_default(f)} | {_cell(f['help'])} |" for f in fields]
     return "\n".join(lines) + "\n"
 
 
@@ -59,7 +60,8 @@ def reference_markdown() -> str:
     rows = builtin_rows()
     for kind in KIND_TABLE:
         default = f"default type `{kind.default}`" if kind.default else "required"
-        out.append(f"## `[{kind.table}]`: {kind.name.replace('_', ' ')} ({default})\n")
+        words = kind.name.replace("_", " ").replace("kl ", "KL ")
+        out.append(f"## `[{kind.table}]`: {words} ({default})\n")
         for row in (r for r in rows if r["kind"] == kind.name):
             out += [f"### `type = \"{row['name']}\"`\n", f"From `{row['plugin']}`.\n", settings_table(row["fields"])]
     return "\n".join(out)
