@@ -180,7 +180,8 @@ def parse_args():
     parser.add_argument("--shape", default="standard", choices=["standard", "ragged"])
     parser.add_argument("--model-dir", default="", help="load this model folder (write_model) instead of writing one")
     parser.add_argument("--max-tokens-per-microbatch", type=int, default=-1, help="ppo.max_tokens_per_microbatch (-1: the shape's: 0 standard, 4096 ragged)")
-    parser.add_argument("--max-tokens-per-forward", type=int, default=-1, help="ppo.max_tokens_per_forward (-1: the shape's: 0 standard, 16384 ragged: the whole batch of 64 in one piece)")
+    parser.add_argument("--max-tokens-per-forward", type=int, default=-1,
+                        help="ppo.max_tokens_per_forward (-1: the shape's: 0 standard, 16384 ragged: the whole batch of 64 in one piece)")
     parser.add_argument("--pack", default="shape", choices=["shape", "on", "off"], help="ppo.pack_sequences (shape: on for ragged, off for standard)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=32, help="standard shape: every response's length")

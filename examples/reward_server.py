@@ -4,7 +4,7 @@ the `reference` column, plus 0.5 for a summary that copies the whole fact), serv
     python examples/reward_server.py --port 8765        # then, in another shell:
     rlkit run recipes/ppo_summarize_http_reward.toml
 
-It speaks both wire formats of rlkit's service rewards (see the README, "Rewards from services"):
+It speaks both wire formats of rlkit's service rewards (see docs/models-and-rewards.md, "Rewards from services"):
 
 - `POST /score`, for `reward.type = "http"`: {"prompts", "responses", "columns"} -> {"scores"};
 - `POST /v1/chat/completions` and `GET /v1/models`, for `reward.type = "openai-judge"`: a

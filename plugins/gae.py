@@ -12,7 +12,8 @@ from rlkit_core.interfaces import AdvantageEstimator
 class GAEConfig:
     gamma: float = setting(1.0, help="discount γ per token", validator=between(0.0, 1.0))
     lam: float = setting(0.95, help="GAE λ: 1 is Monte-Carlo returns, 0 is one-step TD", validator=between(0.0, 1.0))
-    whiten: bool = setting(True, help="normalise advantages to mean 0, std 1 over the whole batch's counted tokens (on by default: the step size then does not depend on the reward's scale; per batch, not per minibatch, as in TRL and the N+ details)")
+    whiten: bool = setting(
+        True, help="normalise advantages to mean 0, std 1 over the whole batch's counted tokens, so the step size does not depend on the reward's scale")
 
 
 class GAE(AdvantageEstimator):

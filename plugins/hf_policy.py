@@ -33,7 +33,8 @@ class HFPolicyConfig(PolicySettings):
     lora_r: int = setting(0, help="LoRA rank (0: train all weights)", validator=at_least(0))
     lora_alpha: int = setting(16, help="LoRA scaling α", validator=at_least(1))
     lora_target_modules: list[str] = setting(factory=list, help="module names LoRA adapts (empty: peft's default for the architecture)")
-    end_tokens: list[str] = setting(factory=list, help="more tokens that end a response, besides the tokenizer's EOS and the model's generation_config eos ids (e.g. '<|im_end|>')")
+    end_tokens: list[str] = setting(
+        factory=list, help="more tokens that end a response, besides the tokenizer's EOS and the model's generation_config eos ids (e.g. '<|im_end|>')")
     gradient_checkpointing: bool = setting(False, help="trade compute for memory in the training forward pass")
     trust_remote_code: bool = setting(False, help="allow model code from the checkpoint (only for checkpoints you trust)")
 

@@ -52,7 +52,9 @@ class MLflowConfig:
     uri: str = setting("sqlite:///mlflow.db", help="tracking URI: a local store ('sqlite:///mlflow.db' is in the working directory) or a server ('http://host:5000')")
     experiment: str = setting("rlkit", help="experiment the run is filed under; created when missing")
     log_model: bool = setting(True, help="upload the final model directory as an artifact; turn off for large models (its path is recorded either way)")
-    request_timeout: int = setting(10, validator=at_least(1), help="seconds one request to a tracking server may take; replaces MLFLOW_HTTP_REQUEST_TIMEOUT (120) and turns off MLflow's own retries (minutes) for rlkit's calls")
+    request_timeout: int = setting(
+        10, validator=at_least(1),
+        help="seconds one request to a tracking server may take (instead of MLFLOW_HTTP_REQUEST_TIMEOUT, with MLflow's own retries off)")
 
 
 @contextlib.contextmanager

@@ -96,12 +96,16 @@ class ServiceSettings:
     """How rlkit talks to a reward service: shared by `http` and `openai-judge`."""
 
     timeout: float = setting(30.0, help="seconds one request may take, connecting and reading the reply included", validator=greater_than(0), kw_only=True)
-    retries: int = setting(2, help="attempts after the first for a request that timed out, could not connect or got HTTP 408/425/429/5xx", validator=between(0, 10), kw_only=True)
+    retries: int = setting(2, help="attempts after the first for a request that timed out, could not connect or got HTTP 408/425/429/5xx",
+                           validator=between(0, 10), kw_only=True)
     backoff: float = setting(1.0, help="seconds before the first retry, doubled before each next one up to max_backoff", validator=at_least(0), kw_only=True)
-    max_backoff: float = setting(10.0, help="longest wait between two attempts (a Retry-After header is honoured up to it)", validator=at_least(0), kw_only=True)
+    max_backoff: float = setting(10.0, help="longest wait between two attempts (a Retry-After header is honoured up to it)",
+                                 validator=at_least(0), kw_only=True)
     max_concurrent: int = setting(4, help="requests in flight at once", validator=between(1, 256), kw_only=True)
-    auth_env: str = setting("", help="environment variable whose value is sent as 'Authorization: Bearer <value>' (empty: none)", validator=env_name_setting, kw_only=True)
-    headers_env: dict[str, str] = setting(factory=dict, help="more headers: {header name = environment variable holding its value}", validator=headers_env_setting, kw_only=True)
+    auth_env: str = setting("", help="environment variable whose value is sent as 'Authorization: Bearer <value>' (empty: none)",
+                            validator=env_name_setting, kw_only=True)
+    headers_env: dict[str, str] = setting(factory=dict, help="more headers: {header name = environment variable holding its value}",
+                                          validator=headers_env_setting, kw_only=True)
 
 
 @attrs.frozen
@@ -112,11 +116,13 @@ class HttpRewardConfig(ServiceSettings):
 
 @attrs.frozen
 class JudgeConfig(ServiceSettings):
-    url: str = setting(help="the endpoint's base URL, as OpenAI clients take it (e.g. 'http://127.0.0.1:8000/v1'); rlkit POSTs to <url>/chat/completions", validator=url_setting, kw_only=True)
+    url: str = setting(help="the endpoint's base URL, as OpenAI clients take it (e.g. 'http://127.0.0.1:8000/v1'); rlkit POSTs to <url>/chat/completions",
+                       validator=url_setting, kw_only=True)
     model: str = setting(help="the served model that grades, as the endpoint names it", kw_only=True)
     template: str = setting(help="the user message: {prompt}, {response} and {<data column>} are filled in", kw_only=True)
     system: str = setting("", help="a system message before it (empty: none)", kw_only=True)
-    score_pattern: str = setting(r"[-+]?\d+(?:\.\d+)?", help="regular expression: its first match in the reply (its first group, if it has one) is the score", kw_only=True)
+    score_pattern: str = setting(r"[-+]?\d+(?:\.\d+)?",
+                                 help="regular expression: its first match in the reply (its first group, if it has one) is the score", kw_only=True)
     min_score: float = setting(0.0, help="lowest score the template asks for; a reply outside [min_score, max_score] is a failure", kw_only=True)
     max_score: float = setting(10.0, help="highest score the template asks for", kw_only=True)
     max_tokens: int = setting(16, help="longest reply, in the judge's tokens", validator=greater_than(0), kw_only=True)
@@ -288,7 +294,7 @@ class HttpReward(RewardSource):
                     'answers the empty batch with {"scores": []} (rlkit check --offline skips this probe)']
         if not (isinstance(reply, dict) and reply.get("scores") == []):
             return [f"{where}.url: the reward service answered the empty batch with {_cut(json.dumps(reply))}, not "
-                    '{"scores": []}; see the `http` wire format in the README']
+                    '{"scores": []}; see the `http` wire format in docs/models-and-rewards.md']
         return []
 
     def score(self, prompts, responses, **columns):

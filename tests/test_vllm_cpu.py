@@ -2,7 +2,7 @@
 transformers on the same small GPT-2 with a pad-less GPT-2-style tokenizer.
 
 Skipped, with the reason, unless vLLM's CPU build is installed: CI (.ci/run) builds a virtual
-environment with it and runs this module there (README: vLLM on a CPU). One engine serves each
+environment with it and runs this module there (docs/generators.md: vLLM on a CPU). One engine serves each
 model of the module (an engine starts in about 5 s).
 """
 
@@ -27,11 +27,11 @@ from rlkit_core.prompts import encode_prompts
 from rlkit_core.recipe.document import structure_table
 
 FOUND = installed_vllm()
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(FOUND is None or not FOUND.cpu, reason="needs vLLM's CPU build (README: vLLM on a CPU)")]
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(FOUND is None or not FOUND.cpu, reason="needs vLLM's CPU build (docs/generators.md: vLLM on a CPU)")]
 
 MAX_NEW = 12
 TEMPERATURE = 0.8
-# float32 on both sides, different kernels: measured gaps are about 1e-6 (README)
+# float32 on both sides, different kernels: measured gaps are about 1e-6 (docs/results.md)
 LOGPROB_TOLERANCE = 1e-4
 # Chi-square tests below reject at this p-value: with their fixed seeds each either always passes or
 # always fails, and a correct sampler lands in the rejection region for one seed in a thousand.
@@ -150,7 +150,8 @@ def test_same_first_token_distribution_as_the_hf_generator(policy, generator):
     generator.sync_weights(policy)
     torch.manual_seed(1)
     ours = generator.generate(prompt_ids, prompt_mask).response_ids[:, 0]
-    hf = HFGenerator(SamplingConfig(max_new_tokens=1, temperature=TEMPERATURE), _context(".", policy)).generate(prompt_ids[:1].expand(draws, -1), prompt_mask[:1].expand(draws, -1)).response_ids[:, 0]
+    hf = HFGenerator(SamplingConfig(max_new_tokens=1, temperature=TEMPERATURE), _context(".", policy)).generate(
+        prompt_ids[:1].expand(draws, -1), prompt_mask[:1].expand(draws, -1)).response_ids[:, 0]
     with torch.no_grad():
         logits = policy.model(prompt_ids[:1], attention_mask=prompt_mask[:1]).logits[0, -1].float() / TEMPERATURE
     logits[list(policy.suppressed_token_ids)] = float("-inf")

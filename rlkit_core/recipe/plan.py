@@ -23,7 +23,8 @@ def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False)
         "work:",
         f"  iterations          {run.steps}",
         f"  rollouts/iteration  {ppo.batch_size} ({ppo.batch_size // ppo.samples_per_prompt} prompts × {ppo.samples_per_prompt} samples)",
-        f"  optimiser steps     {updates_per_iteration} per iteration ({ppo.epochs} epochs × {ppo.batch_size // ppo.minibatch_size} minibatches of {ppo.minibatch_size}), {updates_per_iteration * run.steps} in all",
+        f"  optimiser steps     {updates_per_iteration} per iteration ({ppo.epochs} epochs × {ppo.batch_size // ppo.minibatch_size} minibatches of "
+        f"{ppo.minibatch_size}), {updates_per_iteration * run.steps} in all",
         f"  KL                  estimator {ppo.kl_estimator}, penalty in the {ppo.kl_penalty}",
         *_per_process(recipe),
         f"  output              {run.output_dir}",

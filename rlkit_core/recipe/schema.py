@@ -27,14 +27,26 @@ def _names(instance, attribute, value):
 
 @attrs.frozen
 class HealthConfig:
-    zero_reward_variance: bool = setting(True, help="warn when every score of a batch is the same, or (with samples_per_prompt > 1) when most groups' scores are: no signal to learn from")
-    zero_variance_groups: float = setting(0.9, help="share of groups with equal scores that counts as 'most' for zero_reward_variance", validator=between(0.0, 1.0))
-    all_truncated: int = setting(3, help="warn after this many iterations in a row in which no response ended with EOS (response/eos_rate 0: all cut at max_new_tokens); 0: off", validator=at_least(0))
-    logprob_gap_jump: float = setting(10.0, help="warn when check/logprob_gap exceeds this many times its mean over the earlier iterations (and logprob_gap_floor): the generator samples from other weights than the policy's; 0: off", validator=at_least(0))
+    zero_reward_variance: bool = setting(
+        True, help="warn when every score of a batch is the same, or (with samples_per_prompt > 1) when most groups' scores are: no signal to learn from")
+    zero_variance_groups: float = setting(0.9, help="share of groups with equal scores that counts as 'most' for zero_reward_variance",
+                                          validator=between(0.0, 1.0))
+    all_truncated: int = setting(
+        3, help="warn after this many iterations in a row in which no response ended with EOS (response/eos_rate 0: all cut at max_new_tokens); 0: off",
+        validator=at_least(0))
+    logprob_gap_jump: float = setting(
+        10.0, help="warn when check/logprob_gap exceeds this many times its earlier mean (and logprob_gap_floor): the generator samples other weights; 0: off",
+        validator=at_least(0))
     logprob_gap_floor: float = setting(0.05, help="a check/logprob_gap below this (nats per token) never counts as a jump", validator=at_least(0))
-    entropy_collapse: float = setting(0.05, help="warn when train/entropy falls below this share of the first iteration's: the policy samples almost deterministically; 0: off", validator=between(0.0, 1.0))
-    kl_over_target: float = setting(10.0, help="warn when kl/ref exceeds this many times the KL controller's target (controllers with a target only; the default recipe peaks at 5); 0: off", validator=at_least(0))
-    zero_gradients: bool = setting(True, help="warn when an iteration's gradient norm is exactly zero although its steps were finite: the loss does not depend on the weights")
+    entropy_collapse: float = setting(
+        0.05, help="warn when train/entropy falls below this share of the first iteration's: the policy samples almost deterministically; 0: off",
+        validator=between(0.0, 1.0))
+    kl_over_target: float = setting(
+        10.0,
+        help="warn when kl/ref exceeds this many times the KL controller's target (controllers with a target only; the default recipe peaks at 5); 0: off",
+        validator=at_least(0))
+    zero_gradients: bool = setting(
+        True, help="warn when an iteration's gradient norm is exactly zero although its steps were finite: the loss does not depend on the weights")
     stop_on: list[str] = setting(factory=list, help="checks that stop the run when they fire (checkpoint, exit 3), by name or 'all'", validator=_names)
 
 
@@ -49,9 +61,13 @@ class RunConfig:
     keep_checkpoints: int = setting(2, help="how many of the latest checkpoints to keep", validator=at_least(1))
     sample_every: int = setting(10, help="log a table of sample prompts and responses every N iterations", validator=at_least(1))
     threads: int = setting(0, help="CPU threads for torch (0: torch's default)", validator=at_least(0))
-    mixed_precision: str = setting("no", help="accelerate's autocast: 'no', 'bf16' or 'fp16' (fp32 master weights; fp16 scales the loss)", validator=one_of("no", "bf16", "fp16"))
-    on_bad_reward: str = setting("stop", help="a reward that raises or returns other than one finite number per response: 'stop' (checkpoint the last good state) or 'skip' (drop the batch, count it)", validator=one_of("stop", "skip"))
-    max_skips_in_a_row: int = setting(10, help="stop after this many skipped batches, or optimiser steps with a non-finite loss or gradient, in a row", validator=greater_than(0))
+    mixed_precision: str = setting("no", help="accelerate's autocast: 'no', 'bf16' or 'fp16' (fp32 master weights; fp16 scales the loss)",
+                                   validator=one_of("no", "bf16", "fp16"))
+    on_bad_reward: str = setting(
+        "stop", help="a reward that raises or returns bad scores: 'stop' (checkpoint the last good state) or 'skip' (drop the batch, count it)",
+        validator=one_of("stop", "skip"))
+    max_skips_in_a_row: int = setting(10, help="stop after this many skipped batches, or optimiser steps with a non-finite loss or gradient, in a row",
+                                      validator=greater_than(0))
 
 
 @attrs.frozen
@@ -61,9 +77,13 @@ class PPOConfig:
     minibatch_size: int = setting(16, help="rollouts per optimiser step, over all processes; must divide batch_size", validator=greater_than(0))
     gradient_accumulation_steps: int = setting(1, help="micro-batches per optimiser step in each process (same update, less memory)", validator=greater_than(0))
     forward_batch_size: int = setting(0, help="rollouts per no-grad forward pass of the rollout stage (0: minibatch_size)", validator=at_least(0))
-    max_tokens_per_microbatch: int = setting(0, help="token budget of one training micro-batch in each process instead of gradient_accumulation_steps: rollouts of similar length, rows × (longest prompt + longest response) within it (0: off)", validator=at_least(0))
-    max_tokens_per_forward: int = setting(0, help="the same budget for the no-grad forward passes of the rollout stage, instead of forward_batch_size (0: off)", validator=at_least(0))
-    pack_sequences: bool = setting(False, help="lay several rollouts end to end in each row of the forward passes and micro-batches (position ids restart, attention stays within each), so that no position computes padding; the policy and critic must declare packs_sequences")
+    max_tokens_per_microbatch: int = setting(
+        0, help="tokens per training micro-batch in each process, rows × (longest prompt + longest response), instead of gradient_accumulation_steps (0: off)",
+        validator=at_least(0))
+    max_tokens_per_forward: int = setting(0, help="the same budget for the no-grad forward passes of the rollout stage, instead of forward_batch_size (0: off)",
+                                          validator=at_least(0))
+    pack_sequences: bool = setting(
+        False, help="lay rollouts end to end in each row, so no position computes padding (the policy and critic must declare packs_sequences)")
     epochs: int = setting(4, help="passes over the rollout batch per iteration", validator=greater_than(0))
     kl_penalty: str = setting("reward", help="'reward': −β·KL in the per-token rewards; 'loss': β·KL added to the loss", validator=one_of("reward", "loss"))
     kl_estimator: str = setting(attrs.Factory(lambda ppo: "k3" if ppo.kl_penalty == "loss" else "k1", takes_self=True),
@@ -71,10 +91,17 @@ class PPOConfig:
                                 validator=one_of(*KL_ESTIMATORS))
     score_clip: float = setting(0.0, help="clip scores to ±score_clip (0: no clipping)", validator=at_least(0))
     missing_eos_penalty: float = setting(0.0, help="subtracted from the score of a response that never emitted EOS", validator=at_least(0))
-    overlong_buffer: int = setting(0, help="DAPO's soft overlong penalty over the last this many tokens before generator.max_new_tokens: rises linearly from 0 to overlong_penalty at the limit (0: off)", validator=at_least(0))
-    overlong_penalty: float = setting(1.0, help="the penalty subtracted from the score of a response at the length limit, with overlong_buffer", validator=at_least(0))
-    dynamic_sampling: bool = setting(False, help="DAPO's dynamic sampling: drop the groups whose scores are all equal (no signal for a group estimator) and generate for more prompts until the batch is full")
-    max_extra_rounds: int = setting(3, help="with dynamic_sampling: at most this many extra generation rounds per iteration; still short after them, the batch is filled with dropped groups", validator=greater_than(0))
+    overlong_buffer: int = setting(
+        0, help="DAPO's overlong penalty: over this many tokens before generator.max_new_tokens it rises linearly from 0 to overlong_penalty (0: off)",
+        validator=at_least(0))
+    overlong_penalty: float = setting(1.0, help="the penalty subtracted from the score of a response at the length limit, with overlong_buffer",
+                                      validator=at_least(0))
+    dynamic_sampling: bool = setting(
+        False, help="DAPO's dynamic sampling: drop the groups whose scores are all equal and generate for more prompts until the batch is full")
+    max_extra_rounds: int = setting(
+        3,
+        help="with dynamic_sampling: at most this many extra generation rounds per iteration; still short after them, the batch is filled with dropped groups",
+        validator=greater_than(0))
 
 
 # transformers' schedules that need nothing besides the warm-up and the run's length (not the ones
@@ -85,12 +112,17 @@ SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_wit
 @attrs.frozen
 class OptimConfig:
     learning_rate: float = setting(1e-5, help="AdamW learning rate of the policy", validator=greater_than(0))
-    value_learning_rate: float = setting(0.0, help="learning rate of the critic (0: same as the policy, which suits the shared head; its zero start needs no larger one)", validator=at_least(0))
+    value_learning_rate: float = setting(
+        0.0, help="learning rate of the critic (0: same as the policy, which suits the shared head; its zero start needs no larger one)", validator=at_least(0))
     weight_decay: float = setting(0.0, help="AdamW weight decay", validator=at_least(0))
     adam_eps: float = setting(1e-8, help="AdamW epsilon", validator=greater_than(0))
-    schedule: str = setting("constant", help="learning-rate schedule over the run's optimiser steps (transformers' get_scheduler): " + ", ".join(SCHEDULES), validator=one_of(*SCHEDULES))
-    warmup_steps: int = setting(0, help="optimiser steps of linear warm-up from 0 (every schedule but constant; 0: none, since PPO's clipped ratio already bounds the first steps)", validator=at_least(0))
-    max_grad_norm: float = setting(1.0, help="clip gradients to this global norm (0: no clipping); 1.0 is for robustness: it bounds the rare spike (up to 136 on benchmarks/robustness.py's control task) and shortened a quarter to a half of the steps there; train/grad_clipped is that share", validator=at_least(0))
+    schedule: str = setting("constant", help="learning-rate schedule over the run's optimiser steps (transformers' get_scheduler): " + ", ".join(SCHEDULES),
+                            validator=one_of(*SCHEDULES))
+    warmup_steps: int = setting(
+        0, help="optimiser steps of linear warm-up from 0 (every schedule but constant; 0: none, since PPO's clipped ratio already bounds the first steps)",
+        validator=at_least(0))
+    max_grad_norm: float = setting(1.0, help="clip gradients to this global norm (0: no clipping); train/grad_clipped is the share of steps it shortened",
+                                   validator=at_least(0))
 
 
 @attrs.frozen

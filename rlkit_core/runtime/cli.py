@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                             "and, without --num-processes, its num_processes")
     check.add_argument("--prompt-tokens", type=int, default=128, metavar="N", help="prompt length the memory estimate assumes")
 
-    verify = commands.add_parser("check-checkpoint", help="verify a checkpoint's files against its manifest, and that its layout is one this rlkit resumes; trains nothing")
+    verify = commands.add_parser("check-checkpoint",
+                                 help="verify a checkpoint's files against its manifest, and that its layout is one this rlkit resumes; trains nothing")
     verify.add_argument("path", help="a checkpoint folder (<output_dir>/checkpoints/iter_NNNNNN), or a run's output_dir: "
                                      "every checkpoint in it, and the one --resume auto would take")
 
