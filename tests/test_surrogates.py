@@ -57,6 +57,7 @@ def test_cispo_by_hand():
     (out.per_token[MASK.bool()].sum() / 5).backward()
     # d/dlog π = -w·A / 5 on every counted token, the capped ones included: PPO's clip would give
     # the first token (r = 1.5 > 1.2, A > 0) no gradient at all
+    assert logprobs.grad is not None
     assert logprobs.grad.flatten().tolist() == approx([-1.28 / 5, 0.8 / 5, -2.2 / 5, 0.64 / 5, -1.0 / 5, 0.0])
 
 
@@ -110,6 +111,7 @@ def test_a_plugin_registers_its_own_surrogate(recipe_document):
     expected = (-math.log(1.5) + math.log(0.8) - 2 * math.log(1.1) + 0.5 * math.log(2.0)) / 5
     assert terms.losses["policy"].item() == approx(expected, abs=1e-6)
     terms.total().backward()
+    assert logprobs.grad is not None
     assert logprobs.grad.flatten().tolist() == approx([-0.2, 0.2, -0.4, 0.1, -0.2, 0.0])  # -A / 5, unclipped
 
 
@@ -170,6 +172,7 @@ class LogitLoss(Loss):
         pass
 
     def __call__(self, minibatch, current, token_count):
+        assert current.logits is not None, "declared: the loop keeps them"
         LogitLoss.seen.append(current.logits)
         mask = minibatch.response_mask.bool()
         return LossTerms(losses={"policy": current.logits.logsumexp(-1)[mask].sum() / token_count})
