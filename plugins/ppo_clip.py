@@ -48,7 +48,7 @@ class PPOClipConfig:
     dual_clip: float = setting(0.0, help="dual-clip constant c > 1 bounding a token with A < 0 at -c·A (0: off; 3 is usual)", validator=dual_clip_constant)
     ratio_level: str = setting("token", help="'sequence' is GSPO's one ratio per response, the same as surrogate = 'gspo'", validator=one_of(*RATIO_LEVELS))
     surrogate: str = setting(attrs.Factory(surrogate_of_ratio_level, takes_self=True),
-                             help="the registered policy surrogate: ppo (default), gspo, cispo, or a plugin's",
+                             help="the registered policy surrogate (ppo, gspo, cispo, or a plugin's)",
                              validator=[registered_surrogate, matches_ratio_level])
     value_clip: float = setting(0.2, help="value clip ε_v around the rollout's values", validator=greater_than(0))
     vf_coef: float = setting(0.1, help="weight c_v of the value loss", validator=at_least(0))

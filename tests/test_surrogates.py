@@ -192,3 +192,13 @@ def test_the_loop_keeps_the_logits_only_for_a_loss_that_declares_them(recipe_doc
     ppo_clip = build_loss(recipe_document, builtin_registry)
     assert not ppo_clip.needs_logits and not ppo_clip.needs_entropy_grad  # entropy_coef 0: no entropy graph either
     assert build_loss(recipe_document, builtin_registry, entropy_coef=0.01).needs_entropy_grad
+
+
+class VagueLoss(LogitLoss):
+    needs_logits = "maybe"  # pyright: ignore[reportAssignmentType]  # the mistake under test
+
+
+def test_a_need_that_is_not_a_boolean_breaks_the_plugin():
+    module = plugin_module("vague", register_losses=lambda register: register("vague", VagueLoss, EmptyConfig))
+    registry = load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[("vague", module, "rlkit-vague", "0.1")])
+    assert "VagueLoss.needs_logits must be True or False, got 'maybe'" in registry.broken["vague"]
