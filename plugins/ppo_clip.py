@@ -1,4 +1,4 @@
-"""Loss `ppo-clip`: clipped policy term, clipped value term, optional entropy bonus."""
+"""Loss `ppo-clip`: a policy-gradient surrogate (PPO's clipped one by default), clipped value term, optional entropy bonus."""
 
 import attrs
 
@@ -11,15 +11,17 @@ from rlkit_core.functional import (
     IS_MODES,
     RATIO_LEVELS,
     aggregation_weights,
+    clipped_value_error,
     importance_weights,
     kl_per_token,
     masked_mean,
     masked_sum,
-    policy_loss,
-    value_loss,
+    ratio_statistics,
+    token_log_ratio,
 )
-from rlkit_core.interfaces import Loss
+from rlkit_core.interfaces import Loss, LossTerms
 from rlkit_core.settings import field_of
+from rlkit_core.surrogates import SURROGATES, registered_surrogate
 
 
 def dual_clip_constant(instance, attribute, value):
@@ -27,41 +29,66 @@ def dual_clip_constant(instance, attribute, value):
         raise ValueError(f"must be 0 (off) or > 1, got {value!r}; 3 is usual")
 
 
+def surrogate_of_ratio_level(config) -> str:
+    return "gspo" if config.ratio_level == "sequence" else "ppo"
+
+
+def matches_ratio_level(instance, attribute, value):
+    if instance.ratio_level == "sequence" and value != "gspo":
+        raise ValueError(f"ratio_level = 'sequence' is GSPO's ratio, so it takes surrogate 'gspo', not {value!r}; drop ratio_level")
+
+
 @attrs.frozen
 class PPOClipConfig:
-    clip: float = setting(0.2, help="policy ratio clip ε (both sides unless clip_low / clip_high say otherwise)", validator=greater_than(0))
-    clip_low: float = setting(attrs.Factory(lambda c: c.clip, takes_self=True), help="ε below 1: the ratio is clipped at 1 - clip_low (default: clip)", validator=greater_than(0))
-    clip_high: float = setting(attrs.Factory(lambda c: c.clip, takes_self=True), help="ε above 1: the ratio is clipped at 1 + clip_high (default: clip; larger is DAPO's clip-higher, e.g. 0.28 with clip_low 0.2)", validator=greater_than(0))
-    dual_clip: float = setting(0.0, help="dual-clip constant c > 1: a token with A < 0 costs at most -c·A however far its ratio grew (0: off; 3 is usual)", validator=dual_clip_constant)
-    ratio_level: str = setting("token", help="'token': each token's ratio π_θ/π_old (PPO); 'sequence': one length-normalised ratio per response (GSPO; use a clip near 3e-4..4e-4)", validator=one_of(*RATIO_LEVELS))
+    clip: float = setting(0.2, help="policy ratio clip ε, both sides unless clip_low or clip_high say otherwise", validator=greater_than(0))
+    clip_low: float = setting(attrs.Factory(lambda c: c.clip, takes_self=True), help="ε below 1: the ratio is clipped at 1 - clip_low (default: clip)",
+                              validator=greater_than(0))
+    clip_high: float = setting(attrs.Factory(lambda c: c.clip, takes_self=True),
+                               help="ε above 1: the ratio is clipped at 1 + clip_high (default: clip; larger is DAPO's clip-higher)", validator=greater_than(0))
+    dual_clip: float = setting(0.0, help="dual-clip constant c > 1 bounding a token with A < 0 at -c·A (0: off; 3 is usual)", validator=dual_clip_constant)
+    ratio_level: str = setting("token", help="'sequence' is GSPO's one ratio per response, the same as surrogate = 'gspo'", validator=one_of(*RATIO_LEVELS))
+    surrogate: str = setting(attrs.Factory(surrogate_of_ratio_level, takes_self=True),
+                             help="the registered policy surrogate (ppo, gspo, cispo, or a plugin's)",
+                             validator=[registered_surrogate, matches_ratio_level])
     value_clip: float = setting(0.2, help="value clip ε_v around the rollout's values", validator=greater_than(0))
     vf_coef: float = setting(0.1, help="weight c_v of the value loss", validator=at_least(0))
     entropy_coef: float = setting(0.0, help="weight c_e of the entropy bonus (usually 0 for language models)", validator=at_least(0))
-    ratio_threshold: float = setting(10.0, help="skip a minibatch whose mean ratio π_θ/π_old exceeds this (0: never); a guard against one destructive step", validator=at_least(0))
-    tis_cap: float = setting(0.0, help="importance sampling for the sampler/learner mismatch: weight each token by min(π_old/π_sampler, cap) (0: off; e.g. 2 with the vllm generator); is_level and is_mode refine it", validator=at_least(0))
-    is_level: str = setting("token", help="with tis_cap: 'token' weighs each token by its own π_old/π_sampler; 'sequence' by the whole response's (the product over its tokens)", validator=one_of(*RATIO_LEVELS))
-    is_mode: str = setting("truncate", help="with tis_cap: 'truncate' caps a weight above tis_cap at tis_cap (TIS); 'mask' sets it to 0 (MIS)", validator=one_of(*IS_MODES))
-    aggregation: str = setting("token-mean", help="how per-token terms make the loss: token-mean, seq-mean-token-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO)", validator=one_of(*AGGREGATIONS))
-    token_sum_norm: float = setting(0.0, help="the constant seq-mean-token-sum-norm divides each response's token sum by (0: the generator's max_new_tokens)", validator=at_least(0))
-    mask_truncated: bool = setting(False, help="leave responses that never emitted EOS (cut at the length limit) out of every loss term (DAPO's overlong filtering); they still count in the divisor")
+    ratio_threshold: float = setting(10.0, help="skip a minibatch whose mean ratio π_θ/π_old exceeds this (0: never)", validator=at_least(0))
+    tis_cap: float = setting(0.0, help="weight each token by min(π_old/π_sampler, cap) for the sampler/learner mismatch (0: off)", validator=at_least(0))
+    is_level: str = setting("token", help="with tis_cap: each token's own π_old/π_sampler ('token') or its response's ('sequence')",
+                            validator=one_of(*RATIO_LEVELS))
+    is_mode: str = setting("truncate", help="with tis_cap: a weight above the cap is capped ('truncate', TIS) or set to 0 ('mask', MIS)",
+                           validator=one_of(*IS_MODES))
+    aggregation: str = setting("token-mean", help="how per-token terms make the loss: token-mean, seq-mean-token-mean or seq-mean-token-sum-norm",
+                               validator=one_of(*AGGREGATIONS))
+    token_sum_norm: float = setting(0.0, help="what seq-mean-token-sum-norm divides a response's token sum by (0: max_new_tokens)", validator=at_least(0))
+    mask_truncated: bool = setting(False, help="leave responses that never emitted EOS out of every loss term (DAPO's overlong filtering)")
 
 
 class PPOClip(Loss):
-    """The clipped surrogate of docs/ppo_reference.md, optionally reweighted for a sampler that is not
-    the learner (`tis_cap`). A minibatch whose mean ratio exploded (the policy moved far from the one that sampled it,
-    usually after one bad step) is reported as `skipped` and the loop leaves the weights alone:
-    the clipped objective bounds each token's push but not the damage of following it.
+    """The policy-gradient loss of docs/ppo_reference.md around a registered surrogate
+    (`rlkit_core.surrogates`), which says what each token's policy loss is; this class owns what
+    every surrogate shares. Per minibatch, in order:
 
-    Every `loss_*` term (policy, value, entropy, and β·KL with `ppo.kl_penalty = "loss"`) aggregates
-    as `aggregation` says (`rlkit_core.functional.aggregation_weights`); the per-response forms
-    divide by the rollouts of an optimiser step, `ppo.minibatch_size`, which is the same whatever
-    the split."""
+    1. aggregation: per-token weights and divisor (`aggregation`);
+    2. importance correction for a sampler that is not the learner (`tis_cap`, `is_level`, `is_mode`);
+    3. the surrogate over the log-ratio log π_θ - log π_old, and its ratio diagnostics;
+    4. the clipped value loss, the entropy bonus and β·KL with `ppo.kl_penalty = "loss"`, all
+       aggregated as the policy term;
+    5. the skip: a minibatch whose mean ratio exploded (the policy moved far from the one that
+       sampled it, usually after one bad step) leaves the weights alone; the clipped objective
+       bounds each token's push but not the damage of following it.
+
+    The per-response aggregations divide by the rollouts of an optimiser step,
+    `ppo.minibatch_size`, which is the same whatever the split (see `LossTerms`)."""
 
     takes_kl_penalty = True
+    needs_entropy_grad = True  # for the entropy bonus, when entropy_coef > 0
 
     def __init__(self, config: PPOClipConfig, context):
         self.config = config
-        self.entropy_in_loss = config.entropy_coef > 0
+        self.surrogate = SURROGATES[config.surrogate]
+        self.needs_entropy_grad = config.entropy_coef > 0
         self.responses_per_step = context.recipe.ppo.minibatch_size
         generator = context.recipe["generator"].config
         self.norm = config.token_sum_norm or generator.response_limit
@@ -70,7 +97,7 @@ class PPOClip(Loss):
                                "token_sum_norm to the longest response in tokens"])
 
     def aggregation(self, minibatch, token_count):
-        """(per-token weights or None, divisor): every `loss_*` term is Σ_counted w·x / divisor."""
+        """(per-token weights or None, divisor): every loss term is Σ_counted w·x / divisor."""
         weights = aggregation_weights(minibatch.response_mask, self.config.aggregation, self.norm)
         divisor = token_count if weights is None else self.responses_per_step
         if self.config.mask_truncated:
@@ -80,45 +107,45 @@ class PPOClip(Loss):
 
     def __call__(self, minibatch, current, token_count):
         config, mask = self.config, minibatch.response_mask
+        old_logprobs, advantages = minibatch.old_logprobs, minibatch.advantages
+        assert old_logprobs is not None and advantages is not None, "the loop fills both before the update"
         weights, divisor = self.aggregation(minibatch, token_count)
         policy_weights, tis = weights, None
         if config.tis_cap:
-            tis = importance_weights(minibatch.old_logprobs, minibatch.sampled_logprobs, mask, config.tis_cap, config.is_level, config.is_mode)
+            tis = importance_weights(old_logprobs, minibatch.sampled_logprobs, mask, config.tis_cap, config.is_level, config.is_mode)
             policy_weights = tis if weights is None else weights * tis
-        pg = policy_loss(current.logprobs, minibatch.old_logprobs, minibatch.advantages, mask, config.clip_low, divisor, policy_weights,
-                         clip_high=config.clip_high, dual_clip=config.dual_clip, ratio_level=config.ratio_level)
-        terms = {
-            "loss_policy": pg["loss"],
-            "clipfrac": pg["clipfrac"],
-            "approx_kl": pg["approx_kl"],
-            "ratio_mean": pg["ratio_mean"],
-            "ratio_max": pg["ratio_max"],
-            "entropy": masked_mean(current.entropy, mask).detach(),
-        }
-        if config.dual_clip:
-            terms["dual_clipfrac"] = pg["dual_clipfrac"]
+
+        log_ratio = token_log_ratio(current.logprobs, old_logprobs, mask)
+        pg = self.surrogate(log_ratio, advantages, mask, config)
+        ratio_means, ratio_max = ratio_statistics(log_ratio if pg.log_ratio is None else pg.log_ratio, mask)
+        losses = {"policy": masked_sum(pg.per_token if policy_weights is None else policy_weights * pg.per_token, mask) / divisor}
+        diagnostics = {**pg.diagnostics, **ratio_means, "entropy": masked_mean(current.entropy, mask).detach()}
         if tis is not None:
-            terms["tis_weight_mean"] = masked_mean(tis, mask)
+            diagnostics["tis_weight_mean"] = masked_mean(tis, mask)
             # truncate: the weights at the cap; mask: the ones set to 0
             capped = tis >= config.tis_cap if config.is_mode == "truncate" else tis == 0
-            terms["tis_capped_frac"] = masked_mean(capped.float(), mask)
+            diagnostics["tis_capped_frac"] = masked_mean(capped.float(), mask)
+
         if current.values is not None:
-            vf = value_loss(current.values, minibatch.values, minibatch.returns, mask, self.config.value_clip, divisor, weights)
-            terms["loss_value"] = self.config.vf_coef * vf["loss"]
-            # diagnostics are means over the minibatch's own tokens (see `Loss`)
-            terms["value_loss"] = value_loss(current.values, minibatch.values, minibatch.returns, mask, self.config.value_clip, mask.sum())["loss"].detach()
-            terms["value_clipfrac"] = vf["clipfrac"]
-        if self.config.entropy_coef:
+            assert minibatch.values is not None and minibatch.returns is not None, "a critic's rollouts carry values and returns"
+            errors, clipped = clipped_value_error(current.values, minibatch.values, minibatch.returns, mask, config.value_clip)
+            losses["value"] = config.vf_coef * (0.5 * masked_sum(errors if weights is None else weights * errors, mask) / divisor)
+            diagnostics["value_loss"] = (0.5 * masked_sum(errors, mask) / mask.sum()).detach()  # its token mean, unweighted
+            diagnostics["value_clipfrac"] = masked_mean(clipped.float(), mask)
+        if config.entropy_coef:
             entropy = current.entropy if weights is None else weights * current.entropy
-            terms["loss_entropy"] = -self.config.entropy_coef * masked_sum(entropy, mask) / divisor
+            losses["entropy"] = -config.entropy_coef * masked_sum(entropy, mask) / divisor
         if current.kl_coef:
+            assert minibatch.ref_logprobs is not None, "the loop fills it before the update"
             kl = kl_per_token(current.logprobs, minibatch.ref_logprobs, current.kl_estimator)
-            terms["loss_kl"] = current.kl_coef * masked_sum(kl if weights is None else weights * kl, mask) / divisor
-        threshold = self.config.ratio_threshold or float("inf")
-        terms["skipped"] = (pg["ratio_mean"] > threshold).float()  # a tensor: the loop reads it once per step
-        return terms
+            losses["kl"] = current.kl_coef * masked_sum(kl if weights is None else weights * kl, mask) / divisor
+
+        threshold = config.ratio_threshold or float("inf")
+        skip = (ratio_means["ratio_mean"] > threshold).float()  # a tensor: the loop reads it once per step
+        return LossTerms(losses=losses, diagnostics=diagnostics, maxima={"ratio_max": ratio_max}, skip=skip)
 
 
 @hookimpl
 def register_losses(register):
     register("ppo-clip", PPOClip, PPOClipConfig)
+

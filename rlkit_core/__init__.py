@@ -3,7 +3,7 @@
 What a plugin author needs is importable from here: the interface of each kind (and `Part`, the
 hooks every component class may declare), the settings bases whose settings rlkit reads, `setting`
 and its validators for config classes, nested component tables, `hookimpl`, the errors a plugin
-raises and `building_at` for their places.
+raises and `building_at` for their places, and `surrogate` to register a policy-gradient surrogate.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -19,6 +19,7 @@ from rlkit_core.interfaces import (
     KLController,
     Loss,
     LossInputs,
+    LossTerms,
     Part,
     Policy,
     PolicyOutput,
@@ -29,6 +30,7 @@ from rlkit_core.interfaces import (
     ValueHead,
 )
 from rlkit_core.settings import ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings
+from rlkit_core.surrogates import SurrogateTerms, surrogate
 
 try:
     __version__ = version("rlkit")
@@ -37,8 +39,8 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = [
     "AdvantageEstimator", "BuildContext", "ComponentChoice", "Generation", "Generator", "KLController", "Loss", "LossInputs",
-    "ModelSettings", "Part", "PolicyOutput", "Policy", "PolicySettings", "Problem", "PromptLengthLimit",
-    "PromptSource", "RecipeError", "RewardSource", "RunError", "SamplingSettings", "SilentTracker", "Tracker", "ValueHead",
-    "__version__", "at_least", "between", "building_at", "greater_than", "hookimpl", "nested_component", "nested_components",
-    "one_of", "setting",
+    "LossTerms", "ModelSettings", "Part", "PolicyOutput", "Policy", "PolicySettings", "Problem", "PromptLengthLimit",
+    "PromptSource", "RecipeError", "RewardSource", "RunError", "SamplingSettings", "SilentTracker", "SurrogateTerms", "Tracker",
+    "ValueHead", "__version__", "at_least", "between", "building_at", "greater_than", "hookimpl", "nested_component",
+    "nested_components", "one_of", "setting", "surrogate",
 ]

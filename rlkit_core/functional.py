@@ -200,18 +200,61 @@ def aggregation_weights(mask: torch.Tensor, mode: str, norm: float = 1.0) -> tor
     return (1.0 / lengths).expand(mask.shape).float()
 
 
+def token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] -> [B, R] log π_θ - log π_old of each counted token, 0 on padding: exp(garbage) = inf
+    there would turn a zero gradient into nan."""
+    return torch.where(mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
+
+
+def response_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] -> [B, R] each response's mean of x over its counted tokens, on every position (0 for
+    a response with no counted token). The gradient reaches every counted token through the mean."""
+    counted = mask.bool()
+    per_response = masked_mean(x, counted, dim=1)
+    per_response = torch.where(counted.any(dim=1), per_response, torch.zeros_like(per_response))
+    return per_response.unsqueeze(1).expand(mask.shape)
+
+
 def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B, R] -> [B, R] GSPO's length-normalised log-ratio on every position: the mean over response
     i's counted tokens of log π_θ - log π_old (Zheng et al. 2025, "Group Sequence Policy
     Optimization", arXiv:2507.18071), so exp of it is s_i = (π_θ(y_i) / π_old(y_i))^(1/|y_i|).
 
     One ratio per response, as the reward is one per response; dividing by the length keeps s_i
-    near 1 for long and short responses alike. The gradient reaches every token through the mean.
+    near 1 for long and short responses alike (an empty response gets ratio 1).
     """
+    return response_mean(token_log_ratio(logprobs, old_logprobs, mask), mask)
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
+                      dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """PPO's clipped surrogate per token: [B, R] ratios and advantages -> ([B, R] loss
+    max(-A·ratio, -A·clip(ratio, 1-ε_low, 1+ε_high)), [B, R] bool: the clipped branch strictly
+    active, [B, R] bool: the dual-clip bound active, or None without it).
+
+    `dual_clip` = c > 1 also bounds a token with A < 0 at -c·A (Ye et al. 2020, arXiv:1912.09729):
+    without it a ratio far above 1 makes -A·ratio unbounded; 0 turns it off. Not masked (the caller
+    aggregates over counted tokens).
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    dual_active = None
+    if dual_clip:
+        bound = -dual_clip * advantages
+        dual_active = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(dual_active, bound, per_token)
+    return per_token, clipped.detach() > unclipped.detach(), dual_active
+
+
+def ratio_statistics(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Diagnostics of the ratios a surrogate weighed, over counted tokens (detached): ({approx_kl
+    (k3 of π_θ vs π_old: mean of (ratio - 1) - log ratio), ratio_mean}, ratio_max)."""
     counted = mask.bool()
-    per_response = masked_mean(torch.where(counted, logprobs - old_logprobs, torch.zeros_like(logprobs)), counted, dim=1)
-    per_response = torch.where(counted.any(dim=1), per_response, torch.zeros_like(per_response))  # empty: ratio 1
-    return per_response.unsqueeze(1).expand(mask.shape)
+    log_ratio = log_ratio.detach()
+    ratio = log_ratio.exp()
+    means = {"approx_kl": masked_mean((ratio - 1.0) - log_ratio, counted), "ratio_mean": masked_mean(ratio, counted)}
+    return means, torch.where(counted, ratio, float("-inf")).max()
 
 
 def policy_loss(
@@ -220,7 +263,7 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip: float,
-    token_count: int | torch.Tensor,
+    token_count: int | float | torch.Tensor,
     weights: torch.Tensor | None = None,
     clip_high: float | None = None,
     dual_clip: float = 0.0,
@@ -233,44 +276,32 @@ def policy_loss(
     `aggregation_weights`) or 1. ε_low = `clip`, ε_high = `clip_high` (None: the same, PPO's
     symmetric clip); a larger ε_high is DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476),
     which lets unlikely tokens with A > 0 grow further and so keeps the policy's entropy up.
-    `dual_clip` = c > 1 also bounds a token with A < 0 at -c·A (Ye et al. 2020, "Mastering Complex
-    Control in MOBA Games with Deep Reinforcement Learning", arXiv:1912.09729): without it a ratio
-    far above 1 makes -A·ratio unbounded; 0 turns it off.
+    `dual_clip` as in `clipped_surrogate`.
     `ratio_level = "sequence"` puts GSPO's one ratio per response (`sequence_log_ratio`) in place
     of each token's own.
     token_count is passed in rather than taken from `mask` so that it can be the global count over
     all accumulation steps and processes (or of responses, with per-response weights): then the
     summed gradients do not depend on how the batch was split.
     Diagnostics (detached, over counted tokens): clipfrac (clipped branch strictly active),
-    approx_kl (k3 of π_θ vs π_old: mean of (ratio - 1) - log ratio), ratio_mean, ratio_max, and
-    with dual_clip the dual_clipfrac (the -c·A bound active).
+    approx_kl, ratio_mean, ratio_max (`ratio_statistics`), and with dual_clip the dual_clipfrac
+    (the -c·A bound active).
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"unknown ratio level {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
     counted = mask.bool()
-    # Padded log-ratios become 0 before exp: exp(garbage) = inf would turn a zero gradient into nan.
-    log_ratio = torch.where(counted, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    log_ratio = token_log_ratio(logprobs, old_logprobs, mask)
     if ratio_level == "sequence":
-        log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask)
-    ratio = log_ratio.exp()
-    high = clip if clip_high is None else clip_high
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + high)
-    per_token = torch.maximum(unclipped, clipped)
-    if dual_clip:
-        bound = -dual_clip * advantages
-        dual_active = (advantages < 0) & (per_token > bound)
-        per_token = torch.where(dual_active, bound, per_token)
-    loss = masked_sum(per_token if weights is None else weights * per_token, counted) / token_count
-    ratio, log_ratio = ratio.detach(), log_ratio.detach()
+        log_ratio = response_mean(log_ratio, mask)
+    per_token, clipped, dual_active = clipped_surrogate(log_ratio.exp(), advantages, clip, clip if clip_high is None else clip_high,
+                                                        dual_clip)
+    means, ratio_max = ratio_statistics(log_ratio, mask)
     terms = {
-        "loss": loss,
-        "clipfrac": masked_mean((clipped.detach() > unclipped.detach()).float(), counted),
-        "approx_kl": masked_mean((ratio - 1.0) - log_ratio, counted),
-        "ratio_mean": masked_mean(ratio, counted),
-        "ratio_max": torch.where(counted, ratio, float("-inf")).max(),
+        "loss": masked_sum(per_token if weights is None else weights * per_token, counted) / token_count,
+        "clipfrac": masked_mean(clipped.float(), counted),
+        **means,
+        "ratio_max": ratio_max,
     }
-    if dual_clip:
+    if dual_active is not None:
         terms["dual_clipfrac"] = masked_mean(dual_active.float(), counted)
     return terms
 
@@ -346,33 +377,41 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor
     return factor * (lengths.float() - start).clamp(min=0) / buffer
 
 
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    clip: float,
-    token_count: int | torch.Tensor,
-    weights: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Clipped value loss over [B, R] inputs -> dict of scalars.
-
-    loss = ½ Σ_counted w·max((V - R)², (V_clip - R)²) / token_count, V_clip = V_old + clip(V - V_old,
-    -ε_v, ε_v): the pessimistic max keeps the critic from moving far from V_old in one update.
-    token_count is the global count and w the per-token `weights` (or 1), as in `policy_loss`.
-    clipfrac (detached): fraction of counted tokens where the clipped error is strictly larger,
-    i.e. the one that sets the loss.
-    """
+def clipped_value_error(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                        clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The value loss per token before its ½ and its aggregation: [B, R] -> ([B, R] max((V - R)²,
+    (V_clip - R)²), [B, R] bool: the clipped error strictly larger, i.e. the one that sets the loss),
+    V_clip = V_old + clip(V - V_old, -ε_v, ε_v): the pessimistic max keeps the critic from moving
+    far from V_old in one update."""
     counted = mask.bool()
     # Padded values become 0 first: a garbage value there would turn a zero gradient into nan.
     values = torch.where(counted, values, torch.zeros_like(values))
     values_clipped = old_values + (values - old_values).clamp(-clip, clip)
     unclipped = (values - returns) ** 2
     clipped = (values_clipped - returns) ** 2
-    per_token = torch.maximum(unclipped, clipped)
+    return torch.maximum(unclipped, clipped), clipped.detach() > unclipped.detach()
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    token_count: int | float | torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Clipped value loss over [B, R] inputs -> dict of scalars.
+
+    loss = ½ Σ_counted w·`clipped_value_error` / token_count; token_count is the global count and
+    w the per-token `weights` (or 1), as in `policy_loss`. clipfrac (detached): fraction of counted
+    tokens where the clipped error sets the loss.
+    """
+    counted = mask.bool()
+    per_token, clipped = clipped_value_error(values, old_values, returns, mask, clip)
     return {
         "loss": 0.5 * masked_sum(per_token if weights is None else weights * per_token, counted) / token_count,
-        "clipfrac": masked_mean((clipped.detach() > unclipped.detach()).float(), counted),
+        "clipfrac": masked_mean(clipped.float(), counted),
     }
 
 

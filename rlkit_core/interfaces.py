@@ -198,35 +198,81 @@ class LossInputs:
 
     logprobs: torch.Tensor  # [b, R] log π_θ of the sampled tokens
     values: torch.Tensor | None  # [b, R] V_θ, None without a critic
-    entropy: torch.Tensor  # [b, R] entropy of π_θ at each position; detached unless `Loss.entropy_in_loss`
+    entropy: torch.Tensor  # [b, R] entropy of π_θ at each position; detached unless `Loss.needs_entropy_grad`
     # β of the KL penalty when the recipe puts it in the loss (`ppo.kl_penalty = "loss"`), else 0,
     # and the per-token estimator to take of log π_θ against `minibatch.ref_logprobs`
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    # [b, R, V] the policy's logits at the response positions, with their graph, before the
+    # sampler's temperature; only for a loss that declares `needs_logits` (else None)
+    logits: torch.Tensor | None = None
+
+
+@attrs.frozen
+class LossTerms:
+    """What a loss returns for a minibatch: its terms by how the loop combines them over the
+    micro-batches and processes of an optimiser step. Each is a scalar tensor.
+
+    - `losses`: what is optimised. Each is a sum over the minibatch's counted tokens divided by the
+      step's global count (the `token_count` the loss is given; a loss that averages per response
+      divides by the step's rollouts over all processes, `recipe.ppo.minibatch_size`), so they add
+      up over any split of the step. The loop sums them over micro-batches and processes,
+      differentiates their total and logs each as `train/loss_<name>`, the total as `train/loss`.
+    - `diagnostics`: detached means over the minibatch's own counted tokens; the loop weights each
+      by the minibatch's share of the step's tokens, so the step's figure is the mean over all of
+      them. Logged as `train/<name>`.
+    - `maxima`: combined by their maximum, logged as `train/<name>`.
+    - `skip`: 0 or 1; 1 in any micro-batch or process skips the step's optimiser step (the
+      backward passes still run, in every process). Logged as `train/skipped`.
+
+    Logged names must differ from each other and from those the loop logs itself (`LOOP_METRICS`)."""
+
+    LOOP_METRICS: ClassVar[tuple[str, ...]] = ("loss", "grad_norm", "grad_norm_max", "grad_clipped", "nonfinite", "lr")
+
+    losses: dict[str, torch.Tensor]
+    diagnostics: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    maxima: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    skip: torch.Tensor = attrs.field(factory=lambda: torch.zeros(()))
+
+    def total(self) -> torch.Tensor:
+        """The sum of the `losses`, which the loop differentiates."""
+        return sum(self.losses.values())  # pyright: ignore[reportReturnType]  # a loss has at least one term
+
+    def logged_names(self) -> list[tuple[str, str, str]]:
+        """(field, term, name under `train/`) for every term, `skip` included."""
+        return ([("losses", name, f"loss_{name}") for name in self.losses]
+                + [(field, name, name) for field in ("diagnostics", "maxima") for name in getattr(self, field)]
+                + [("skip", "skip", "skipped")])
+
+    def naming_problems(self) -> list[str]:
+        """Why the loop could not log these terms under their names (empty when it can)."""
+        problems, seen = [], {}
+        for field, term, name in self.logged_names():
+            if name in self.LOOP_METRICS:
+                problems.append(f"{field}[{term!r}] would be logged as train/{name}, which the loop logs itself")
+            elif name in seen:
+                problems.append(f"{field}[{term!r}] and {seen[name]} would both be logged as train/{name}")
+            seen.setdefault(name, f"{field}[{term!r}]")
+        return problems
 
 
 class Loss(Part):
-    """The objective over a minibatch. Returns named terms: `loss_*` are summed and optimised,
-    the rest are diagnostics that the loop logs under `train/`; a nonzero `skipped` term tells the
-    loop to take no optimiser step on this minibatch."""
+    """The objective over a minibatch: returns `LossTerms`, whose type says how the loop combines,
+    optimises and logs each term."""
 
-    entropy_in_loss: bool = False  # True when a `loss_*` term uses `entropy`: the loop then keeps its graph
-    # flag rlkit reads from the class: True when `__call__` adds `loss_kl`, `current.kl_coef` times the
+    # What the loss reads from the forward pass besides log-probs, values and detached entropy; the
+    # loop computes and keeps only what is declared. Declared on the class, where rlkit checks them;
+    # an instance may turn one off for its config in __init__ (never on).
+    needs_entropy_grad: bool = False  # `current.entropy` with its graph, for a term that optimises it
+    needs_logits: bool = False  # `current.logits`, the [b, R, V] response logits with their graph
+    # flag rlkit reads from the class: True when `__call__` adds a `kl` loss, `current.kl_coef` times the
     # per-token KL aggregated as its other terms, so that `ppo.kl_penalty = "loss"` may choose it
     takes_kl_penalty: ClassVar[bool] = False
 
     @abstractmethod
-    def __call__(self, minibatch: RolloutBatch, current: LossInputs, token_count: float) -> dict[str, torch.Tensor]:
-        """`token_count` is the number of counted tokens the loss is averaged over (the global
-        count of the optimiser step), so that results do not depend on how the batch was split.
-
-        `loss_*` terms are sums over the minibatch's tokens divided by `token_count`, or, for a loss
-        that averages per response, by the rollouts of the optimiser step over
-        all processes (`recipe.ppo.minibatch_size`): the loop adds them up over micro-batches and
-        processes. Other terms are means over the minibatch's own counted tokens, which the loop
-        combines weighted by token count; a name ending in `_max` is combined by its maximum, and
-        so is `skipped`: one micro-batch or process that asks for it skips the whole optimiser step
-        (the backward passes still run, in every process)."""
+    def __call__(self, minibatch: RolloutBatch, current: LossInputs, token_count: float) -> LossTerms:
+        """`token_count`: the counted tokens of the whole optimiser step, over every micro-batch and
+        process, which the `losses` divide by (see `LossTerms`)."""
 
 
 class Generator(Part):

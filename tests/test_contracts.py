@@ -82,6 +82,16 @@ class TestPPOClipTokenSumNorm(LossContract):
     config = {"entropy_coef": 0.01, "aggregation": "seq-mean-token-sum-norm"}
 
 
+class TestPPOClipGSPO(LossContract):
+    component = "ppo-clip"
+    config = {"surrogate": "gspo", "aggregation": "seq-mean-token-mean"}  # a clip wide enough that the test noise is not all clipped
+
+
+class TestPPOClipCISPO(LossContract):
+    component = "ppo-clip"
+    config = {"surrogate": "cispo", "clip_high": 0.28, "dual_clip": 3.0}
+
+
 class TestPythonReward(RewardContract):
     component = "python"
     columns = {"letter": ["e", "e", "e"]}

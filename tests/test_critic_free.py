@@ -194,11 +194,11 @@ def test_ppo_clip_aggregates_by_hand(recipe_document, builtin_registry, mode, ex
         response_mask=mask, old_logprobs=old, sampled_logprobs=old, advantages=torch.tensor([[1.0] * 4, [2.0] * 4]))
     current = LossInputs(logprobs=old.clone(), values=None, entropy=torch.ones(2, 4))
     terms = loss(batch, current, token_count=4.0)
-    assert float(terms["loss_policy"]) == approx(expected)
+    assert float(terms.losses["policy"]) == approx(expected)
     # the entropy bonus aggregates alike: the mean of an entropy of 1 is the policy term with A = 1
     ones = {"token-mean": 1.0, "seq-mean-token-mean": 2 / 8, "seq-mean-token-sum-norm": (3 / 8 + 1 / 8) / 8}[mode]
-    assert float(terms["loss_entropy"]) == approx(-0.5 * ones)
-    assert "loss_value" not in terms and "value_loss" not in terms
+    assert float(terms.losses["entropy"]) == approx(-0.5 * ones)
+    assert "value" not in terms.losses and "value_loss" not in terms.diagnostics
 
 
 def test_token_sum_norm_can_be_set(recipe_document, builtin_registry):

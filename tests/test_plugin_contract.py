@@ -11,7 +11,7 @@ from test_plugins import EmptyConfig, plugin_module
 from rlkit_core import hookspecs
 from rlkit_core.config import greater_than, setting
 from rlkit_core.errors import RecipeError
-from rlkit_core.interfaces import KIND_TABLE, AdvantageEstimator, Generator, Loss, RewardSource
+from rlkit_core.interfaces import KIND_TABLE, AdvantageEstimator, Generator, Loss, LossTerms, RewardSource
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import HOOKS, load_registry
@@ -164,7 +164,7 @@ class MeanLogprobLoss(Loss):
         pass
 
     def __call__(self, minibatch, current, token_count):
-        return {"loss_policy": -(current.logprobs * minibatch.response_mask).sum() / token_count}
+        return LossTerms(losses={"policy": -(current.logprobs * minibatch.response_mask).sum() / token_count})
 
 
 def test_kl_in_the_loss_needs_a_loss_that_takes_it(recipe_document):

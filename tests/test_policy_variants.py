@@ -161,7 +161,7 @@ def test_mask_truncated_leaves_responses_without_eos_out_of_the_loss(recipe_docu
         advantages=torch.tensor([[1.0] * 4, [2.0] * 4]))
     terms = loss(batch, LossInputs(logprobs=old.clone(), values=None, entropy=torch.ones(2, 4)), token_count=7.0)
     # ratio 1: -A per token; only the first response (3 tokens, A = 1) counts, over all 7 tokens: -3/7
-    assert float(terms["loss_policy"]) == approx(-3 / 7)
+    assert float(terms.losses["policy"]) == approx(-3 / 7)
     weights, divisor = loss.aggregation(batch, 7.0)
     assert weights.tolist() == [[1.0] * 4, [0.0] * 4] and divisor == 7.0
 
@@ -179,6 +179,6 @@ def test_sequence_level_masked_importance_weights_in_the_loss(recipe_document, b
         response_mask=mask, old_logprobs=old, sampled_logprobs=sampled, advantages=torch.tensor([[1.0] * 4, [2.0] * 4]))
     terms = loss(batch, LossInputs(logprobs=old.clone(), values=None, entropy=torch.ones(2, 4)), token_count=7.0)
     # ratio 1, so each token's term is -A·w: row 0 3 · (-1 · 1.5) = -4.5, row 1 0; over 7 tokens
-    assert float(terms["loss_policy"]) == approx(-4.5 / 7)
-    assert float(terms["tis_weight_mean"]) == approx(4.5 / 7)
-    assert float(terms["tis_capped_frac"]) == approx(4 / 7)  # the masked share of the tokens
+    assert float(terms.losses["policy"]) == approx(-4.5 / 7)
+    assert float(terms.diagnostics["tis_weight_mean"]) == approx(4.5 / 7)
+    assert float(terms.diagnostics["tis_capped_frac"]) == approx(4 / 7)  # the masked share of the tokens

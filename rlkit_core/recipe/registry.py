@@ -112,8 +112,8 @@ def contract_problems(kind: str, factory, config_class) -> list[str]:
             inspect.signature(getattr(factory, hook)).bind(*parameters)
         except TypeError as exc:
             problems.append(f"{factory.__name__}.{hook} must take ({', '.join(parameters)}): {exc}")
-    for flag in ("needs_values", "needs_groups", "needs_baseline_scores", "takes_kl_penalty", "runs_under_fsdp",
-                 "packs_sequences"):
+    for flag in ("needs_values", "needs_groups", "needs_baseline_scores", "takes_kl_penalty", "needs_entropy_grad", "needs_logits",
+                 "runs_under_fsdp", "packs_sequences"):
         if flag in dir(interface) and not isinstance(getattr(factory, flag), bool):
             problems.append(f"{factory.__name__}.{flag} must be True or False, got {getattr(factory, flag)!r}")
     if issubclass(config_class, CoreSettings):

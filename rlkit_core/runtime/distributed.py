@@ -11,25 +11,64 @@ import contextlib
 import os
 import sys
 
+import attrs
 import torch
 from accelerate.utils import DistributedType, gather_object
 
 from rlkit_core.batch import RolloutBatch
+from rlkit_core.errors import RunError
+from rlkit_core.interfaces import LossTerms
 from rlkit_core.recipe.schema import sharded_launch
 
 
-def combined_by_max(name: str) -> bool:
-    """Terms combined over micro-batches and processes by their maximum (see `Loss`): maxima, and
-    the `skipped` flag (one exploded part skips the whole optimiser step)."""
-    return name.endswith("_max") or name == "skipped"
+@attrs.frozen
+class StepTerms:
+    """An optimiser step's terms under their `train/` names as the loop adds them up over the
+    step's micro-batches and processes (`add_terms`, `Processes.combine_terms`): `summed` by their
+    sum, `maxed` by their maximum. `LossTerms` says which are which."""
+
+    summed: dict[str, torch.Tensor]  # the losses, their total `loss`, the diagnostics weighted by token share
+    maxed: dict[str, torch.Tensor]  # the maxima and `skipped`
+
+    @classmethod
+    def share_of(cls, loss: str, terms: LossTerms, token_share: torch.Tensor) -> StepTerms:
+        """A micro-batch's share of its step (detached), from what loss `loss` returned:
+        diagnostics weighted by the micro-batch's `token_share` of the step's tokens, so that their
+        sum is the step's token mean. Terms the loop could not log under their own names are refused."""
+        if not isinstance(terms, LossTerms):
+            raise RunError(f"loss {loss!r} returned a {type(terms).__name__}; a loss returns rlkit_core.LossTerms")
+        if not terms.losses:
+            raise RunError(f"loss {loss!r} returned no losses: nothing to optimise")
+        if problems := terms.naming_problems():
+            raise RunError(f"loss {loss!r} returns terms the loop cannot log: {'; '.join(problems)}; rename them")
+        summed = {f"loss_{name}": value.detach() for name, value in terms.losses.items()}
+        summed["loss"] = terms.total().detach()
+        summed.update((name, value.detach() * token_share) for name, value in terms.diagnostics.items())
+        maxed = {name: value.detach() for name, value in terms.maxima.items()}
+        maxed["skipped"] = terms.skip.detach()
+        return cls(summed, maxed)
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self.summed["loss"]
+
+    @property
+    def skip(self) -> torch.Tensor:
+        return self.maxed["skipped"]
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        return {**self.summed, **self.maxed}
 
 
-def add_terms(known: dict[str, torch.Tensor], terms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A micro-batch's terms added into its step's so far: by their maximum for `combined_by_max`
-    names, by their sum for the rest (over processes, `Processes.combine_terms` does the same)."""
+def add_terms(known: StepTerms, terms: StepTerms) -> StepTerms:
+    """A micro-batch's terms added into its step's so far: `summed` by their sum, `maxed` by their
+    maximum (over processes, `Processes.combine_terms` does the same)."""
+    return StepTerms(_merged(known.summed, terms.summed, torch.add), _merged(known.maxed, terms.maxed, torch.maximum))
+
+
+def _merged(known: dict[str, torch.Tensor], terms: dict[str, torch.Tensor], combine) -> dict[str, torch.Tensor]:
     combined = dict(known)
     for name, value in terms.items():
-        combine = torch.maximum if combined_by_max(name) else torch.add
         combined[name] = value if name not in known else combine(known[name], value)
     return combined
 
@@ -107,21 +146,19 @@ class Processes:
             return tensor
         return self.accelerator.reduce(tensor.clone(), reduction="sum")
 
-    def combine_terms(self, terms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each process's share of an optimiser step's terms -> the step's global terms: the
-        maximum over processes for `combined_by_max` names, the sum for the rest (see `Loss`)."""
+    def combine_terms(self, terms: StepTerms) -> StepTerms:
+        """Each process's share of an optimiser step's terms -> the step's global terms: the sum
+        over processes of `summed`, the maximum of `maxed`."""
         if self.count == 1:
             return terms
-        names, device = list(terms), self.accelerator.device  # a loss may report a flag on the CPU
-        maxima = [name for name in names if combined_by_max(name)]
-        sums = [name for name in names if name not in maxima]
-        combined = {}
-        if sums:
-            combined.update(zip(sums, self.sum(torch.stack([terms[n].float().to(device) for n in sums]))))
-        if maxima:
-            gathered = self.accelerator.gather(torch.stack([terms[n].float().to(device) for n in maxima]).unsqueeze(0))
-            combined.update(zip(maxima, gathered.max(dim=0).values))
-        return {name: combined[name] for name in names}
+        device = self.accelerator.device  # a loss may report a flag on the CPU
+
+        def stacked(values: dict[str, torch.Tensor]) -> torch.Tensor:
+            return torch.stack([value.float().to(device) for value in values.values()])
+
+        summed = dict(zip(terms.summed, self.sum(stacked(terms.summed)))) if terms.summed else {}
+        maxed = dict(zip(terms.maxed, self.accelerator.gather(stacked(terms.maxed).unsqueeze(0)).max(dim=0).values)) if terms.maxed else {}
+        return StepTerms(summed, maxed)
 
     def gather_batch(self, batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
         """The global batch: every process's rollouts, in process order, on every process.

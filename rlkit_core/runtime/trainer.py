@@ -41,9 +41,9 @@ from rlkit_core.recipe.assemble import build_components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import (
     Processes,
+    StepTerms,
     TrainableModules,
     add_terms,
-    combined_by_max,
     critic_problem,
     engine_problem,
     fsdp_plugin,
@@ -221,8 +221,9 @@ class Trainer:
         """(logprobs, values, entropy, response logits) of the current parameters on `batch`, laid
         out as `rows` (`_rows`).
 
-        Entropy keeps its graph only when the loss optimises it; otherwise it is a detached
-        diagnostic, so no [b, R, V] buffers are held for a backward that never uses them."""
+        In the update (`grad`) the loss's declared needs decide: entropy keeps its graph only when
+        the loss optimises it (otherwise it is a detached diagnostic, so no [b, R, V] buffers are
+        held for a backward that never uses them), and the logits are kept only when it reads them."""
         out = self.policy.forward(*rows.inputs, start=rows.start)
         logits = rows.response_logits(out.logits)
         temperature, suppressed = self.parts.generator.temperature, self.policy.suppressed_token_ids
@@ -231,12 +232,12 @@ class Trainer:
         if self.value_head is not None:
             values = rows.at_response(self.value_head.values(out, *rows.inputs))
         entropy = None
-        if grad and self.parts.loss.entropy_in_loss:
+        if grad and self.parts.loss.needs_entropy_grad:
             entropy = entropy_from_logits(logits, temperature, suppressed)
         elif grad:
             with torch.no_grad():
                 entropy = entropy_from_logits(logits.detach(), temperature, suppressed)
-        return logprobs, values, entropy, logits
+        return logprobs, values, entropy, logits if not grad or self.parts.loss.needs_logits else None
 
     @torch.no_grad()
     def compare_to_reference(self, batch: RolloutBatch) -> RolloutBatch:
@@ -348,7 +349,7 @@ class Trainer:
                 token_count = self.processes.sum(batch.response_mask[index].sum()).clamp(min=1)
                 self.optimizer.zero_grad(set_to_none=True)
                 pieces = self._pieces(index, lengths, ppo.max_tokens_per_microbatch, micro_size, "max_tokens_per_microbatch", same_count=True)
-                step_terms = {}
+                step_terms = StepTerms({}, {})
                 for number, piece in enumerate(pieces):
                     # Gradients are all-reduced once, at the last micro-batch.
                     syncing = number == len(pieces) - 1
@@ -360,7 +361,7 @@ class Trainer:
                     step_terms = add_terms(step_terms, terms)
                 terms = self.processes.combine_terms(step_terms)
                 grad_norm, nonfinite = self._optimizer_step(terms)
-                for name, value in terms.items():
+                for name, value in terms.metrics().items():
                     per_step[f"train/{name}"].append(value)
                 per_step["train/grad_norm"].append(torch.tensor(grad_norm))  # before clipping
                 # the share of steps that clipping shortened: near 1, max_grad_norm sets the step size, not the loss
@@ -375,7 +376,7 @@ class Trainer:
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def _optimizer_step(self, terms: dict[str, torch.Tensor]) -> tuple[float, bool]:
+    def _optimizer_step(self, terms: StepTerms) -> tuple[float, bool]:
         """Clip the gradients and step, unless the loss asked to skip this minibatch or is not
         finite; then the schedule steps either way. Returns (gradient norm before clipping, whether
         the loss or the gradient was non-finite).
@@ -384,8 +385,8 @@ class Trainer:
         The loss is summed over processes and the gradient norm is of the all-reduced gradients, so
         a non-finite value on one process is non-finite on every one."""
         grad_norm = 0.0
-        nonfinite = not math.isfinite(float(terms["loss"]))
-        if not float(terms.get("skipped", 0.0)) and not nonfinite:
+        nonfinite = not math.isfinite(float(terms.loss))
+        if not float(terms.skip) and not nonfinite:
             # a float: under FSDP the norm is a sharded tensor
             grad_norm = float(self.accelerator.clip_grad_norm_(self.parameters, self.recipe.optim.max_grad_norm or float("inf")))
             nonfinite = not math.isfinite(grad_norm)
@@ -406,25 +407,21 @@ class Trainer:
             raise NonFiniteSteps(f"{limit} optimiser steps in a row had a non-finite loss or gradient, in iteration "
                                  f"{self.iteration + 1}; the weights were left as they were before them")
 
-    def _micro_step(self, micro: RolloutBatch, rows, token_count: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Forward and backward of one micro-batch; returns its share of the step's terms (detached):
-        `loss_*` and `loss` as they are (already over the global token count), diagnostics weighted
-        by this micro-batch's share of the tokens, so that their sum is the global token mean."""
+    def _micro_step(self, micro: RolloutBatch, rows, token_count: torch.Tensor) -> StepTerms:
+        """Forward and backward of one micro-batch; returns its share of the step's terms
+        (`StepTerms.share_of`)."""
         ppo = self.recipe.ppo
         with self.accelerator.autocast():  # accelerate's prepared module autocasts by itself, except under FSDP
-            logprobs, values, entropy, _ = self.trainable(self._response_view, micro, rows, True)
+            logprobs, values, entropy, logits = self.trainable(self._response_view, micro, rows, True)
         mask = micro.response_mask
         kl_coef = self.parts.kl.beta if ppo.kl_penalty == "loss" else 0.0
-        current = LossInputs(logprobs=logprobs, values=values, entropy=entropy, kl_coef=kl_coef, kl_estimator=ppo.kl_estimator)
+        current = LossInputs(logprobs=logprobs, values=values, entropy=entropy, kl_coef=kl_coef, kl_estimator=ppo.kl_estimator,
+                             logits=logits)
         terms = self.parts.loss(micro, current, token_count)
-        total = sum(value for name, value in terms.items() if name.startswith("loss_"))
+        share = StepTerms.share_of(self.recipe["loss"].component.name, terms, mask.sum() / token_count)
         # DDP averages gradients over processes; the loss is a share of a global sum, so undo the mean.
-        self.accelerator.backward(total * self.processes.count)
-        share = mask.sum() / token_count
-        shares = {name: value.detach() if name.startswith("loss_") or combined_by_max(name) else value.detach() * share
-                  for name, value in terms.items()}
-        shares["loss"] = total.detach()
-        return shares
+        self.accelerator.backward(terms.total() * self.processes.count)
+        return share
 
     # --- one whole iteration -------------------------------------------------------------------
     def step(self) -> dict[str, float]:

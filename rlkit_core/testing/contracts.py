@@ -32,7 +32,7 @@ from rlkit_core.config import fields_help
 from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import logprobs_from_logits
-from rlkit_core.interfaces import KIND_TABLE, KINDS, Generation, LossInputs, PolicyOutput
+from rlkit_core.interfaces import KIND_TABLE, KINDS, Generation, LossInputs, LossTerms, PolicyOutput
 from rlkit_core.recipe.document import Recipe, parse_recipe
 from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.testing import policy_inputs, rollout_batch, write_tiny_causal_lm
@@ -269,73 +269,90 @@ class AdvantageEstimatorContract(ComponentContract):
 
 
 class LossContract(ComponentContract):
-    """Named scalar terms; `loss_*` terms are finite, backprop into the current log-probs (never
-    into padding), scale with 1/token_count, and work without a critic."""
+    """A `LossTerms` of scalar terms whose names the loop can log; `losses` are finite, backprop into
+    the current log-probs (never into padding), add up over any split of the step, and work
+    without a critic; the forward-pass needs an instance declares are its class's."""
 
     kind = "loss"
 
     @staticmethod
-    def current(batch: RolloutBatch, with_values: bool, kl_coef: float = 0.0) -> LossInputs:
+    def current(batch: RolloutBatch, with_values: bool, kl_coef: float = 0.0, with_logits: bool = False) -> LossInputs:
         """What the current parameters say: close to the rollout, with gradient, NaN on padding."""
-        noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(1)) * 0.1
-        logprobs = (batch.old_logprobs + noise).requires_grad_()
-        values = (batch.values + noise).requires_grad_() if with_values else None
-        entropy = torch.rand(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(2)).requires_grad_()
-        return LossInputs(logprobs=logprobs, values=values, entropy=entropy, kl_coef=kl_coef)
+        old = batch.old_logprobs
+        assert old is not None and (batch.values is not None or not with_values), "rollout_batch fills them"
+        noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.1
+        logprobs = (old + noise).requires_grad_()
+        values = (batch.values + noise).requires_grad_() if batch.values is not None and with_values else None
+        entropy = torch.rand(old.shape, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        logits = torch.randn(*old.shape, 11, generator=torch.Generator().manual_seed(3)).requires_grad_() if with_logits else None
+        return LossInputs(logprobs=logprobs, values=values, entropy=entropy, kl_coef=kl_coef, logits=logits)
 
     def terms(self, instance, with_values=True, token_count=None):
         batch = rollout_batch(with_values=with_values)
-        current = self.current(batch, with_values)
+        current = self.current(batch, with_values, with_logits=instance.needs_logits)
         count = float(batch.response_mask.sum()) if token_count is None else token_count
         return instance(batch, current, count), current, batch
 
     @pytest.mark.parametrize("with_values", [True, False], ids=["critic", "critic-free"])
     def test_terms_are_finite_scalars_and_loss_terms_backprop(self, instance, with_values):
         terms, current, batch = self.terms(instance, with_values)
-        losses = {k: v for k, v in terms.items() if k.startswith("loss_")}
-        assert losses, f"no loss_* term among {sorted(terms)}"
-        for name, value in terms.items():
+        assert isinstance(terms, LossTerms), f"a loss returns rlkit_core.LossTerms, not {type(terms).__name__}"
+        assert terms.losses, "no term in losses: nothing to optimise"
+        named = {**{f"losses[{k!r}]": v for k, v in terms.losses.items()}, **{f"diagnostics[{k!r}]": v for k, v in terms.diagnostics.items()},
+                 **{f"maxima[{k!r}]": v for k, v in terms.maxima.items()}, "skip": terms.skip}
+        for name, value in named.items():
             assert isinstance(value, torch.Tensor) and value.ndim == 0, f"{name} must be a scalar tensor"
             assert torch.isfinite(value), f"{name} = {value}"
-        assert all(v.requires_grad for v in losses.values()), "every loss_* term must carry gradient"
-        sum(losses.values()).backward()
+        assert float(terms.skip) in (0.0, 1.0), f"skip must be 0 or 1, got {float(terms.skip)}"
+        assert all(v.requires_grad for v in terms.losses.values()), "every term in losses must carry gradient"
+        terms.total().backward()
         counted = batch.response_mask.bool()
         grad = current.logprobs.grad
         assert grad is not None and torch.isfinite(grad).all(), "the loss must reach the current log-probs"
         assert (grad[~counted] == 0).all(), "padding must get no gradient"
         assert grad[counted].abs().sum() > 0, "the loss must depend on the counted tokens' log-probs"
 
+    def test_the_loop_can_log_every_term_under_its_name(self, instance):
+        terms, _, _ = self.terms(instance)
+        assert not terms.naming_problems(), "; ".join(terms.naming_problems())
+
     def test_loss_terms_add_up_over_any_split(self, instance):
-        """The loop runs a minibatch as micro-batches in several processes and adds their `loss_*`
-        terms, all given the step's global token count: the sum must be the whole minibatch's term."""
+        """The loop runs a minibatch as micro-batches in several processes and adds their `losses`,
+        all given the step's global token count: the sum must be the whole minibatch's term."""
         batch = rollout_batch()
-        current = self.current(batch, with_values=True, kl_coef=0.1 if type(instance).takes_kl_penalty else 0.0)
+        current = self.current(batch, with_values=True, kl_coef=0.1 if type(instance).takes_kl_penalty else 0.0,
+                               with_logits=instance.needs_logits)
         count = float(batch.response_mask.sum())
         whole = instance(batch, current, count)
         parts = [torch.tensor([0, 4]), torch.tensor([1, 2, 5]), torch.tensor([3])]
         tensors = {name: value for name, value in attrs.asdict(current, recurse=False).items() if isinstance(value, torch.Tensor)}
         split = [instance(batch.select(rows), attrs.evolve(current, **{name: value[rows] for name, value in tensors.items()}), count)
                  for rows in parts]
-        for name, value in whole.items():
-            if name.startswith("loss_"):
-                added = sum(part[name] for part in split)
-                assert torch.allclose(added, value, rtol=1e-5, atol=1e-7), (
-                    f"{name}: the parts add up to {float(added)}, the whole minibatch gives {float(value)}; divide sums "
-                    "by the token_count given (or another count of the whole step), not by the minibatch's own size")
-
+        for name, value in whole.losses.items():
+            added = torch.stack([part.losses[name] for part in split]).sum()
+            assert torch.allclose(added, value, rtol=1e-5, atol=1e-7), (
+                f"losses[{name!r}]: the parts add up to {float(added)}, the whole minibatch gives {float(value)}; divide sums "
+                "by the token_count given (or another count of the whole step), not by the minibatch's own size")
 
     def test_the_kl_penalty_is_a_loss_term_when_declared(self, instance):
-        """`takes_kl_penalty`: β·KL of the current log-probs against the reference is a `loss_kl`
-        term, present only when `kl_coef` is nonzero; a loss that does not declare it is refused with
+        """`takes_kl_penalty`: β·KL of the current log-probs against the reference is the `kl` loss,
+        present only when `kl_coef` is nonzero; a loss that does not declare it is refused with
         `ppo.kl_penalty = "loss"` by the recipe check instead."""
         if not type(instance).takes_kl_penalty:
             pytest.skip("this loss does not take the KL penalty (ppo.kl_penalty = 'loss' refuses it)")
         batch = rollout_batch()
         count = float(batch.response_mask.sum())
-        with_kl = instance(batch, self.current(batch, with_values=True, kl_coef=0.5), count)
-        without = instance(batch, self.current(batch, with_values=True), count)
-        assert "loss_kl" in with_kl and with_kl["loss_kl"].requires_grad and torch.isfinite(with_kl["loss_kl"])
-        assert float(without.get("loss_kl", torch.tensor(0.0))) == 0.0, "kl_coef 0 means no KL term"
+        with_kl = instance(batch, self.current(batch, with_values=True, kl_coef=0.5, with_logits=instance.needs_logits), count)
+        without = instance(batch, self.current(batch, with_values=True, with_logits=instance.needs_logits), count)
+        assert "kl" in with_kl.losses and with_kl.losses["kl"].requires_grad and torch.isfinite(with_kl.losses["kl"])
+        assert float(without.losses.get("kl", torch.tensor(0.0))) == 0.0, "kl_coef 0 means no KL term"
+
+    def test_an_instance_needs_no_more_than_its_class_declares(self, instance):
+        """The recipe check reads the class's flags; an instance may drop a need for its config, never add one."""
+        for flag in ("needs_entropy_grad", "needs_logits"):
+            assert getattr(type(instance), flag) or not getattr(instance, flag), (
+                f"the instance sets {flag} but {type(instance).__name__}.{flag} is False; declare it on the class")
+
 
 # --- model kinds -------------------------------------------------------------------------------
 
