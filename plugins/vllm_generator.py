@@ -421,11 +421,6 @@ def to_generation(samples: list[Sample], eos_token_ids: tuple[int, ...], pad_tok
                       response_mask=mask.to(device), logprobs=(logprobs * mask).to(device))
 
 
-def process_count() -> int:
-    """Processes of this launch (torchrun and accelerate launch set WORLD_SIZE)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 class VLLMGenerator(Generator):
     """Builds its engine from the policy; `engine` may be given (a server client, or a test's)."""
 
@@ -455,7 +450,7 @@ class VLLMGenerator(Generator):
         max_model_len = needed_model_len(self.config, context.recipe, getattr(base.config, "max_position_embeddings", None))
         cpu_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if context.device.type == "cpu" else 0
         settings = engine_settings(self.config, self._model_dir.name, base.dtype, sampling_seed(context.seed, rank),
-                                   max_model_len, process_count(), cpu_memory)
+                                   max_model_len, context.launch.processes, cpu_memory)
         sampling = sampling_settings(self.config, self.policy.eos_token_ids, self.policy.suppressed_token_ids)
         return InProcessEngine(settings, sampling, [context.device] if context.device.type == "cuda" else [])
 

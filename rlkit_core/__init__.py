@@ -12,6 +12,7 @@ from rlkit_core.config import at_least, between, greater_than, nested_component,
 from rlkit_core.context import BuildContext, ComponentChoice, building_at
 from rlkit_core.errors import Problem, RecipeError, RunError
 from rlkit_core.hookspecs import hookimpl
+from rlkit_core.launch import Launch
 from rlkit_core.interfaces import (
     AdvantageEstimator,
     Generation,
@@ -36,7 +37,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 __all__ = [
-    "AdvantageEstimator", "BuildContext", "ComponentChoice", "Generation", "Generator", "KLController", "Loss", "LossInputs",
+    "AdvantageEstimator", "BuildContext", "ComponentChoice", "Generation", "Generator", "KLController", "Launch", "Loss", "LossInputs",
     "ModelSettings", "Part", "PolicyOutput", "Policy", "PolicySettings", "Problem", "PromptLengthLimit",
     "PromptSource", "RecipeError", "RewardSource", "RunError", "SamplingSettings", "SilentTracker", "Tracker", "ValueHead",
     "__version__", "at_least", "between", "building_at", "greater_than", "hookimpl", "nested_component", "nested_components",

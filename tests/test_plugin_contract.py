@@ -12,6 +12,7 @@ from rlkit_core import hookspecs
 from rlkit_core.config import greater_than, setting
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import KIND_TABLE, AdvantageEstimator, Generator, Loss, RewardSource
+from rlkit_core.launch import Launch
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import HOOKS, load_registry
@@ -211,16 +212,15 @@ class EngineSampler(Sampler):
     runs_under_fsdp = True  # samples with the policy module itself
 
 
-def test_fsdp_runs_a_generator_that_says_it_samples_inside_the_engine(recipe_document, monkeypatch):
+def test_fsdp_runs_a_generator_that_says_it_samples_inside_the_engine(recipe_document):
     def register_generators(register):
         register("outside", Sampler, TokensSamplerConfig)
         register("inside", EngineSampler, TokensSamplerConfig)
 
     registry = loaded("samplers", register_generators=register_generators)
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "2")
+    fsdp = Launch(processes=2, sharded=True, fsdp_version=2)
     recipe_document["generator"] = {"type": "inside"}
-    assert parse_recipe(recipe_document, registry)["generator"].component.factory is EngineSampler
+    assert parse_recipe(recipe_document, registry, launch=fsdp)["generator"].component.factory is EngineSampler
     recipe_document["generator"] = {"type": "outside"}
     with pytest.raises(RecipeError, match=r"\$\.generator\.type: 'outside' is not run under FSDP"):
-        parse_recipe(recipe_document, registry)
+        parse_recipe(recipe_document, registry, launch=fsdp)

@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.launch import Launch
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts
 from rlkit_core.recipe.document import structure_table
 from rlkit_core.runtime.cli import main
@@ -245,8 +246,8 @@ def test_each_process_starts_its_engine_with_its_own_seed(tiny_model, tmp_path, 
     monkeypatch.setattr(vllm_generator, "missing_here", lambda config, device: [])
     monkeypatch.setattr(vllm_generator, "InProcessEngine", lambda settings, sampling, cuda_devices: started.update(settings))
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=3, policy=_policy(tiny_model, tmp_path))
+    context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=3, policy=_policy(tiny_model, tmp_path),
+                           launch=Launch(processes=2))
     VLLMGenerator(VLLMGeneratorConfig(), context)
     assert started["seed"] == sampling_seed(3, 1) != 3
     assert started["distributed_executor_backend"] == "external_launcher" and started["data_parallel_size"] == 2

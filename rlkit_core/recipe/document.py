@@ -20,12 +20,13 @@ from typing import Any
 
 import attrs
 import cattrs
-import torch
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
 from rlkit_core.config import nested_spec
 from rlkit_core.context import ComponentChoice
 from rlkit_core.errors import Problem, RecipeError
+from rlkit_core.launch import ONE_PROCESS, Launch
+from rlkit_core.recipe.launch import launch_problems, sharding_problems
 from rlkit_core.recipe.registry import Component, Registry
 from rlkit_core.recipe.schema import (
     COMPONENT_TABLES,
@@ -39,12 +40,9 @@ from rlkit_core.recipe.schema import (
     critic_problems,
     kl_penalty_problems,
     kl_problems,
-    launch_problems,
-    launched_processes,
     overlong_problems,
     packing_problems,
     schedule_problems,
-    sharding_problems,
 )
 
 if sys.version_info >= (3, 11):
@@ -250,7 +248,8 @@ def toml_literal(value) -> str:
     return json.dumps(value)
 
 
-def parse_recipe(document: dict, registry: Registry, source: str | None = None) -> Recipe:
+def parse_recipe(document: dict, registry: Registry, source: str | None = None, launch: Launch = ONE_PROCESS) -> Recipe:
+    """The checked recipe for `launch` (default: one process, no GPU), or a RecipeError with every problem located."""
     problems: list[Problem] = []
     known_tables = [*CORE_TABLES, *COMPONENT_TABLES]
     for table in document:
@@ -264,7 +263,7 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         core[table], found = structure_table(document.get(table, {}), cls, f"$.{table}")
         problems += found
     if core["ppo"] is not None:
-        problems += batch_arithmetic_problems(core["ppo"], launched_processes()) + kl_problems(core["ppo"])
+        problems += batch_arithmetic_problems(core["ppo"], launch.processes) + kl_problems(core["ppo"])
     if core["optim"] is not None:
         problems += schedule_problems(core["optim"])
 
@@ -284,9 +283,9 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
     if core["ppo"] is not None and components.get("advantage") is not None and components.get("value_head") is not None:
         problems += critic_problems(core["ppo"], components["advantage"], components["value_head"])
     if core["run"] is not None and components.get("policy") is not None:
-        problems += launch_problems(core["run"], components["policy"].config, torch.cuda.is_available())
+        problems += launch_problems(core["run"], components["policy"].config, launch)
         if components.get("generator") is not None:
-            problems += sharding_problems(components["policy"].config, components["generator"])
+            problems += sharding_problems(components["policy"].config, components["generator"], launch)
     if core["ppo"] is not None and components.get("generator") is not None:
         problems += overlong_problems(core["ppo"], components["generator"])
     if core["ppo"] is not None and components.get("loss") is not None:
@@ -361,7 +360,7 @@ def read_component_table(data: Any, kind: str, table: str, registry: Registry, d
     return (None if problems else ComponentChoice(table, component, config, extra_values)), problems
 
 
-def load_recipe(path: str | Path, registry: Registry, overrides: list[str] = ()) -> Recipe:
+def load_recipe(path: str | Path, registry: Registry, overrides: list[str] = (), launch: Launch = ONE_PROCESS) -> Recipe:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -377,7 +376,7 @@ def load_recipe(path: str | Path, registry: Registry, overrides: list[str] = ())
     problems = retype_problems(document, overridden, registry)
     if problems:
         raise RecipeError(problems, str(path))
-    recipe = parse_recipe(overridden, registry, str(path))
+    recipe = parse_recipe(overridden, registry, str(path), launch)
     if not recipe.run.name:
         recipe = attrs.evolve(recipe, run=attrs.evolve(recipe.run, name=path.stem))
     return recipe

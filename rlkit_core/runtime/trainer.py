@@ -35,6 +35,7 @@ from rlkit_core.functional import (
     token_rewards,
 )
 from rlkit_core.interfaces import Generation, LossInputs
+from rlkit_core.launch import Launch
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts, within_context
 from rlkit_core.randomness import minibatch_order_generator, sampling_seed
 from rlkit_core.recipe.assemble import build_components
@@ -89,8 +90,10 @@ def pick_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, device: torch.device | None = None):
+    def __init__(self, recipe: Recipe, device: torch.device | None = None, launch: Launch | None = None):
+        """`launch`: the one the recipe was checked for (default: this process's, read from the environment)."""
         self.recipe = recipe
+        self.launch = launch or Launch.from_environment()
         run, ppo, optim = recipe.run, recipe.ppo, recipe.optim
         if run.threads:
             torch.set_num_threads(run.threads)
@@ -101,14 +104,15 @@ class Trainer:
         # Components are built on self.device; `prepare` must not move them (run.device = "cuda:1").
         # The schedule steps once per `scheduler.step()` (not once per process, accelerate's default).
         self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision, device_placement=False,
-                                       fsdp_plugin=fsdp_plugin(run.mixed_precision), step_scheduler_with_optimizer=False)
-        if problem := engine_problem(self.accelerator):
+                                       fsdp_plugin=fsdp_plugin(run.mixed_precision, self.launch), step_scheduler_with_optimizer=False)
+        if problem := engine_problem(self.accelerator, self.launch):
             raise RunError(problem)
         self.processes = Processes(self.accelerator)
         if self.processes.count > 1 and self.device.type == "cuda":
             self.device = self.accelerator.device  # this process's own GPU
         self.output_dir = Path(run.output_dir)
-        self.context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
+        self.context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed,
+                                    launch=self.launch)
         self.parts = build_components(recipe, self.context)
         self.policy, self.value_head = self.parts.policy, self.parts.value_head
         if self.processes.sharded and (problem := critic_problem(self.value_head)):
