@@ -493,7 +493,7 @@ class VLLMGenerator(Generator):
                 self._pushed = self.config.sleep_level == 1  # level 2 drops the weights
         return to_generation(samples, self.policy.eos_token_ids, self.policy.tokenizer.pad_token_id, self.device)
 
-    def metrics(self) -> dict[str, float]:
+    def pop_metrics(self) -> dict[str, float]:
         reported, self._metrics = self._metrics, {}
         return reported
 

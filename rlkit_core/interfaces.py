@@ -244,8 +244,9 @@ class Generator(Part):
     def sync_weights(self, policy: Policy) -> None:
         """Bring the sampler's weights up to date with the policy; in-process samplers share them."""
 
-    def metrics(self) -> dict[str, float]:
-        """Figures since the last call (e.g. `time/weight_sync`), merged into the iteration's metrics."""
+    def pop_metrics(self) -> dict[str, float]:
+        """Figures since the last call (e.g. `time/weight_sync`), merged into the iteration's metrics;
+        the call resets them."""
         return {}
 
 

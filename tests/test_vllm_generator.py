@@ -503,9 +503,9 @@ def test_push_then_reset_then_generate_n_per_prompt_and_report_the_sync_time(tin
     out = generator.generate(prompt_ids, prompt_mask)
     assert out.response_ids.shape[0] == 6
     assert generator.engine.calls == ["load_weights", "reset_prefix_cache", "generate([3, 2, 1])"]
-    metrics = generator.metrics()
+    metrics = generator.pop_metrics()
     assert set(metrics) == {"time/weight_sync"} and metrics["time/weight_sync"] > 0
-    assert generator.metrics() == {}  # reported once
+    assert generator.pop_metrics() == {}  # reported once
 
 
 def test_pushed_weights_change_what_the_engine_samples(tiny_model, tmp_path):
@@ -623,4 +623,4 @@ def test_the_reports_samples_come_from_the_weights_after_the_last_update(recipe_
     trainer.sample_responses(trainer.records[:2], greedy=True)
     for name, weight in trained.items():
         assert torch.equal(engine.model.state_dict()[name], weight), name
-    assert "time/weight_sync" not in trainer.parts.generator.metrics()
+    assert "time/weight_sync" not in trainer.parts.generator.pop_metrics()

@@ -179,7 +179,7 @@ class Trainer:
             response_ids=generation.response_ids, response_mask=mask, sampled_logprobs=generation.logprobs,
             responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=self.device),
         )
-        return batch, {"time/generate": generated - started, "time/score": scored - generated, **self.parts.generator.metrics()}
+        return batch, {"time/generate": generated - started, "time/score": scored - generated, **self.parts.generator.pop_metrics()}
 
     def _generate(self, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool) -> list[Generation]:
         """The generator's output for each (prompt ids, mask) chunk, from the current weights:
@@ -485,5 +485,5 @@ class Trainer:
                   for start in range(0, len(records), size)]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             generations = self._generate(chunks, greedy)
-        self.parts.generator.metrics()  # its sync time is the report's, not the next iteration's
+        self.parts.generator.pop_metrics()  # its sync time is the report's, not the next iteration's
         return [text for g in generations for text in self.tokenizer.batch_decode(g.response_ids, skip_special_tokens=True)]
