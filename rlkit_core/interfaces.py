@@ -1,8 +1,9 @@
 """The parts of the PPO loop. A plugin implements one of these and registers its class for it.
 
-Every interface derives from `Part`, which declares the optional hooks rlkit reads from a
+Every interface derives from `ComponentBase`, which declares the optional hooks rlkit reads from a
 component's class (never from an instance, so before and after the build alike), each with its
-default; the registry checks a registered class against them. `KIND_TABLE` at the end is the one
+default; the registry checks a registered class against them, and against the flags (`ClassVar[bool]`)
+its interface declares. `KIND_TABLE` at the end is the one
 list of component kinds: their recipe tables, hooks, defaults and interfaces.
 
 Shapes follow `rlkit_core.batch`: B rollouts, L = P + R sequence positions, V vocabulary entries.
@@ -10,6 +11,9 @@ Shapes follow `rlkit_core.batch`: B rollouts, L = P + R sequence positions, V vo
 
 from __future__ import annotations
 
+import inspect
+import typing
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -34,10 +38,11 @@ class Generation:
     logprobs: torch.Tensor  # [B, R] the sampler's log-probability of each sampled token
 
 
-class Part(ABC):
+class ComponentBase(ABC):  # noqa: B024 (no abstract method of its own: each kind's interface declares them)
     """What rlkit reads from any component's class besides its kind's methods. A component class is
     its own factory: rlkit builds it as `cls(config, context)` (`rlkit_core.context.BuildContext`).
-    Each hook below is optional; override it as a `@staticmethod` with the same parameters."""
+    Each hook below is optional; override it as a `@staticmethod` or a `@classmethod` with the same
+    parameters."""
 
     @staticmethod
     def check(config, recipe, where: str) -> tuple[list[str], list[str]]:
@@ -63,17 +68,29 @@ class Part(ABC):
         return []
 
 
-# the hooks of `Part` with the parameters rlkit passes them, for the registry's check
-PART_HOOKS = {"check": ("config", "recipe", "where"), "imports": ("config", "where"), "probe": ("config", "where"),
+# the hooks of `ComponentBase` with the parameters rlkit passes them, for the registry's check
+COMPONENT_HOOKS = {"check": ("config", "recipe", "where"), "imports": ("config", "where"), "probe": ("config", "where"),
               "describe": ("config",)}
 
 
 def declares(factory: type, hook: str) -> bool:
-    """Whether a component class overrides `Part`'s default for `hook` (a probe is only noted when there is one)."""
-    return getattr(factory, hook) is not getattr(Part, hook)
+    """Whether a component class overrides `ComponentBase`'s default for `hook` (a probe is only noted when there is one)."""
+    return inspect.getattr_static(factory, hook) is not inspect.getattr_static(ComponentBase, hook)
 
 
-class Policy(Part):
+def class_flags(interface: type) -> tuple[str, ...]:
+    """The flags rlkit reads from a component class of `interface`: its `ClassVar[bool]` attributes."""
+    return tuple(name for name, hint in typing.get_type_hints(interface).items() if hint == ClassVar[bool])
+
+
+def __getattr__(name: str):
+    if name == "Part":  # the earlier name of ComponentBase, kept for plugins that import it
+        warnings.warn("rlkit_core.interfaces.Part is now ComponentBase", DeprecationWarning, stacklevel=2)
+        return ComponentBase
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class Policy(ComponentBase):
     """The trainable causal LM and its frozen reference."""
 
     tokenizer: Any  # a transformers tokenizer with distinct pad and EOS tokens
@@ -123,7 +140,7 @@ class Policy(Part):
         return None
 
 
-class ValueHead(Part):
+class ValueHead(ComponentBase):
     """The critic: a value for every position."""
 
     # flag rlkit reads from the class: True when `values` takes packed rows as `Policy.packs_sequences` says
@@ -151,7 +168,7 @@ class ValueHead(Part):
         return None
 
 
-class RewardSource(Part):
+class RewardSource(ComponentBase):
     """Scores (prompt, response) pairs: a learned model or a rule."""
 
     @abstractmethod
@@ -159,7 +176,7 @@ class RewardSource(Part):
         """One float per response. `columns` holds every other column of the prompt data."""
 
 
-class KLController(Part):
+class KLController(ComponentBase):
     """The KL coefficient β and how it moves between iterations."""
 
     target: float | None = None  # the KL it steers towards, if any: the health checks compare the run's KL with it
@@ -179,7 +196,7 @@ class KLController(Part):
     def load_state_dict(self, state: Mapping[str, float]) -> None: ...
 
 
-class AdvantageEstimator(Part):
+class AdvantageEstimator(ComponentBase):
     """Advantages and value targets from a scored batch."""
 
     # flags rlkit reads from the class, when it checks the recipe and when it runs alike
@@ -205,7 +222,7 @@ class LossInputs:
     kl_estimator: str = "k3"
 
 
-class Loss(Part):
+class Loss(ComponentBase):
     """The objective over a minibatch. Returns named terms: `loss_*` are summed and optimised,
     the rest are diagnostics that the loop logs under `train/`; a nonzero `skipped` term tells the
     loop to take no optimiser step on this minibatch."""
@@ -229,7 +246,7 @@ class Loss(Part):
         (the backward passes still run, in every process)."""
 
 
-class Generator(Part):
+class Generator(ComponentBase):
     """Samples responses and the sampler's log-probs for a batch of prompts."""
 
     temperature: float  # the loop divides logits by it when it recomputes log-probs
@@ -250,14 +267,14 @@ class Generator(Part):
         return {}
 
 
-class PromptSource(Part):
+class PromptSource(ComponentBase):
     """Prompt records: each a dict with a `prompt` string and any other columns (passed to the reward)."""
 
     @abstractmethod
     def load(self) -> list[dict[str, Any]]: ...
 
 
-class Tracker(Part):
+class Tracker(ComponentBase):
     """Where metrics go besides `metrics.jsonl`."""
 
     location: str | None = None  # where a person finds the run (shown in the end-of-run report)

@@ -84,7 +84,7 @@ def remote_code_warnings(recipe: Recipe) -> list[str]:
 
 
 def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:
-    """(problems, notes) from every component's `check(config, recipe, where)` (`Part.check`), nested
+    """(problems, notes) from every component's `check(config, recipe, where)` (`ComponentBase.check`), nested
     ones included (`where` is the table's place, `$.reward.parts[1]`): what would
     fail at run time across tables (a critic that cannot read the policy's ids, a reward model's
     tokenizer that does not load), found before any weights are loaded."""

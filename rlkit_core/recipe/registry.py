@@ -13,7 +13,7 @@ import inspect
 import attrs
 
 from rlkit_core.errors import BrokenPluginContract, PluginError, Problem, RecipeError
-from rlkit_core.interfaces import KIND_TABLE, KINDS, PART_HOOKS, Policy
+from rlkit_core.interfaces import COMPONENT_HOOKS, KIND_TABLE, KINDS, Policy, class_flags
 from rlkit_core.settings import CoreSettings
 
 
@@ -90,7 +90,7 @@ class Registry:
 def contract_problems(kind: str, factory, config_class) -> list[str]:
     """How a component breaks its kind's contract, checked when it registers: its class must derive
     from the interface and declare the optional hooks with the parameters rlkit passes them (as
-    static methods), its flags must be booleans, its config must be an attrs class, and every
+    static or class methods), the flags its interface declares (`ClassVar[bool]`) must be booleans, its config must be an attrs class, and every
     setting its settings bases say rlkit reads must be one of the config's fields."""
     interface = KINDS[kind]
     if not attrs.has(config_class):
@@ -103,18 +103,17 @@ def contract_problems(kind: str, factory, config_class) -> list[str]:
     if settings is not None and not issubclass(config_class, settings):
         problems.append(f"config class {config_class.__name__} does not inherit rlkit_core.{settings.__name__}, the {kind} "
                         "settings rlkit reads (name yours in its `renamed` when they differ)")
-    hooks = {**PART_HOOKS, **({"shape": ("config",)} if issubclass(factory, Policy) else {})}
+    hooks = {**COMPONENT_HOOKS, **({"shape": ("config",)} if issubclass(factory, Policy) else {})}
     for hook, parameters in hooks.items():
-        if not isinstance(inspect.getattr_static(factory, hook), staticmethod):
-            problems.append(f"{factory.__name__}.{hook} must be a @staticmethod {hook}({', '.join(parameters)})")
+        if not isinstance(inspect.getattr_static(factory, hook), (staticmethod, classmethod)):
+            problems.append(f"{factory.__name__}.{hook} must be a @staticmethod {hook}({', '.join(parameters)}) or a @classmethod")
             continue
         try:
             inspect.signature(getattr(factory, hook)).bind(*parameters)
         except TypeError as exc:
             problems.append(f"{factory.__name__}.{hook} must take ({', '.join(parameters)}): {exc}")
-    for flag in ("needs_values", "needs_groups", "needs_baseline_scores", "takes_kl_penalty", "runs_under_fsdp",
-                 "packs_sequences"):
-        if flag in dir(interface) and not isinstance(getattr(factory, flag), bool):
+    for flag in class_flags(interface):
+        if not isinstance(getattr(factory, flag), bool):
             problems.append(f"{factory.__name__}.{flag} must be True or False, got {getattr(factory, flag)!r}")
     if issubclass(config_class, CoreSettings):
         problems += config_class.naming_problems()
