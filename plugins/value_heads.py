@@ -22,11 +22,6 @@ class SharedValueConfig:
 
 
 @attrs.frozen
-class NoValueConfig:
-    pass
-
-
-@attrs.frozen
 class SeparateValueConfig:
     model: str = setting(help="model directory or hub name for the critic (often the reward model)")
     head_init: str = setting("zero", help="'zero': start every value at 0; 'checkpoint': keep the model's own score head", validator=one_of("zero", "checkpoint"))
@@ -150,20 +145,7 @@ class SeparateValueHead(ValueHead):
         self.model.load_state_dict(state)
 
 
-class NoCritic(ValueHead):
-    """`none` is the absence of a critic: the loop builds no value head for an estimator that needs
-    no values, and a recipe that pairs `none` with one that does is refused when it is read. So
-    the class is never instantiated; building it says why."""
-
-    packs_sequences = True  # no critic runs
-
-    def __new__(cls, config: NoValueConfig, context):
-        raise RecipeError(["$.value_head.type: 'none' builds no critic; it goes with a critic-free advantage estimator "
-                           "(grpo, rloo, reinforce++, remax)"])
-
-
 @hookimpl
 def register_value_heads(register):
     register("shared", SharedValueHead, SharedValueConfig)
     register("separate", SeparateValueHead, SeparateValueConfig)
-    register("none", NoCritic, NoValueConfig)

@@ -24,7 +24,6 @@ from rlkit_core.interfaces import (
     PolicyOutput,
     PromptSource,
     RewardSource,
-    SilentTracker,
     Tracker,
     ValueHead,
 )
@@ -39,7 +38,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 __all__ = [
     "AdvantageEstimator", "BuildContext", "ComponentBase", "ComponentChoice", "Generation", "Generator", "KLController", "Launch", "Loss", "LossInputs",
     "ModelSettings", "PolicyOutput", "Policy", "PolicySettings", "Problem", "PromptLengthLimit",
-    "PromptSource", "RecipeError", "RewardSource", "RunError", "SamplingSettings", "SilentTracker", "Tracker", "ValueHead",
+    "PromptSource", "RecipeError", "RewardSource", "RunError", "SamplingSettings", "Tracker", "ValueHead",
     "__version__", "at_least", "between", "building_at", "greater_than", "hookimpl", "nested_component", "nested_components",
     "one_of", "setting",
 ]

@@ -308,19 +308,6 @@ class Tracker(ComponentBase):
         """Close the run; `status` is "FINISHED", "FAILED" or "KILLED"."""
 
 
-class SilentTracker(Tracker):
-    """Records nothing: the `none` tracker, and what the processes other than the main one log to."""
-
-    def start(self, *, run_name, params, tags, resume_id):
-        return None
-
-    def log_metrics(self, metrics, step):
-        pass
-
-    def finish(self, status):
-        pass
-
-
 @attrs.frozen
 class Kind:
     """One kind of component, in the three names a user meets it by."""
@@ -331,12 +318,17 @@ class Kind:
     hook: str  # the hook a plugin implements to register them (`rlkit_core.hookspecs`)
     default: str | None  # the type a recipe without the table gets; None: the table is required
     settings: type | None = None  # the base its config classes inherit: the settings rlkit reads from them (`rlkit_core.settings`)
+    optional: bool = False  # True: `type = "none"` (NO_COMPONENT) builds no component of this kind
+
+
+# the type of an optional kind's table that builds nothing (no plugin registers it)
+NO_COMPONENT = "none"
 
 
 # in the order of a recipe's tables (and of `rlkit check`'s plan)
 KIND_TABLE = (
     Kind("policy", "policy", Policy, "register_policies", None, PolicySettings),
-    Kind("value_head", "value_head", ValueHead, "register_value_heads", "shared"),  # "none" when the estimator needs no values
+    Kind("value_head", "value_head", ValueHead, "register_value_heads", "shared", optional=True),  # "none" when the estimator needs no values
     Kind("generator", "generator", Generator, "register_generators", "hf", SamplingSettings),
     Kind("reward", "reward", RewardSource, "register_rewards", None),
     Kind("kl_controller", "kl", KLController, "register_kl_controllers", "adaptive"),

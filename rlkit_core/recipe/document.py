@@ -25,6 +25,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 from rlkit_core.config import nested_spec
 from rlkit_core.context import ComponentChoice
 from rlkit_core.errors import Problem, RecipeError
+from rlkit_core.interfaces import KIND_OF_TABLE, NO_COMPONENT
 from rlkit_core.launch import ONE_PROCESS, Launch
 from rlkit_core.recipe.launch import launch_problems, sharding_problems
 from rlkit_core.recipe.registry import Component, Registry
@@ -267,11 +268,16 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None, 
     if core["optim"] is not None:
         problems += schedule_problems(core["optim"])
 
-    components = {}
+    components, nothing = {}, set()  # `nothing`: the optional tables whose type is "none"
     for table, (kind, default_type) in COMPONENT_TABLES.items():
         data = document.get(table)
         if table == "value_head" and data is None:
             default_type = _default_critic(document, registry)
+        if KIND_OF_TABLE[table].optional and (data.get("type") if isinstance(data, dict) else default_type) == NO_COMPONENT:
+            nothing.add(table)
+            problems += [Problem(f"$.{table}.{key}", f"unknown key; type = {NO_COMPONENT!r} builds no {kind}, so it takes no settings")
+                         for key in (data or {}) if key != "type"]
+            continue
         if data is None and default_type is None:
             names = ", ".join(registry.names(kind)) or "(none registered)"
             problems.append(Problem(f"$.{table}", f"this table is required; add [{table}] with type = one of {names}"))
@@ -280,8 +286,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None, 
                                                         registry, default_type)
         problems += found
 
-    if core["ppo"] is not None and components.get("advantage") is not None and components.get("value_head") is not None:
-        problems += critic_problems(core["ppo"], components["advantage"], components["value_head"])
+    if core["ppo"] is not None and components.get("advantage") is not None and ("value_head" in components or "value_head" in nothing):
+        problems += critic_problems(core["ppo"], components["advantage"], components.get("value_head"))
     if core["run"] is not None and components.get("policy") is not None:
         problems += launch_problems(core["run"], components["policy"].config, launch)
         if components.get("generator") is not None:
@@ -290,8 +296,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None, 
         problems += overlong_problems(core["ppo"], components["generator"])
     if core["ppo"] is not None and components.get("loss") is not None:
         problems += kl_penalty_problems(core["ppo"], components["loss"])
-    if core["ppo"] is not None and components.get("policy") is not None and components.get("value_head") is not None:
-        problems += packing_problems(core["ppo"], components["policy"], components["value_head"])
+    if core["ppo"] is not None and components.get("policy") is not None and ("value_head" in components or "value_head" in nothing):
+        problems += packing_problems(core["ppo"], components["policy"], components.get("value_head"))
     eval_metrics, found = _eval_metrics(core["eval"], registry)
     problems += found
     if problems:
@@ -300,13 +306,13 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None, 
                   registry, core["health"])
 
 
-def _default_critic(document: dict, registry: Registry) -> str:
+def _default_critic(document: dict, registry: Registry) -> str | None:
     """The value head of a recipe without [value_head]: a critic only when the advantage estimator needs values."""
     advantage = document.get("advantage")
     default = COMPONENT_TABLES["advantage"][1]
     name = advantage.get("type", default) if isinstance(advantage, dict) else default
     estimator = registry.find("advantage_estimator", name) if isinstance(name, str) else None
-    return "none" if estimator is not None and not estimator.factory.needs_values else COMPONENT_TABLES["value_head"][1]
+    return NO_COMPONENT if estimator is not None and not estimator.factory.needs_values else COMPONENT_TABLES["value_head"][1]
 
 
 def _eval_metrics(config: EvalConfig | None, registry: Registry) -> tuple[tuple[Component, ...], list[str]]:

@@ -13,8 +13,10 @@ import inspect
 import attrs
 
 from rlkit_core.errors import BrokenPluginContract, PluginError, Problem, RecipeError
-from rlkit_core.interfaces import COMPONENT_HOOKS, KIND_TABLE, KINDS, Policy, class_flags
+from rlkit_core.interfaces import COMPONENT_HOOKS, KIND_TABLE, KINDS, NO_COMPONENT, Policy, class_flags
 from rlkit_core.settings import CoreSettings
+
+_KIND_NAMED = {kind.name: kind for kind in KIND_TABLE}
 
 
 @attrs.frozen
@@ -45,6 +47,8 @@ class Registry:
                 f"({component.distribution} {component.version}); uninstall one of them, or rename the component"
             )
         problems = contract_problems(component.kind, component.factory, component.config_class)
+        if component.name == NO_COMPONENT and _KIND_NAMED[component.kind].optional:
+            problems.append(f"{component.name!r} is the type that builds no {component.kind}; give the component another name")
         if problems:
             raise BrokenPluginContract(f"plugin {component.plugin!r} registers {component.kind} {component.name!r}, which breaks "
                                        f"the plugin contract: {'; '.join(problems)}")
@@ -75,6 +79,9 @@ class Registry:
     def unknown_problem(self, kind: str, name: str, where: str) -> Problem:
         known = self.names(kind)
         message = f"unknown {kind} {name!r}; registered: {', '.join(known) or '(none)'}"
+        if _KIND_NAMED[kind].optional:
+            message += f"; or {NO_COMPONENT!r} for no {kind}"
+            known = [*known, NO_COMPONENT]
         close = difflib.get_close_matches(name, known, n=1)
         if close:
             message += f"; did you mean {close[0]!r}?"

@@ -152,15 +152,15 @@ def critic_problems(ppo: PPOConfig, advantage, value_head) -> list[Problem]:
     """An advantage estimator and the rest of the recipe that do not go together, each located:
     a critic-free estimator with a critic (trained for nothing) or with one sample per prompt when
     it compares a prompt's samples; `value_head.type = "none"` with an estimator that needs values.
-    `advantage` and `value_head` are the checked component tables."""
-    estimator, critic = advantage.component, value_head.component.name
+    `advantage` and `value_head` are the checked component tables (`value_head` None: "none")."""
+    estimator = advantage.component
     needs_values, needs_groups = estimator.factory.needs_values, estimator.factory.needs_groups
     problems = []
-    if needs_values and critic == "none":
+    if needs_values and value_head is None:
         problems.append(Problem("$.value_head.type", f"'none' builds no critic, but advantage estimator {estimator.name!r} needs "
                                                      "values; use 'shared' or 'separate', or a critic-free estimator such as 'grpo'"))
-    elif not needs_values and critic != "none":
-        problems.append(Problem("$.value_head.type", f"advantage estimator {estimator.name!r} uses no critic, so the {critic!r} "
+    elif not needs_values and value_head is not None:
+        problems.append(Problem("$.value_head.type", f"advantage estimator {estimator.name!r} uses no critic, so the {value_head.component.name!r} "
                                                      "critic would cost memory and time for nothing; set value_head.type = 'none' "
                                                      "or leave [value_head] out"))
     if needs_groups and ppo.samples_per_prompt < 2:
@@ -187,12 +187,14 @@ def kl_penalty_problems(ppo: PPOConfig, loss) -> list[Problem]:
 def packing_problems(ppo: PPOConfig, policy, value_head) -> list[Problem]:
     """`ppo.pack_sequences` needs a policy and a critic that keep attention within each packed
     rollout (`Policy.packs_sequences`, `ValueHead.packs_sequences`); one that does not would let
-    rollouts attend to each other. `policy` and `value_head` are the checked component tables."""
+    rollouts attend to each other. `policy` and `value_head` are the checked component tables
+    (`value_head` None: no critic)."""
     if not ppo.pack_sequences:
         return []
     return [Problem("$.ppo.pack_sequences", f"{kind} {table.component.name!r} does not declare packs_sequences (that it keeps "
                                             "attention within each of several rollouts in one row); set pack_sequences = false")
-            for kind, table in (("policy", policy), ("value head", value_head)) if not table.component.factory.packs_sequences]
+            for kind, table in (("policy", policy), ("value head", value_head))
+            if table is not None and not table.component.factory.packs_sequences]
 
 
 def overlong_problems(ppo: PPOConfig, generator) -> list[Problem]:

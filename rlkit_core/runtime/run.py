@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlkit_core import __version__
 from rlkit_core.errors import RlkitError, RunError
-from rlkit_core.interfaces import SilentTracker
+from rlkit_core.interfaces import Tracker
 from rlkit_core.launch import Launch
 from rlkit_core.progress import Progress
 from rlkit_core.recipe.document import Recipe
@@ -31,6 +31,19 @@ from rlkit_core.runtime.run_lock import RunLock, launched_as_main
 from rlkit_core.runtime.trainer import Trainer, record_columns
 
 SAMPLES_SHOWN = 4
+
+
+class _Untracked(Tracker):
+    """What the processes other than the main one log to: nothing (one tracked run per training run)."""
+
+    def start(self, *, run_name, params, tags, resume_id):
+        return None
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def finish(self, status):
+        pass
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "samples_before.json", "final_model", "curves.png", "bad_batches")
@@ -90,7 +103,7 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
         for path in earlier:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     trainer.processes.wait()
-    tracker = trainer.parts.tracker if main else SilentTracker()  # one tracked run per training run
+    tracker = trainer.parts.tracker if main else _Untracked()  # one tracked run per training run
     counts = trainer.prompt_counts
     if main and (counts["cut"] or counts["skipped"] or counts["empty"]):
         print(f"prompts: {counts['loaded']} loaded, {counts['cut']} cut from the left to {trainer.max_prompt_tokens} tokens, "
