@@ -40,6 +40,7 @@ class SharedValueHead(ValueHead):
         torch.nn.init.zeros_(self.head.bias)
 
     def values(self, policy_output, input_ids, attention_mask, position_ids):
+        assert policy_output.hidden is not None  # a policy gives its hidden states for a head on its trunk
         return self.head(policy_output.hidden.float()).squeeze(-1)
 
     def parameters(self):
@@ -96,10 +97,11 @@ class SeparateValueHead(ValueHead):
         problem = critic_vocabulary_problem(config.model, context.policy.tokenizer, critic_tokenizer, rows, where)
         if problem:
             raise RecipeError([problem])
-        self.score = getattr(self.model, "score", None)
-        if not isinstance(self.score, torch.nn.Linear):
+        score = getattr(self.model, "score", None)
+        if not isinstance(score, torch.nn.Linear):
             raise RecipeError([f"{where}.model: {config.model!r} has no linear `score` head to read per token; "
                                "use a decoder-style model (GPT-2, Llama, ...) or value_head.type = 'shared'"])
+        self.score = score
         if config.head_init == "zero":
             torch.nn.init.zeros_(self.score.weight)
             if self.score.bias is not None:
