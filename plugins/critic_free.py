@@ -14,6 +14,7 @@ complete. The returns they give back are the rewards-to-go; no critic learns fro
 from abc import abstractmethod
 
 import attrs
+import torch
 
 from rlkit_core import hookimpl
 from rlkit_core.config import between, setting
@@ -57,13 +58,14 @@ class GroupRelative(CriticFree):
     needs_groups = True
 
     @abstractmethod
-    def against_group(self, totals, group_ids):
+    def against_group(self, totals: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         """[B] rewards, [B] group ids -> [B] advantages."""
 
     def estimate(self, batch):
-        mask = batch.response_mask
-        advantages = self.against_group(sequence_rewards(batch.rewards, mask), batch.group_ids)
-        return per_token(advantages, mask), discounted_returns(batch.rewards, mask, 1.0)
+        mask, rewards = batch.response_mask, batch.rewards
+        assert rewards is not None  # the loop adds the rewards before it estimates
+        advantages = self.against_group(sequence_rewards(rewards, mask), batch.group_ids)
+        return per_token(advantages, mask), discounted_returns(rewards, mask, 1.0)
 
 
 class GRPO(GroupRelative):
@@ -97,6 +99,7 @@ class ReinforcePlusPlus(CriticFree):
 
     def estimate(self, batch):
         mask = batch.response_mask
+        assert batch.rewards is not None  # the loop adds the rewards before it estimates
         returns = discounted_returns(batch.rewards, mask, self.config.gamma)
         return masked_whiten(returns, mask), returns
 
@@ -113,6 +116,7 @@ class ReMax(CriticFree):
 
     def estimate(self, batch):
         mask = batch.response_mask
+        assert batch.rewards is not None and batch.baseline_scores is not None  # added by the loop (needs_baseline_scores)
         returns = discounted_returns(batch.rewards, mask, 1.0)
         return returns - per_token(batch.baseline_scores, mask), returns
 

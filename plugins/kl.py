@@ -39,7 +39,7 @@ class AdaptiveKL(KLController):
 
     def __init__(self, config: AdaptiveKLConfig, context=None):
         self._beta = config.beta
-        self.target = config.target
+        self.target: float = config.target
         self.horizon = config.horizon
 
     @property

@@ -25,12 +25,16 @@ import time
 import urllib.parse
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from rlkit_core.config import at_least, setting
 from rlkit_core.errors import RunError
 from rlkit_core.interfaces import Tracker
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 MAX_PARAM_VAL_LENGTH = 6000
 MAX_TAG_VAL_LENGTH = 8000
@@ -111,7 +115,7 @@ class MLflowTracker(Tracker):
     def __init__(self, config: MLflowConfig, context):
         self.config = config
         self.uri = _absolute_sqlite(config.uri)
-        self.client = None
+        self.client: MlflowClient | None = None
         self.metrics_path = Path(context.output_dir) / "metrics.jsonl"
         self.run_id = None
         self.location = None
@@ -146,6 +150,11 @@ class MLflowTracker(Tracker):
             return [f"{where}.uri: MLflow cannot store to {config.uri!r}: it takes {schemes} URIs or a local path "
                     "(e.g. 'sqlite:///mlflow.db', 'http://host:5000'); set tracker.type = \"none\" to train without MLflow"], []
         return [], []
+
+    @property
+    def _mlflow(self) -> MlflowClient:
+        assert self.client is not None  # made by start()
+        return self.client
 
     # -- the training thread's side ------------------------------------------------------------
 
@@ -245,14 +254,15 @@ class MLflowTracker(Tracker):
         from mlflow.exceptions import MlflowException
 
         name = self.config.experiment
-        experiment = self.client.get_experiment_by_name(name)
+        experiment = self._mlflow.get_experiment_by_name(name)
         if experiment is None:
             try:
-                return self.client.create_experiment(name)
+                return self._mlflow.create_experiment(name)
             except MlflowException as error:  # another run created it a moment ago
                 if error.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
-                experiment = self.client.get_experiment_by_name(name)
+                experiment = self._mlflow.get_experiment_by_name(name)
+        assert experiment is not None  # found, or made by another run a moment ago
         if experiment.lifecycle_stage == "deleted":
             raise RunError(f"$.tracker.experiment: experiment {name!r} at {self.uri} is deleted; restore it "
                            f"(mlflow experiments restore --experiment-id {experiment.experiment_id}) or name another one")
@@ -262,10 +272,10 @@ class MLflowTracker(Tracker):
         from mlflow.entities import Param
 
         tags = {key: str(value)[:MAX_TAG_VAL_LENGTH] for key, value in tags.items()}
-        run = self.client.create_run(self._experiment_id(), run_name=run_name or None, tags=tags)
+        run = self._mlflow.create_run(self._experiment_id(), run_name=run_name or None, tags=tags)
         items = [Param(key, value) for key, value in params.items()]
         for first in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
-            self.client.log_batch(run.info.run_id, params=items[first:first + MAX_PARAMS_TAGS_PER_BATCH])
+            self._mlflow.log_batch(run.info.run_id, params=items[first:first + MAX_PARAMS_TAGS_PER_BATCH])
         return run
 
     def _reopen(self, run_id, params, tags):
@@ -275,7 +285,7 @@ class MLflowTracker(Tracker):
         from mlflow.exceptions import MlflowException
 
         try:
-            run = self.client.get_run(run_id)
+            run = self._mlflow.get_run(run_id)
         except MlflowException as error:
             if error.error_code != "RESOURCE_DOES_NOT_EXIST":
                 raise
@@ -293,8 +303,8 @@ class MLflowTracker(Tracker):
         new_tags = [RunTag(key, str(value)[:MAX_TAG_VAL_LENGTH]) for key, value in tags.items()]
         for first in range(0, max(len(new_params), len(new_tags)), MAX_PARAMS_TAGS_PER_BATCH):
             window = slice(first, first + MAX_PARAMS_TAGS_PER_BATCH)
-            self.client.log_batch(run_id, params=new_params[window], tags=new_tags[window])
-        self.client.update_run(run_id, status="RUNNING")
+            self._mlflow.log_batch(run_id, params=new_params[window], tags=new_tags[window])
+        self._mlflow.update_run(run_id, status="RUNNING")
         return run
 
     def _describe(self, experiment_id: str) -> str:
@@ -363,21 +373,24 @@ class MLflowTracker(Tracker):
     def _send(self, kind: str, payload) -> None:
         from mlflow.entities import RunTag
 
+        run_id = self.run_id
+        assert run_id is not None  # the sender thread starts once the run has its id
+
         if kind == "metrics":
-            self.client.log_batch(self.run_id, metrics=payload)
+            self._mlflow.log_batch(run_id, metrics=payload)
         elif kind == "tags":
-            self.client.log_batch(self.run_id, tags=[RunTag(key, value[:MAX_TAG_VAL_LENGTH]) for key, value in payload.items()])
+            self._mlflow.log_batch(run_id, tags=[RunTag(key, value[:MAX_TAG_VAL_LENGTH]) for key, value in payload.items()])
         elif kind == "table":
             columns, artifact_file = payload
-            self.client.log_table(self.run_id, data=columns, artifact_file=artifact_file)
+            self._mlflow.log_table(run_id, data=columns, artifact_file=artifact_file)
         elif kind == "artifact":
             path, artifact_path = payload
             if os.path.isdir(path):
-                self.client.log_artifacts(self.run_id, path, artifact_path)
+                self._mlflow.log_artifacts(run_id, path, artifact_path)
             else:
-                self.client.log_artifact(self.run_id, path, artifact_path)
+                self._mlflow.log_artifact(run_id, path, artifact_path)
         else:
-            self.client.set_terminated(self.run_id, status=payload)
+            self._mlflow.set_terminated(run_id, status=payload)
 
     def _report_unsent(self) -> None:
         steps = sorted({metric.step for kind, payload in self._pending if kind == "metrics" for metric in payload})

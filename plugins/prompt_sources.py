@@ -114,18 +114,19 @@ class HFDatasetPrompts(PromptSource):
         except ImportError:
             raise RecipeError([f"{self.where}.type: 'hf-dataset' needs the datasets package: pip install 'rlkit[datasets]'"]) from None
         config = self.config
-        kwargs = {"data_files": list(config.data_files)} if config.data_files else {}
         try:
-            table = datasets.load_dataset(config.path, config.name or None, split=config.split, **kwargs)
+            table = datasets.load_dataset(config.path, config.name or None, split=config.split,
+                                          data_files=list(config.data_files) or None)
         except (FileNotFoundError, ValueError) as exc:
             raise RecipeError([f"{self.where}: cannot load {config.path!r} (split {config.split!r}): {str(exc).splitlines()[0]}"]) from None
+        assert isinstance(table, datasets.Dataset)  # one split, read whole (not streamed)
         missing = [column for column in config.fields.values() if column not in table.column_names]
         if missing:
             raise RecipeError([f"{self.where}.fields: no column {missing[0]!r} in {config.path!r} (columns: {', '.join(table.column_names)})"])
         if config.limit:
             table = table.select(range(min(config.limit, len(table))))
         renamed = {column: name for name, column in config.fields.items()}
-        return [_with_prompt({renamed.get(k, k): v for k, v in row.items()}, config.prompt_field, f"{config.path}[{i}]")
+        return [_with_prompt({renamed.get(k, k): v for k, v in dict(row).items()}, config.prompt_field, f"{config.path}[{i}]")
                 for i, row in enumerate(table)]
 
 

@@ -114,36 +114,38 @@ class HttpRewardConfig(ServiceSettings):
     batch_size: int = setting(64, help="responses per request", validator=greater_than(0), kw_only=True)
 
 
+def _names_the_response(instance, attribute, value):
+    if "{response}" not in value:
+        raise ValueError("must contain {response}, where the response to grade goes")
+
+
+def _compiles(instance, attribute, value):
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"is not a regular expression: {exc}") from None
+
+
+def _above_min(instance, attribute, value):
+    if value < instance.min_score:
+        raise ValueError(f"must be >= min_score ({instance.min_score}), got {value}")
+
+
 @attrs.frozen
 class JudgeConfig(ServiceSettings):
     url: str = setting(help="the endpoint's base URL, as OpenAI clients take it (e.g. 'http://127.0.0.1:8000/v1'); rlkit POSTs to <url>/chat/completions",
                        validator=url_setting, kw_only=True)
     model: str = setting(help="the served model that grades, as the endpoint names it", kw_only=True)
-    template: str = setting(help="the user message: {prompt}, {response} and {<data column>} are filled in", kw_only=True)
+    template: str = setting(help="the user message: {prompt}, {response} and {<data column>} are filled in", kw_only=True,
+                            validator=_names_the_response)
     system: str = setting("", help="a system message before it (empty: none)", kw_only=True)
     score_pattern: str = setting(r"[-+]?\d+(?:\.\d+)?",
-                                 help="regular expression: its first match in the reply (its first group, if it has one) is the score", kw_only=True)
+                                 help="regular expression: its first match in the reply (its first group, if it has one) is the score", kw_only=True,
+                                 validator=_compiles)
     min_score: float = setting(0.0, help="lowest score the template asks for; a reply outside [min_score, max_score] is a failure", kw_only=True)
-    max_score: float = setting(10.0, help="highest score the template asks for", kw_only=True)
+    max_score: float = setting(10.0, help="highest score the template asks for", kw_only=True, validator=_above_min)
     max_tokens: int = setting(16, help="longest reply, in the judge's tokens", validator=greater_than(0), kw_only=True)
     temperature: float = setting(0.0, help="the judge's sampling temperature (0: its most likely reply)", validator=at_least(0), kw_only=True)
-
-    @template.validator
-    def _names_the_response(self, attribute, value):
-        if "{response}" not in value:
-            raise ValueError("must contain {response}, where the response to grade goes")
-
-    @score_pattern.validator
-    def _compiles(self, attribute, value):
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"is not a regular expression: {exc}") from None
-
-    @max_score.validator
-    def _above_min(self, attribute, value):
-        if value < self.min_score:
-            raise ValueError(f"must be >= min_score ({self.min_score}), got {value}")
 
 
 def environment_headers(settings: ServiceSettings, where: str) -> tuple[dict[str, str], list[str]]:
@@ -190,7 +192,7 @@ class Service:
         parts = urllib.parse.urlsplit(url)
         deadline = time.monotonic() + self.settings.timeout
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        connection = kind(parts.hostname, parts.port, timeout=self.settings.timeout)
+        connection = kind(parts.hostname or "", parts.port, timeout=self.settings.timeout)
         try:
             headers = {"Accept": "application/json", **self.headers}
             if body is not None:
@@ -274,7 +276,7 @@ class HttpReward(RewardSource):
         self.service = Service(config, building_at(context, "reward"))
 
     @staticmethod
-    def check(config: HttpRewardConfig, recipe, where: str) -> tuple[list[str], list[str]]:
+    def check(config: ServiceSettings, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes): the credentials' environment variables are set. Connects to nothing."""
         try:
             environment_headers(config, where)
@@ -388,8 +390,10 @@ class OpenAIJudge(RewardSource):
                                                     f"{_cut(json.dumps(reply))}"))
         found = self.pattern.search(content)
         try:
-            value = float(found.group(1) if found and self.pattern.groups else found.group(0))
-        except (AttributeError, TypeError, ValueError):
+            if found is None:
+                raise ValueError("no match")
+            value = float(found.group(1) if self.pattern.groups else found.group(0))
+        except (TypeError, ValueError):
             raise ServiceFailure(self.service.clean(f"{where}: no score in the judge's reply {_cut(content)!r} "
                                                     f"(score_pattern {self.config.score_pattern!r})")) from None
         if not (math.isfinite(value) and self.config.min_score <= value <= self.config.max_score):

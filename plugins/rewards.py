@@ -51,6 +51,7 @@ def import_function(spec: str, where: str):
             if not path.is_file():
                 raise RecipeError([f"{where}: no file {target!r} (relative paths start at the working directory)"])
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert module_spec is not None and module_spec.loader is not None  # a .py file always has its loader
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
@@ -90,8 +91,8 @@ def _source_file(target: str, where: str) -> Path | None:
                            f"{target!r}, or name a file: 'path/to/file.py:function'"])
     for index in range(1, len(parts)):  # look inside packages without running their __init__
         locations = spec.submodule_search_locations
-        spec = locations and importlib.machinery.PathFinder.find_spec(".".join(parts[:index + 1]), locations)
-        if not spec:
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:index + 1]), locations) if locations else None
+        if spec is None:
             return None
     return Path(spec.origin) if spec.origin and spec.origin.endswith(".py") else None
 

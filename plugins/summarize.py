@@ -18,7 +18,7 @@ from rlkit_core import hookimpl
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
 from rlkit_core.context import building_at
 from rlkit_core.errors import RecipeError
-from rlkit_core.interfaces import Part, Policy, PromptSource, RewardSource
+from rlkit_core.interfaces import ComponentBase, Policy, PromptSource, RewardSource
 from rlkit_core.progress import Progress
 from rlkit_core.prompts import PromptLengthLimit
 from rlkit_core.settings import PolicySettings
@@ -128,7 +128,7 @@ class WarmStartPolicy(HFPolicy):
     """Build the warm start on first use (minutes on two CPU cores), then load it like any `hf` model."""
 
     # the hf policy's plan hooks read a model directory, which the warm start has only once it is built
-    check, shape, describe = Part.__dict__["check"], Policy.__dict__["shape"], Part.__dict__["describe"]
+    check, shape, describe = ComponentBase.__dict__["check"], Policy.__dict__["shape"], ComponentBase.__dict__["describe"]
 
     def __init__(self, config: WarmStartConfig, context):
         from rlkit_plugins.warm_start import build_warm_start

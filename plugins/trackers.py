@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from rlkit_core import hookimpl
-from rlkit_core.interfaces import SilentTracker
+from rlkit_core.interfaces import Tracker
 
 
 @attrs.frozen
@@ -13,12 +13,21 @@ class NoTrackerConfig:
     pass
 
 
-class NoTracker(SilentTracker):
+class NoTracker(Tracker):
     """For tests and quick experiments: the run's metrics.jsonl is the whole record."""
 
     location = None
 
     def __init__(self, config=None, context=None):
+        pass
+
+    def start(self, *, run_name, params, tags, resume_id):
+        return None
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def finish(self, status):
         pass
 
 

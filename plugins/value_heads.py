@@ -22,11 +22,6 @@ class SharedValueConfig:
 
 
 @attrs.frozen
-class NoValueConfig:
-    pass
-
-
-@attrs.frozen
 class SeparateValueConfig:
     model: str = setting(help="model directory or hub name for the critic (often the reward model)")
     head_init: str = setting("zero", help="'zero': start every value at 0; 'checkpoint': keep the model's own score head",
@@ -46,6 +41,7 @@ class SharedValueHead(ValueHead):
         torch.nn.init.zeros_(self.head.bias)
 
     def values(self, policy_output, input_ids, attention_mask, position_ids):
+        assert policy_output.hidden is not None  # a policy gives its hidden states for a head on its trunk
         return self.head(policy_output.hidden.float()).squeeze(-1)
 
     def parameters(self):
@@ -102,10 +98,11 @@ class SeparateValueHead(ValueHead):
         problem = critic_vocabulary_problem(config.model, context.policy.tokenizer, critic_tokenizer, rows, where)
         if problem:
             raise RecipeError([problem])
-        self.score = getattr(self.model, "score", None)
-        if not isinstance(self.score, torch.nn.Linear):
+        score = getattr(self.model, "score", None)
+        if not isinstance(score, torch.nn.Linear):
             raise RecipeError([f"{where}.model: {config.model!r} has no linear `score` head to read per token; "
                                "use a decoder-style model (GPT-2, Llama, ...) or value_head.type = 'shared'"])
+        self.score = score
         if config.head_init == "zero":
             torch.nn.init.zeros_(self.score.weight)
             if self.score.bias is not None:
@@ -151,20 +148,7 @@ class SeparateValueHead(ValueHead):
         self.model.load_state_dict(state)
 
 
-class NoCritic(ValueHead):
-    """`none` is the absence of a critic: the loop builds no value head for an estimator that needs
-    no values, and a recipe that pairs `none` with one that does is refused when it is read. So
-    the class is never instantiated; building it says why."""
-
-    packs_sequences = True  # no critic runs
-
-    def __new__(cls, config: NoValueConfig, context):
-        raise RecipeError(["$.value_head.type: 'none' builds no critic; it goes with a critic-free advantage estimator "
-                           "(grpo, rloo, reinforce++, remax)"])
-
-
 @hookimpl
 def register_value_heads(register):
     register("shared", SharedValueHead, SharedValueConfig)
     register("separate", SeparateValueHead, SeparateValueConfig)
-    register("none", NoCritic, NoValueConfig)

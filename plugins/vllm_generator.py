@@ -428,11 +428,6 @@ def to_generation(samples: list[Sample], eos_token_ids: tuple[int, ...], pad_tok
                       response_mask=mask.to(device), logprobs=(logprobs * mask).to(device))
 
 
-def process_count() -> int:
-    """Processes of this launch (torchrun and accelerate launch set WORLD_SIZE)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 class VLLMGenerator(Generator):
     """Builds its engine from the policy; `engine` may be given (a server client, or a test's)."""
 
@@ -462,7 +457,7 @@ class VLLMGenerator(Generator):
         max_model_len = needed_model_len(self.config, context.recipe, getattr(base.config, "max_position_embeddings", None))
         cpu_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if context.device.type == "cpu" else 0
         settings = engine_settings(self.config, self._model_dir.name, base.dtype, sampling_seed(context.seed, rank),
-                                   max_model_len, process_count(), cpu_memory)
+                                   max_model_len, context.launch.processes, cpu_memory)
         sampling = sampling_settings(self.config, self.policy.eos_token_ids, self.policy.suppressed_token_ids)
         return InProcessEngine(settings, sampling, [context.device] if context.device.type == "cuda" else [])
 
@@ -505,7 +500,7 @@ class VLLMGenerator(Generator):
                 self._pushed = self.config.sleep_level == 1  # level 2 drops the weights
         return to_generation(samples, self.policy.eos_token_ids, self.policy.tokenizer.pad_token_id, self.device)
 
-    def metrics(self) -> dict[str, float]:
+    def pop_metrics(self) -> dict[str, float]:
         reported, self._metrics = self._metrics, {}
         return reported
 

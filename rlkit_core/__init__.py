@@ -1,6 +1,6 @@
 """rlkit: PPO fine-tuning of language models against a reward, every part a plugin.
 
-What a plugin author needs is importable from here: the interface of each kind (and `Part`, the
+What a plugin author needs is importable from here: the interface of each kind (and `ComponentBase`, the
 hooks every component class may declare), the settings bases whose settings rlkit reads, `setting`
 and its validators for config classes, nested component tables, `hookimpl`, the errors a plugin
 raises and `building_at` for their places, and `surrogate` to register a policy-gradient surrogate.
@@ -14,21 +14,21 @@ from rlkit_core.errors import Problem, RecipeError, RunError
 from rlkit_core.hookspecs import hookimpl
 from rlkit_core.interfaces import (
     AdvantageEstimator,
+    ComponentBase,
     Generation,
     Generator,
     KLController,
     Loss,
     LossInputs,
     LossTerms,
-    Part,
     Policy,
     PolicyOutput,
     PromptSource,
     RewardSource,
-    SilentTracker,
     Tracker,
     ValueHead,
 )
+from rlkit_core.launch import Launch
 from rlkit_core.settings import ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings
 from rlkit_core.surrogates import SurrogateTerms, surrogate
 
@@ -38,9 +38,17 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 __all__ = [
-    "AdvantageEstimator", "BuildContext", "ComponentChoice", "Generation", "Generator", "KLController", "Loss", "LossInputs",
-    "LossTerms", "ModelSettings", "Part", "PolicyOutput", "Policy", "PolicySettings", "Problem", "PromptLengthLimit",
-    "PromptSource", "RecipeError", "RewardSource", "RunError", "SamplingSettings", "SilentTracker", "SurrogateTerms", "Tracker",
-    "ValueHead", "__version__", "at_least", "between", "building_at", "greater_than", "hookimpl", "nested_component",
-    "nested_components", "one_of", "setting", "surrogate",
+    "AdvantageEstimator", "BuildContext", "ComponentBase", "ComponentChoice", "Generation", "Generator", "KLController", "Launch",
+    "Loss", "LossInputs", "LossTerms", "ModelSettings", "PolicyOutput", "Policy", "PolicySettings", "Problem", "PromptLengthLimit",
+    "PromptSource", "RecipeError", "RewardSource", "RunError", "SamplingSettings", "SurrogateTerms", "Tracker", "ValueHead",
+    "__version__", "at_least", "between", "building_at", "greater_than", "hookimpl", "nested_component", "nested_components",
+    "one_of", "setting", "surrogate",
 ]
+
+
+def __getattr__(name: str):
+    if name == "Part":  # the earlier name of ComponentBase, kept for plugins that import it
+        from rlkit_core import interfaces
+
+        return interfaces.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

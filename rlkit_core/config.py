@@ -89,7 +89,9 @@ def fields_help(config_class, prefix: str = ""):
     rows = []
     for f in attrs.fields(config_class):
         required = f.default is attrs.NOTHING
-        if isinstance(f.default, attrs.Factory):  # one that reads other fields: its value when they keep their defaults
+        # a factory (one that reads other fields: its value when they keep their defaults); attrs' stubs type
+        # Factory as a function, which it is not at run time
+        if isinstance(f.default, attrs.Factory):  # pyright: ignore[reportArgumentType]
             default = getattr(config_class(), f.name) if f.default.takes_self else f.default.factory()
         else:
             default = None if required else f.default

@@ -9,6 +9,7 @@ import torch
 
 from rlkit_core.errors import Problem, RecipeError
 from rlkit_core.interfaces import KINDS
+from rlkit_core.launch import ONE_PROCESS, Launch
 
 if TYPE_CHECKING:
     from rlkit_core.interfaces import Policy
@@ -38,6 +39,8 @@ class BuildContext:
     - `registry`: every installed component (`recipe.registry`); `build(choice)` builds a nested
       component table, the `ComponentChoice` a `nested_component` setting holds.
     - `device`: where tensors go; `output_dir`: the run's folder (it may not exist yet); `seed`: `run.seed`.
+    - `launch`: how the run is started (`rlkit_core.Launch`): `launch.processes` is the
+      number of processes, each of which builds its own copy of every component.
     - `policy` and `tokenizer`: None while the policy itself is built, then set for every other kind
       (components are built in the order policy, advantage, value head, generator, reward, KL,
       loss, data, tracker).
@@ -53,6 +56,7 @@ class BuildContext:
     seed: int
     policy: Policy | None = None  # set once the policy is built; the value head and generator need it
     where: str = ""  # the table `build` is building, restored when it returns (a nested build sets its own)
+    launch: Launch = ONE_PROCESS  # how the run is started; the trainer gives its own
 
     @property
     def registry(self) -> Registry:

@@ -1,8 +1,9 @@
 """The parts of the PPO loop. A plugin implements one of these and registers its class for it.
 
-Every interface derives from `Part`, which declares the optional hooks rlkit reads from a
+Every interface derives from `ComponentBase`, which declares the optional hooks rlkit reads from a
 component's class (never from an instance, so before and after the build alike), each with its
-default; the registry checks a registered class against them. `KIND_TABLE` at the end is the one
+default; the registry checks a registered class against them, and against the flags (`ClassVar[bool]`)
+its interface declares. `KIND_TABLE` at the end is the one
 list of component kinds: their recipe tables, hooks, defaults and interfaces.
 
 Shapes follow `rlkit_core.batch`: B rollouts, L = P + R sequence positions, V vocabulary entries.
@@ -10,6 +11,9 @@ Shapes follow `rlkit_core.batch`: B rollouts, L = P + R sequence positions, V vo
 
 from __future__ import annotations
 
+import inspect
+import typing
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -34,10 +38,11 @@ class Generation:
     logprobs: torch.Tensor  # [B, R] the sampler's log-probability of each sampled token
 
 
-class Part(ABC):
+class ComponentBase(ABC):  # noqa: B024 (no abstract method of its own: each kind's interface declares them)
     """What rlkit reads from any component's class besides its kind's methods. A component class is
     its own factory: rlkit builds it as `cls(config, context)` (`rlkit_core.context.BuildContext`).
-    Each hook below is optional; override it as a `@staticmethod` with the same parameters."""
+    Each hook below is optional; override it as a `@staticmethod` or a `@classmethod` with the same
+    parameters."""
 
     @staticmethod
     def check(config, recipe, where: str) -> tuple[list[str], list[str]]:
@@ -63,17 +68,30 @@ class Part(ABC):
         return []
 
 
-# the hooks of `Part` with the parameters rlkit passes them, for the registry's check
-PART_HOOKS = {"check": ("config", "recipe", "where"), "imports": ("config", "where"), "probe": ("config", "where"),
+# the hooks of `ComponentBase` with the parameters rlkit passes them, for the registry's check
+COMPONENT_HOOKS = {"check": ("config", "recipe", "where"), "imports": ("config", "where"), "probe": ("config", "where"),
               "describe": ("config",)}
 
 
 def declares(factory: type, hook: str) -> bool:
-    """Whether a component class overrides `Part`'s default for `hook` (a probe is only noted when there is one)."""
-    return getattr(factory, hook) is not getattr(Part, hook)
+    """Whether a component class overrides `ComponentBase`'s default for `hook` (a probe is only noted when there is one)."""
+    return inspect.getattr_static(factory, hook) is not inspect.getattr_static(ComponentBase, hook)
 
 
-class Policy(Part):
+def class_flags(interface: type) -> tuple[str, ...]:
+    """The flags rlkit reads from a component class of `interface`: its `ClassVar[bool]` attributes,
+    and the `bool` ones an instance may narrow for its config (a loss's declared needs)."""
+    return tuple(name for name, hint in typing.get_type_hints(interface).items() if hint in (ClassVar[bool], bool))
+
+
+def __getattr__(name: str):
+    if name == "Part":  # the earlier name of ComponentBase, kept for plugins that import it
+        warnings.warn("rlkit_core.interfaces.Part is now ComponentBase", DeprecationWarning, stacklevel=2)
+        return ComponentBase
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class Policy(ComponentBase):
     """The trainable causal LM and its frozen reference."""
 
     tokenizer: Any  # a transformers tokenizer with distinct pad and EOS tokens
@@ -123,7 +141,7 @@ class Policy(Part):
         return None
 
 
-class ValueHead(Part):
+class ValueHead(ComponentBase):
     """The critic: a value for every position."""
 
     # flag rlkit reads from the class: True when `values` takes packed rows as `Policy.packs_sequences` says
@@ -151,7 +169,7 @@ class ValueHead(Part):
         return None
 
 
-class RewardSource(Part):
+class RewardSource(ComponentBase):
     """Scores (prompt, response) pairs: a learned model or a rule."""
 
     @abstractmethod
@@ -159,7 +177,7 @@ class RewardSource(Part):
         """One float per response. `columns` holds every other column of the prompt data."""
 
 
-class KLController(Part):
+class KLController(ComponentBase):
     """The KL coefficient β and how it moves between iterations."""
 
     target: float | None = None  # the KL it steers towards, if any: the health checks compare the run's KL with it
@@ -179,7 +197,7 @@ class KLController(Part):
     def load_state_dict(self, state: Mapping[str, float]) -> None: ...
 
 
-class AdvantageEstimator(Part):
+class AdvantageEstimator(ComponentBase):
     """Advantages and value targets from a scored batch."""
 
     # flags rlkit reads from the class, when it checks the recipe and when it runs alike
@@ -256,7 +274,7 @@ class LossTerms:
         return problems
 
 
-class Loss(Part):
+class Loss(ComponentBase):
     """The objective over a minibatch: returns `LossTerms`, whose type says how the loop combines,
     optimises and logs each term."""
 
@@ -275,7 +293,7 @@ class Loss(Part):
         process, which the `losses` divide by (see `LossTerms`)."""
 
 
-class Generator(Part):
+class Generator(ComponentBase):
     """Samples responses and the sampler's log-probs for a batch of prompts."""
 
     temperature: float  # the loop divides logits by it when it recomputes log-probs
@@ -290,19 +308,20 @@ class Generator(Part):
     def sync_weights(self, policy: Policy) -> None:
         """Bring the sampler's weights up to date with the policy; in-process samplers share them."""
 
-    def metrics(self) -> dict[str, float]:
-        """Figures since the last call (e.g. `time/weight_sync`), merged into the iteration's metrics."""
+    def pop_metrics(self) -> dict[str, float]:
+        """Figures since the last call (e.g. `time/weight_sync`), merged into the iteration's metrics;
+        the call resets them."""
         return {}
 
 
-class PromptSource(Part):
+class PromptSource(ComponentBase):
     """Prompt records: each a dict with a `prompt` string and any other columns (passed to the reward)."""
 
     @abstractmethod
     def load(self) -> list[dict[str, Any]]: ...
 
 
-class Tracker(Part):
+class Tracker(ComponentBase):
     """Where metrics go besides `metrics.jsonl`."""
 
     location: str | None = None  # where a person finds the run (shown in the end-of-run report)
@@ -336,19 +355,6 @@ class Tracker(Part):
         """Close the run; `status` is "FINISHED", "FAILED" or "KILLED"."""
 
 
-class SilentTracker(Tracker):
-    """Records nothing: the `none` tracker, and what the processes other than the main one log to."""
-
-    def start(self, *, run_name, params, tags, resume_id):
-        return None
-
-    def log_metrics(self, metrics, step):
-        pass
-
-    def finish(self, status):
-        pass
-
-
 @attrs.frozen
 class Kind:
     """One kind of component, in the three names a user meets it by."""
@@ -359,12 +365,17 @@ class Kind:
     hook: str  # the hook a plugin implements to register them (`rlkit_core.hookspecs`)
     default: str | None  # the type a recipe without the table gets; None: the table is required
     settings: type | None = None  # the base its config classes inherit: the settings rlkit reads from them (`rlkit_core.settings`)
+    optional: bool = False  # True: `type = "none"` (NO_COMPONENT) builds no component of this kind
+
+
+# the type of an optional kind's table that builds nothing (no plugin registers it)
+NO_COMPONENT = "none"
 
 
 # in the order of a recipe's tables (and of `rlkit check`'s plan)
 KIND_TABLE = (
     Kind("policy", "policy", Policy, "register_policies", None, PolicySettings),
-    Kind("value_head", "value_head", ValueHead, "register_value_heads", "shared"),  # "none" when the estimator needs no values
+    Kind("value_head", "value_head", ValueHead, "register_value_heads", "shared", optional=True),  # "none" when the estimator needs no values
     Kind("generator", "generator", Generator, "register_generators", "hf", SamplingSettings),
     Kind("reward", "reward", RewardSource, "register_rewards", None),
     Kind("kl_controller", "kl", KLController, "register_kl_controllers", "adaptive"),

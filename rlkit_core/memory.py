@@ -78,7 +78,7 @@ def estimate(shape: ModelShape, work: Workload) -> dict[str, int]:
 
 def describe(parts: dict[str, int], shards: int = 1) -> list[str]:
     """The estimate as plan lines, in MiB."""
-    largest = max(("update", "forward", "generate"), key=parts.get)
+    largest = max(("update", "forward", "generate"), key=lambda stage: parts[stage])
     lines = [
         f"about {parts['peak'] / MiB:,.0f} MiB per process at the peak ({largest} stage), before framework overhead:",
         f"  weights {parts['weights'] / MiB:,.0f}, gradients {parts['gradients'] / MiB:,.0f}, "

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from rlkit_core.launch import Launch
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.runtime.trainer import Trainer
@@ -41,7 +42,8 @@ def same_everywhere(trainer) -> bool:
 
 def main(document_path: str, out: str) -> None:
     document = json.loads(Path(document_path).read_text())
-    trainer = Trainer(parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"})))
+    launch = Launch.from_environment()  # torchrun's, with the FSDP variables under tests/fsdp_on_cpu.py
+    trainer = Trainer(parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"}), launch=launch), launch=launch)
     processes = trainer.processes
 
     start, held = flat_weights(trainer), held_share(trainer)

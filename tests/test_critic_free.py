@@ -240,12 +240,38 @@ def test_rloo_needs_groups_and_reinforce_plus_plus_and_remax_do_not(recipe_docum
     with pytest.raises(RecipeError, match=r"\$\.ppo\.samples_per_prompt: advantage estimator 'rloo'"):
         parse_recipe(critic_free(recipe_document, "rloo", samples=1), builtin_registry)
     for name in ("reinforce++", "remax"):
-        assert parse_recipe(critic_free(recipe_document, name, samples=1), builtin_registry)["value_head"].component.name == "none"
+        assert "value_head" not in parse_recipe(critic_free(recipe_document, name, samples=1), builtin_registry).components  # "none"
 
 
 def test_value_head_defaults_to_none_for_a_critic_free_estimator(recipe_document, builtin_registry):
     assert parse_recipe(recipe_document, builtin_registry)["value_head"].component.name == "shared"
-    assert parse_recipe(critic_free(recipe_document), builtin_registry)["value_head"].component.name == "none"
+    assert "value_head" not in parse_recipe(critic_free(recipe_document), builtin_registry).components  # "none": no critic
+
+
+def test_none_is_the_cores_own_type_for_no_critic(recipe_document, builtin_registry):
+    from test_plugins import EmptyConfig, plugin_module
+
+    from rlkit_core.interfaces import ValueHead
+    from rlkit_core.recipe.inventory import inventory_rows, registry_rows
+
+    assert "none" not in builtin_registry.names("value_head")  # no plugin registers it
+    recipe = parse_recipe(critic_free(recipe_document), builtin_registry)
+    assert {"table": "value_head", "kind": "value_head", "type": "none"}.items() <= inventory_rows(recipe)[1].items()
+    assert [row["plugin"] for row in registry_rows(builtin_registry) if row["name"] == "none" and row["kind"] == "value_head"] == [
+        "core: builds no value_head"]
+    with pytest.raises(RecipeError) as caught:
+        parse_recipe(critic_free(recipe_document) | {"value_head": {"type": "none", "model": "x"}}, builtin_registry)
+    assert caught.value.problems == ["$.value_head.model: unknown key; type = 'none' builds no value_head, so it takes no settings"]
+    with pytest.raises(RecipeError, match=r"unknown value_head 'nnoe'; registered: separate, shared; or 'none' for no "
+                                          r"value_head; did you mean 'none'\?"):
+        parse_recipe(critic_free(recipe_document) | {"value_head": {"type": "nnoe"}}, builtin_registry)
+
+    class Absent(ValueHead):
+        pass
+
+    module = plugin_module("absent", register_value_heads=lambda register: register("none", Absent, EmptyConfig))
+    registry = load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=[("absent", module, "rlkit-absent", "0.1")])
+    assert "'none' is the type that builds no value_head" in registry.broken["absent"]
 
 
 def test_kl_in_the_loss_defaults_to_k3(recipe_document, builtin_registry):
@@ -326,7 +352,7 @@ def test_variant_recipes_run_two_iterations(name, tmp_path, warm_start_cache):
         "ppo.batch_size=8", "ppo.minibatch_size=4",
     ]
     recipe = load_recipe(RECIPES / f"{name}.toml", load_registry(environ={"RLKIT_PLUGINS": "none"}), overrides)
-    assert recipe["value_head"].component.name == "none"
+    assert "value_head" not in recipe.components  # "none"
     history = run_recipe(recipe, quiet=True, out=io.StringIO())
     assert [row["iteration"] for row in history] == [0, 1, 2]
     assert all(math.isfinite(history[-1][key]) for key in ("train/loss_policy", "score/mean", "eval/score"))

@@ -2,6 +2,7 @@
 the class, components checked when they register, settings read through the core's bases."""
 
 import inspect
+from typing import ClassVar
 
 import attrs
 import pytest
@@ -11,7 +12,8 @@ from test_plugins import EmptyConfig, plugin_module
 from rlkit_core import hookspecs
 from rlkit_core.config import greater_than, setting
 from rlkit_core.errors import RecipeError
-from rlkit_core.interfaces import KIND_TABLE, AdvantageEstimator, Generator, Loss, LossTerms, RewardSource
+from rlkit_core.interfaces import KIND_TABLE, AdvantageEstimator, Generator, Loss, LossTerms, RewardSource, class_flags
+from rlkit_core.launch import Launch
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import HOOKS, load_registry
@@ -123,6 +125,38 @@ def test_hooks_with_other_parameters_and_flags_that_are_not_booleans_break_the_p
     assert "python" in registry.names("reward")  # the others still load
 
 
+class Classy(RewardSource):
+    """Hooks as class methods, the idiom for hooks read from the class."""
+
+    checked: ClassVar[list] = []
+
+    @classmethod
+    def check(cls, config, recipe, where):
+        cls.checked.append(where)
+        return [], [f"{where}: checked by {cls.__name__}"]
+
+    def score(self, prompts, responses, **columns):
+        return [0.0] * len(responses)
+
+
+def test_hooks_may_be_class_methods(recipe_document):
+    from rlkit_core.interfaces import declares
+    from rlkit_core.recipe.plan import preflight
+
+    registry = loaded("classy", register_rewards=lambda register: register("classy", Classy, EmptyConfig))
+    assert "classy" not in registry.broken and declares(Classy, "check") and not declares(Classy, "probe")
+    recipe_document["reward"] = {"type": "classy"}
+    problems, notes = preflight(parse_recipe(recipe_document, registry))
+    assert problems == [] and "$.reward: checked by Classy" in notes and Classy.checked == ["$.reward"]
+
+
+def test_the_flags_the_registry_checks_are_the_interfaces_declared_booleans():
+    flags = {kind.name: class_flags(kind.interface) for kind in KIND_TABLE}
+    assert flags["advantage_estimator"] == ("needs_values", "needs_groups", "needs_baseline_scores")
+    assert flags["loss"] == ("needs_entropy_grad", "needs_logits", "takes_kl_penalty") and flags["generator"] == ("runs_under_fsdp",)
+    assert flags["policy"] == flags["value_head"] == ("packs_sequences",) and flags["reward"] == ()
+
+
 @attrs.frozen
 class PlainSamplerConfig:
     max_tokens: int = setting(16, help="longest response", validator=greater_than(0))
@@ -211,16 +245,23 @@ class EngineSampler(Sampler):
     runs_under_fsdp = True  # samples with the policy module itself
 
 
-def test_fsdp_runs_a_generator_that_says_it_samples_inside_the_engine(recipe_document, monkeypatch):
+def test_fsdp_runs_a_generator_that_says_it_samples_inside_the_engine(recipe_document):
     def register_generators(register):
         register("outside", Sampler, TokensSamplerConfig)
         register("inside", EngineSampler, TokensSamplerConfig)
 
     registry = loaded("samplers", register_generators=register_generators)
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "2")
+    fsdp = Launch(processes=2, sharded=True, fsdp_version=2)
     recipe_document["generator"] = {"type": "inside"}
-    assert parse_recipe(recipe_document, registry)["generator"].component.factory is EngineSampler
+    assert parse_recipe(recipe_document, registry, launch=fsdp)["generator"].component.factory is EngineSampler
     recipe_document["generator"] = {"type": "outside"}
     with pytest.raises(RecipeError, match=r"\$\.generator\.type: 'outside' is not run under FSDP"):
-        parse_recipe(recipe_document, registry)
+        parse_recipe(recipe_document, registry, launch=fsdp)
+
+
+def test_part_is_the_earlier_name_of_component_base():
+    from rlkit_core import ComponentBase
+
+    with pytest.warns(DeprecationWarning, match="now ComponentBase"):
+        from rlkit_core import Part
+    assert Part is ComponentBase

@@ -1,14 +1,17 @@
 """Recipe validation: every problem located, all of them reported together."""
 
+from pathlib import Path
+
 import pytest
 
 from rlkit_core.errors import RecipeError
+from rlkit_core.launch import ONE_PROCESS, Launch
 from rlkit_core.recipe.document import apply_overrides, load_recipe, parse_recipe
 
 
-def problems_of(document, registry):
+def problems_of(document, registry, launch=ONE_PROCESS):
     with pytest.raises(RecipeError) as caught:
-        parse_recipe(document, registry)
+        parse_recipe(document, registry, launch=launch)
     return caught.value.problems
 
 
@@ -115,57 +118,75 @@ def test_missing_file_and_bad_toml(tmp_path, builtin_registry):
         load_recipe(bad, builtin_registry)
 
 
-def test_batch_arithmetic_over_processes_and_micro_batches(recipe_document, builtin_registry, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "3")  # what accelerate launch / torchrun set
+def test_batch_arithmetic_over_processes_and_micro_batches(recipe_document, builtin_registry):
     recipe_document["ppo"].update(batch_size=12, minibatch_size=4)
-    assert problems_of(recipe_document, builtin_registry) == [
+    assert problems_of(recipe_document, builtin_registry, Launch(processes=3)) == [
         "$.ppo.minibatch_size: 4 rollouts do not split evenly over 3 processes; use a multiple of 3",
     ]
     recipe_document["ppo"].update(batch_size=16, minibatch_size=8)
-    monkeypatch.setenv("WORLD_SIZE", "2")
     recipe_document["ppo"]["gradient_accumulation_steps"] = 3
-    assert problems_of(recipe_document, builtin_registry) == [
+    assert problems_of(recipe_document, builtin_registry, Launch(processes=2)) == [
         "$.ppo.gradient_accumulation_steps: the 4 rollouts of a minibatch in each of 2 processes do not split into "
         "3 micro-batches; pick a divisor such as 2",
     ]
-    monkeypatch.setenv("WORLD_SIZE", "32")
     recipe_document["ppo"]["gradient_accumulation_steps"] = 1
-    assert problems_of(recipe_document, builtin_registry)[0].startswith("$.ppo.batch_size: its 16 prompts do not split evenly over 32")
+    assert problems_of(recipe_document, builtin_registry, Launch(processes=32))[0].startswith("$.ppo.batch_size: its 16 prompts do not split evenly over 32")
 
 
-def test_a_launch_config_that_leaves_precision_to_the_recipe_is_not_a_conflict(recipe_document, builtin_registry, monkeypatch):
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # set by the configs in configs/accelerate/
+def test_a_launch_config_that_leaves_precision_to_the_recipe_is_not_a_conflict(recipe_document, builtin_registry):
+    launch = Launch(mixed_precision="no")  # set by the configs in configs/accelerate/
     recipe_document["run"]["mixed_precision"] = "bf16"
-    assert parse_recipe(recipe_document, builtin_registry).run.mixed_precision == "bf16"
+    assert parse_recipe(recipe_document, builtin_registry, launch=launch).run.mixed_precision == "bf16"
 
 
-def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_document, builtin_registry, monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate launch --mixed_precision bf16
+def test_launches_that_cannot_work_are_refused_before_anything_starts(recipe_document, builtin_registry):
+    launch = Launch(deepspeed=True, mixed_precision="bf16")  # accelerate launch --mixed_precision bf16
     recipe_document["run"].update(mixed_precision="fp16", device="cpu")
     recipe_document["policy"]["dtype"] = "bfloat16"
-    problems = problems_of(recipe_document, builtin_registry)
+    problems = problems_of(recipe_document, builtin_registry, launch)
     assert [p.split(":")[0] for p in problems] == ["launch", "launch", "$.run.mixed_precision", "$.run.mixed_precision"]
     assert "DeepSpeed" in problems[0] and "configs/accelerate/fsdp.yaml" in problems[0]
     assert "--set run.mixed_precision=bf16" in problems[1]
     assert "needs a GPU" in problems[2] and "policy.dtype = 'bfloat16'" in problems[3]
 
 
-def test_what_fsdp_does_not_run_is_refused_before_anything_starts(recipe_document, builtin_registry, monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch sets from an FSDP config
-    monkeypatch.setenv("FSDP_VERSION", "2")
+def test_what_fsdp_does_not_run_is_refused_before_anything_starts(recipe_document, builtin_registry):
+    launch = Launch(sharded=True, fsdp_version=2)  # what accelerate launch starts from an FSDP config
     recipe_document["policy"]["lora_r"] = 4
-    parse_recipe(recipe_document, builtin_registry)  # float32 weights, full or LoRA, with the hf generator run
-    monkeypatch.setenv("FSDP_VERSION", "1")
-    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
-    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
+    parse_recipe(recipe_document, builtin_registry, launch=launch)  # float32 weights, full or LoRA, with the hf generator run
+    launch = Launch(sharded=True, fsdp_version=1, fsdp_offload_params=True, fsdp_activation_checkpointing=True)
     recipe_document["policy"]["dtype"] = "bfloat16"
     recipe_document["generator"]["type"] = "vllm"
-    problems = problems_of(recipe_document, builtin_registry)
+    problems = problems_of(recipe_document, builtin_registry, launch)
     assert [p.split(":")[0] for p in problems] == ["launch", "launch", "launch", "$.policy.dtype", "$.generator.type"]
     assert "fsdp_version: 2" in problems[0] and "fsdp_offload_params: true" in problems[1]
     assert "policy.gradient_checkpointing" in problems[2] and "run.mixed_precision = 'bf16'" in problems[3]
     assert "'hf' generator" in problems[4] and "configs/accelerate/ddp.yaml" in problems[4]
+
+
+def test_the_launch_is_read_from_the_variables_accelerate_launch_and_torchrun_set():
+    assert Launch.from_environment({}, cuda=False) == Launch() == ONE_PROCESS
+    environ = {"WORLD_SIZE": "4", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_MIXED_PRECISION": "bf16",
+               "ACCELERATE_USE_DEEPSPEED": "false", "FSDP_OFFLOAD_PARAMS": "true", "FSDP_ACTIVATION_CHECKPOINTING": "false"}
+    assert Launch.from_environment(environ, cuda=True) == Launch(processes=4, sharded=True, fsdp_version=2, mixed_precision="bf16",
+                                                                 cuda=True, fsdp_offload_params=True)
+    assert Launch.from_environment({"ACCELERATE_USE_DEEPSPEED": "1"}, cuda=False).deepspeed
+
+
+def test_the_launch_of_an_accelerate_config_file_is_the_one_accelerate_launch_would_start():
+    configs = Path(__file__).parents[1] / "configs" / "accelerate"
+    assert Launch.from_accelerate_config(str(configs / "fsdp.yaml"), cuda=False) == Launch(processes=2, sharded=True, fsdp_version=2)
+    assert Launch.from_accelerate_config(str(configs / "ddp.yaml"), cuda=False) == Launch(processes=2)
+
+
+def test_the_same_document_parses_the_same_for_the_same_launch_whatever_the_environment(recipe_document, builtin_registry,
+                                                                                        monkeypatch):
+    recipe_document["ppo"].update(batch_size=12, minibatch_size=4)
+    quiet = parse_recipe(recipe_document, builtin_registry)
+    monkeypatch.setenv("WORLD_SIZE", "3")  # read by Launch.from_environment only, never while parsing
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert parse_recipe(recipe_document, builtin_registry) == quiet
+    assert problems_of(recipe_document, builtin_registry, Launch.from_environment())[0].startswith("$.ppo.minibatch_size: 4 rollouts")
 
 
 def test_constant_schedule_with_warmup_points_to_the_schedule_that_has_one(recipe_document, builtin_registry):

@@ -249,11 +249,13 @@ def test_gradient_accumulation_gives_the_same_update(recipe_document, builtin_re
 MIXED_PRECISION_SCRIPT = """
 import json, math, sys
 import torch
+from rlkit_core.launch import Launch
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.runtime.trainer import Trainer
 
-trainer = Trainer(parse_recipe(json.loads(sys.argv[1]), load_registry(environ={"RLKIT_PLUGINS": "none"})))
+launch = Launch.from_environment()
+trainer = Trainer(parse_recipe(json.loads(sys.argv[1]), load_registry(environ={"RLKIT_PLUGINS": "none"}), launch=launch), launch=launch)
 seen = set()
 trainer.policy.model.lm_head.register_forward_hook(lambda module, args, out: seen.add(str(out.dtype)))
 metrics = [trainer.step() for _ in range(2)]
@@ -287,7 +289,7 @@ def test_the_shipped_configs_are_ones_accelerate_reads(name, engine):
     assert config.distributed_type.value == engine
     assert config.mixed_precision == "no"  # the recipe's run.mixed_precision decides (see launch_problems)
     if name == "fsdp":
-        assert config.fsdp_config["fsdp_version"] == 2  # what rlkit runs (see schema.sharding_problems)
+        assert config.fsdp_config["fsdp_version"] == 2  # what rlkit runs (see rlkit_core.recipe.launch.sharding_problems)
         environment = fsdp_on_cpu.launch_environment()  # what accelerate launch sets from it
         assert environment["ACCELERATE_USE_FSDP"] == "true" and environment["FSDP_VERSION"] == "2"
 

@@ -128,7 +128,7 @@ def test_sampled_logprobs_match_transformers_before_and_after_pushes(policy, gen
     with capsys.disabled():
         print(f"\nvLLM (CPU) vs transformers, max |log-prob gap| per push (full weights): {', '.join(f'{g:.1e}' for g in gaps)}")
     assert max(gaps) < LOGPROB_TOLERANCE
-    assert generator.metrics()["time/weight_sync"] > 0
+    assert generator.pop_metrics()["time/weight_sync"] > 0
 
 
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.launch import Launch
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts
 from rlkit_core.recipe.document import structure_table
 from rlkit_core.runtime.cli import main
@@ -245,8 +246,8 @@ def test_each_process_starts_its_engine_with_its_own_seed(tiny_model, tmp_path, 
     monkeypatch.setattr(vllm_generator, "missing_here", lambda config, device: [])
     monkeypatch.setattr(vllm_generator, "InProcessEngine", lambda settings, sampling, cuda_devices: started.update(settings))
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=3, policy=_policy(tiny_model, tmp_path))
+    context = BuildContext(recipe=None, device=torch.device("cpu"), output_dir=str(tmp_path), seed=3, policy=_policy(tiny_model, tmp_path),
+                           launch=Launch(processes=2))
     VLLMGenerator(VLLMGeneratorConfig(), context)
     assert started["seed"] == sampling_seed(3, 1) != 3
     assert started["distributed_executor_backend"] == "external_launcher" and started["data_parallel_size"] == 2
@@ -502,9 +503,9 @@ def test_push_then_reset_then_generate_n_per_prompt_and_report_the_sync_time(tin
     out = generator.generate(prompt_ids, prompt_mask)
     assert out.response_ids.shape[0] == 6
     assert generator.engine.calls == ["load_weights", "reset_prefix_cache", "generate([3, 2, 1])"]
-    metrics = generator.metrics()
+    metrics = generator.pop_metrics()
     assert set(metrics) == {"time/weight_sync"} and metrics["time/weight_sync"] > 0
-    assert generator.metrics() == {}  # reported once
+    assert generator.pop_metrics() == {}  # reported once
 
 
 def test_pushed_weights_change_what_the_engine_samples(tiny_model, tmp_path):
@@ -622,4 +623,4 @@ def test_the_reports_samples_come_from_the_weights_after_the_last_update(recipe_
     trainer.sample_responses(trainer.records[:2], greedy=True)
     for name, weight in trained.items():
         assert torch.equal(engine.model.state_dict()[name], weight), name
-    assert "time/weight_sync" not in trainer.parts.generator.metrics()
+    assert "time/weight_sync" not in trainer.parts.generator.pop_metrics()

@@ -110,7 +110,7 @@ def test_a_push_visibly_changes_the_engine_and_the_prefix_cache_is_reset(policy,
     assert after != pytest.approx(before) and after == pytest.approx(lm_head(policy.model), rel=1e-2)
     out = vllm_generator.generate(prompt_ids, prompt_mask)
     assert _gap(policy, out, prompt_ids, prompt_mask) < MEAN_GAP
-    assert vllm_generator.metrics()["time/weight_sync"] > 0
+    assert vllm_generator.pop_metrics()["time/weight_sync"] > 0
 
 
 def test_greedy_repeated_prompts_and_the_pad_never_drawn(policy, vllm_generator):

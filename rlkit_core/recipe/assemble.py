@@ -21,10 +21,10 @@ def build_components(recipe: Recipe, context: BuildContext) -> Components:
     policy = context.build(recipe["policy"])
     context.policy = policy
     advantage = context.build(recipe["advantage"])
-    needs_values = recipe["advantage"].component.factory.needs_values  # read from the class, as the recipe check did
+    critic = recipe.components.get("value_head")  # none with `value_head.type = "none"`
     return Components(
         policy=policy,
-        value_head=context.build(recipe["value_head"]) if needs_values else None,
+        value_head=context.build(critic) if critic is not None else None,
         generator=context.build(recipe["generator"]),
         reward=context.build(recipe["reward"]),
         kl=context.build(recipe["kl"]),

@@ -20,12 +20,14 @@ from typing import Any
 
 import attrs
 import cattrs
-import torch
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
 from rlkit_core.config import nested_spec
 from rlkit_core.context import ComponentChoice
 from rlkit_core.errors import Problem, RecipeError
+from rlkit_core.interfaces import KIND_OF_TABLE, NO_COMPONENT
+from rlkit_core.launch import ONE_PROCESS, Launch
+from rlkit_core.recipe.launch import launch_problems, sharding_problems
 from rlkit_core.recipe.registry import Component, Registry
 from rlkit_core.recipe.schema import (
     COMPONENT_TABLES,
@@ -39,12 +41,9 @@ from rlkit_core.recipe.schema import (
     critic_problems,
     kl_penalty_problems,
     kl_problems,
-    launch_problems,
-    launched_processes,
     overlong_problems,
     packing_problems,
     schedule_problems,
-    sharding_problems,
 )
 
 if sys.version_info >= (3, 11):
@@ -250,7 +249,8 @@ def toml_literal(value) -> str:
     return json.dumps(value)
 
 
-def parse_recipe(document: dict, registry: Registry, source: str | None = None) -> Recipe:
+def parse_recipe(document: dict, registry: Registry, source: str | None = None, launch: Launch = ONE_PROCESS) -> Recipe:
+    """The checked recipe for `launch` (default: one process, no GPU), or a RecipeError with every problem located."""
     problems: list[Problem] = []
     known_tables = [*CORE_TABLES, *COMPONENT_TABLES]
     for table in document:
@@ -264,15 +264,20 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
         core[table], found = structure_table(document.get(table, {}), cls, f"$.{table}")
         problems += found
     if core["ppo"] is not None:
-        problems += batch_arithmetic_problems(core["ppo"], launched_processes()) + kl_problems(core["ppo"])
+        problems += batch_arithmetic_problems(core["ppo"], launch.processes) + kl_problems(core["ppo"])
     if core["optim"] is not None:
         problems += schedule_problems(core["optim"])
 
-    components = {}
+    components, nothing = {}, set()  # `nothing`: the optional tables whose type is "none"
     for table, (kind, default_type) in COMPONENT_TABLES.items():
         data = document.get(table)
         if table == "value_head" and data is None:
             default_type = _default_critic(document, registry)
+        if KIND_OF_TABLE[table].optional and (data.get("type") if isinstance(data, dict) else default_type) == NO_COMPONENT:
+            nothing.add(table)
+            problems += [Problem(f"$.{table}.{key}", f"unknown key; type = {NO_COMPONENT!r} builds no {kind}, so it takes no settings")
+                         for key in (data or {}) if key != "type"]
+            continue
         if data is None and default_type is None:
             names = ", ".join(registry.names(kind)) or "(none registered)"
             problems.append(Problem(f"$.{table}", f"this table is required; add [{table}] with type = one of {names}"))
@@ -281,18 +286,18 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
                                                         registry, default_type)
         problems += found
 
-    if core["ppo"] is not None and components.get("advantage") is not None and components.get("value_head") is not None:
-        problems += critic_problems(core["ppo"], components["advantage"], components["value_head"])
+    if core["ppo"] is not None and components.get("advantage") is not None and ("value_head" in components or "value_head" in nothing):
+        problems += critic_problems(core["ppo"], components["advantage"], components.get("value_head"))
     if core["run"] is not None and components.get("policy") is not None:
-        problems += launch_problems(core["run"], components["policy"].config, torch.cuda.is_available())
+        problems += launch_problems(core["run"], components["policy"].config, launch)
         if components.get("generator") is not None:
-            problems += sharding_problems(components["policy"].config, components["generator"])
+            problems += sharding_problems(components["policy"].config, components["generator"], launch)
     if core["ppo"] is not None and components.get("generator") is not None:
         problems += overlong_problems(core["ppo"], components["generator"])
     if core["ppo"] is not None and components.get("loss") is not None:
         problems += kl_penalty_problems(core["ppo"], components["loss"])
-    if core["ppo"] is not None and components.get("policy") is not None and components.get("value_head") is not None:
-        problems += packing_problems(core["ppo"], components["policy"], components["value_head"])
+    if core["ppo"] is not None and components.get("policy") is not None and ("value_head" in components or "value_head" in nothing):
+        problems += packing_problems(core["ppo"], components["policy"], components.get("value_head"))
     eval_metrics, found = _eval_metrics(core["eval"], registry)
     problems += found
     if problems:
@@ -301,13 +306,13 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None) 
                   registry, core["health"])
 
 
-def _default_critic(document: dict, registry: Registry) -> str:
+def _default_critic(document: dict, registry: Registry) -> str | None:
     """The value head of a recipe without [value_head]: a critic only when the advantage estimator needs values."""
     advantage = document.get("advantage")
     default = COMPONENT_TABLES["advantage"][1]
     name = advantage.get("type", default) if isinstance(advantage, dict) else default
     estimator = registry.find("advantage_estimator", name) if isinstance(name, str) else None
-    return "none" if estimator is not None and not estimator.factory.needs_values else COMPONENT_TABLES["value_head"][1]
+    return NO_COMPONENT if estimator is not None and not estimator.factory.needs_values else COMPONENT_TABLES["value_head"][1]
 
 
 def _eval_metrics(config: EvalConfig | None, registry: Registry) -> tuple[tuple[Component, ...], list[str]]:
@@ -361,7 +366,7 @@ def read_component_table(data: Any, kind: str, table: str, registry: Registry, d
     return (None if problems else ComponentChoice(table, component, config, extra_values)), problems
 
 
-def load_recipe(path: str | Path, registry: Registry, overrides: list[str] = ()) -> Recipe:
+def load_recipe(path: str | Path, registry: Registry, overrides: list[str] = (), launch: Launch = ONE_PROCESS) -> Recipe:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -377,7 +382,7 @@ def load_recipe(path: str | Path, registry: Registry, overrides: list[str] = ())
     problems = retype_problems(document, overridden, registry)
     if problems:
         raise RecipeError(problems, str(path))
-    recipe = parse_recipe(overridden, registry, str(path))
+    recipe = parse_recipe(overridden, registry, str(path), launch)
     if not recipe.run.name:
         recipe = attrs.evolve(recipe, run=attrs.evolve(recipe.run, name=path.stem))
     return recipe

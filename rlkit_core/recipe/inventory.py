@@ -8,20 +8,33 @@ from typing import Any
 
 import attrs
 
+from rlkit_core import __version__
 from rlkit_core.config import fields_help, nested_spec
+from rlkit_core.interfaces import KIND_TABLE, NO_COMPONENT, Kind
 from rlkit_core.recipe.document import ComponentChoice, Recipe
+from rlkit_core.recipe.plugins import BUILTIN_DISTRIBUTION
 from rlkit_core.recipe.registry import Registry
 from rlkit_core.recipe.schema import CORE_TABLES
 
 
 def inventory_rows(recipe: Recipe) -> list[dict[str, str]]:
     """One row per component table, nested ones after the table that holds them; their place reads
-    `reward.parts.1` (dots only, as tracker tag names allow)."""
-    return [
-        {"table": c.table.replace("[", ".").replace("]", ""), "kind": c.component.kind, "type": c.component.name,
-         "plugin": c.component.plugin, "distribution": c.component.distribution, "version": c.component.version}
-        for top in recipe.components.values() for c in with_nested(top)
-    ]
+    `reward.parts.1` (dots only, as tracker tag names allow). An optional table that builds
+    nothing (`type = "none"`) is a row of rlkit's own."""
+    rows = []
+    for kind in KIND_TABLE:
+        if kind.table not in recipe.components:
+            rows += [{"table": kind.table, "kind": kind.name, **_nothing_row(kind)}] if kind.optional else []
+            continue
+        rows += [{"table": c.table.replace("[", ".").replace("]", ""), "kind": c.component.kind, "type": c.component.name,
+                  "plugin": c.component.plugin, "distribution": c.component.distribution, "version": c.component.version}
+                 for c in with_nested(recipe.components[kind.table])]
+    return rows
+
+
+def _nothing_row(kind: Kind) -> dict[str, str]:
+    """`type = "none"` of an optional kind, which no plugin registers: rlkit builds nothing."""
+    return {"type": NO_COMPONENT, "plugin": f"core: builds no {kind.name}", "distribution": BUILTIN_DISTRIBUTION, "version": __version__}
 
 
 def with_nested(choice: ComponentChoice) -> Iterator[ComponentChoice]:
@@ -45,9 +58,15 @@ def core_table_rows() -> list[dict[str, Any]]:
 
 
 def registry_rows(registry: Registry) -> list[dict[str, Any]]:
-    """Every registered component with its config fields, for `rlkit plugins`."""
-    return [{"kind": c.kind, "name": c.name, "plugin": c.plugin, "distribution": c.distribution, "version": c.version,
-             "fields": field_rows(c.config_class)} for c in registry.all()]
+    """Every registered component with its config fields, for `rlkit plugins`, and the `none`
+    of each optional kind."""
+    rows = []
+    for kind in KIND_TABLE:
+        found = [{"kind": c.kind, "name": c.name, "plugin": c.plugin, "distribution": c.distribution, "version": c.version,
+                  "fields": field_rows(c.config_class)} for c in registry.all() if c.kind == kind.name]
+        nothing = {"kind": kind.name, "name": NO_COMPONENT, **{k: v for k, v in _nothing_row(kind).items() if k != "type"}, "fields": []}
+        rows += sorted([*found, nothing] if kind.optional else found, key=lambda row: row["name"])
+    return rows
 
 
 def flatten(document: dict, prefix: str = "") -> dict[str, Any]:

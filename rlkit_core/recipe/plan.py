@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import declares
+from rlkit_core.launch import ONE_PROCESS, Launch
 from rlkit_core.memory import Workload, estimate
 from rlkit_core.memory import describe as describe_memory
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.recipe.inventory import inventory_rows, with_nested
-from rlkit_core.recipe.schema import kl_warnings, launched_processes, output_dir_problems, sharded_launch
+from rlkit_core.recipe.schema import kl_warnings, output_dir_problems
 from rlkit_core.settings import ModelSettings, field_of
 
 
-def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False) -> str:
+def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False, launch: Launch = ONE_PROCESS) -> str:
+    """The plan of a recipe checked for `launch` (the one `parse_recipe` was given)."""
     run, ppo = recipe.run, recipe.ppo
     updates_per_iteration = ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
     lines = [f"recipe {recipe.source or '(in memory)'} is valid", "", "components:"]
@@ -26,13 +28,13 @@ def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False)
         f"  optimiser steps     {updates_per_iteration} per iteration ({ppo.epochs} epochs × {ppo.batch_size // ppo.minibatch_size} minibatches of "
         f"{ppo.minibatch_size}), {updates_per_iteration * run.steps} in all",
         f"  KL                  estimator {ppo.kl_estimator}, penalty in the {ppo.kl_penalty}",
-        *_per_process(recipe),
+        *_per_process(recipe, launch),
         f"  output              {run.output_dir}",
     ]
     size = model_size(recipe)
     if size:
         lines += ["", "model:", *[f"  {line}" for line in size]]
-    memory = memory_estimate(recipe, prompt_tokens)
+    memory = memory_estimate(recipe, prompt_tokens, launch)
     if memory:
         lines += ["", f"memory (prompts of {prompt_tokens} tokens; rlkit check --prompt-tokens N):", *[f"  {line}" for line in memory]]
     lines += ["", "code this recipe runs (besides rlkit's own):", *[f"  {line}" for line in code_it_runs(recipe)]]
@@ -83,7 +85,7 @@ def remote_code_warnings(recipe: Recipe) -> list[str]:
 
 
 def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:
-    """(problems, notes) from every component's `check(config, recipe, where)` (`Part.check`), nested
+    """(problems, notes) from every component's `check(config, recipe, where)` (`ComponentBase.check`), nested
     ones included (`where` is the table's place, `$.reward.parts[1]`): what would
     fail at run time across tables (a critic that cannot read the policy's ids, a reward model's
     tokenizer that does not load), found before any weights are loaded."""
@@ -115,9 +117,9 @@ ENGINES = {False: "DDP: every process holds the whole model and optimiser state"
            True: "FSDP2: weights, gradients and optimiser state sharded over the processes"}
 
 
-def _per_process(recipe: Recipe) -> list[str]:
+def _per_process(recipe: Recipe, launch: Launch) -> list[str]:
     """How the global batch splits over processes and micro-batches (the recipe's sizes are global)."""
-    ppo, processes = recipe.ppo, launched_processes()
+    ppo, processes = recipe.ppo, launch.processes
     per_process = ppo.minibatch_size // processes
     return [
         f"  processes           {processes}, each with {ppo.batch_size // processes} rollouts per iteration "
@@ -125,7 +127,7 @@ def _per_process(recipe: Recipe) -> list[str]:
         f"  micro-batches       {ppo.gradient_accumulation_steps} of {per_process // ppo.gradient_accumulation_steps} rollouts "
         f"per process and optimiser step; forward passes in chunks of {ppo.forward_batch_size or ppo.minibatch_size}",
         f"  precision           mixed_precision = {recipe.run.mixed_precision!r}",
-        f"  engine              {ENGINES[sharded_launch()] if processes > 1 else 'one process'}",
+        f"  engine              {ENGINES[launch.sharded] if processes > 1 else 'one process'}",
     ]
 
 
@@ -134,12 +136,12 @@ def model_size(recipe: Recipe) -> list[str]:
     return recipe["policy"].component.factory.describe(recipe["policy"].config)
 
 
-def memory_estimate(recipe: Recipe, prompt_tokens: int) -> list[str]:
+def memory_estimate(recipe: Recipe, prompt_tokens: int, launch: Launch = ONE_PROCESS) -> list[str]:
     """Per-process memory, when the policy plugin can say its model's shape (see rlkit_core.memory)."""
     shape = recipe["policy"].component.factory.shape(recipe["policy"].config)
     if shape is None:
         return []
-    ppo, processes = recipe.ppo, launched_processes()
+    ppo, processes = recipe.ppo, launch.processes
     generator = recipe["generator"].config
     work = Workload(
         micro_batch=ppo.minibatch_size // processes // ppo.gradient_accumulation_steps,
@@ -149,7 +151,7 @@ def memory_estimate(recipe: Recipe, prompt_tokens: int) -> list[str]:
         response_tokens=generator.response_limit,
         checkpointing=recipe["policy"].config.checkpoints_activations,
         mixed_precision=recipe.run.mixed_precision,
-        shards=processes if sharded_launch() else 1,
+        shards=processes if launch.sharded else 1,
         micro_tokens=ppo.max_tokens_per_microbatch,
         forward_tokens=ppo.max_tokens_per_forward,
     )

@@ -91,7 +91,7 @@ def _register_with_pluggy(manager: pluggy.PluginManager, name: str, module) -> s
     try:
         manager.check_pending()
     except pluggy.PluginValidationError:
-        unknown = [caller.name for caller in manager.get_hookcallers(module) if not caller.has_spec()]
+        unknown = [caller.name for caller in manager.get_hookcallers(module) or [] if not caller.has_spec()]
         manager.unregister(module)
         return "; ".join(f"hook {hook!r} is not an rlkit hook{_closest_hook(hook)}" for hook in unknown)
     return None

@@ -13,8 +13,10 @@ import inspect
 import attrs
 
 from rlkit_core.errors import BrokenPluginContract, PluginError, Problem, RecipeError
-from rlkit_core.interfaces import KIND_TABLE, KINDS, PART_HOOKS, Policy
+from rlkit_core.interfaces import COMPONENT_HOOKS, KIND_TABLE, KINDS, NO_COMPONENT, Policy, class_flags
 from rlkit_core.settings import CoreSettings
+
+_KIND_NAMED = {kind.name: kind for kind in KIND_TABLE}
 
 
 @attrs.frozen
@@ -45,6 +47,8 @@ class Registry:
                 f"({component.distribution} {component.version}); uninstall one of them, or rename the component"
             )
         problems = contract_problems(component.kind, component.factory, component.config_class)
+        if component.name == NO_COMPONENT and _KIND_NAMED[component.kind].optional:
+            problems.append(f"{component.name!r} is the type that builds no {component.kind}; give the component another name")
         if problems:
             raise BrokenPluginContract(f"plugin {component.plugin!r} registers {component.kind} {component.name!r}, which breaks "
                                        f"the plugin contract: {'; '.join(problems)}")
@@ -75,6 +79,9 @@ class Registry:
     def unknown_problem(self, kind: str, name: str, where: str) -> Problem:
         known = self.names(kind)
         message = f"unknown {kind} {name!r}; registered: {', '.join(known) or '(none)'}"
+        if _KIND_NAMED[kind].optional:
+            message += f"; or {NO_COMPONENT!r} for no {kind}"
+            known = [*known, NO_COMPONENT]
         close = difflib.get_close_matches(name, known, n=1)
         if close:
             message += f"; did you mean {close[0]!r}?"
@@ -90,7 +97,7 @@ class Registry:
 def contract_problems(kind: str, factory, config_class) -> list[str]:
     """How a component breaks its kind's contract, checked when it registers: its class must derive
     from the interface and declare the optional hooks with the parameters rlkit passes them (as
-    static methods), its flags must be booleans, its config must be an attrs class, and every
+    static or class methods), the flags its interface declares (`ClassVar[bool]`) must be booleans, its config must be an attrs class, and every
     setting its settings bases say rlkit reads must be one of the config's fields."""
     interface = KINDS[kind]
     if not attrs.has(config_class):
@@ -103,18 +110,17 @@ def contract_problems(kind: str, factory, config_class) -> list[str]:
     if settings is not None and not issubclass(config_class, settings):
         problems.append(f"config class {config_class.__name__} does not inherit rlkit_core.{settings.__name__}, the {kind} "
                         "settings rlkit reads (name yours in its `renamed` when they differ)")
-    hooks = {**PART_HOOKS, **({"shape": ("config",)} if issubclass(factory, Policy) else {})}
+    hooks = {**COMPONENT_HOOKS, **({"shape": ("config",)} if issubclass(factory, Policy) else {})}
     for hook, parameters in hooks.items():
-        if not isinstance(inspect.getattr_static(factory, hook), staticmethod):
-            problems.append(f"{factory.__name__}.{hook} must be a @staticmethod {hook}({', '.join(parameters)})")
+        if not isinstance(inspect.getattr_static(factory, hook), (staticmethod, classmethod)):
+            problems.append(f"{factory.__name__}.{hook} must be a @staticmethod {hook}({', '.join(parameters)}) or a @classmethod")
             continue
         try:
             inspect.signature(getattr(factory, hook)).bind(*parameters)
         except TypeError as exc:
             problems.append(f"{factory.__name__}.{hook} must take ({', '.join(parameters)}): {exc}")
-    for flag in ("needs_values", "needs_groups", "needs_baseline_scores", "takes_kl_penalty", "needs_entropy_grad", "needs_logits",
-                 "runs_under_fsdp", "packs_sequences"):
-        if flag in dir(interface) and not isinstance(getattr(factory, flag), bool):
+    for flag in class_flags(interface):
+        if not isinstance(getattr(factory, flag), bool):
             problems.append(f"{factory.__name__}.{flag} must be True or False, got {getattr(factory, flag)!r}")
     if issubclass(config_class, CoreSettings):
         problems += config_class.naming_problems()

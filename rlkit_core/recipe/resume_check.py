@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlkit_core.errors import RecipeError, RlkitError
+from rlkit_core.launch import ONE_PROCESS, Launch
 from rlkit_core.recipe.document import Recipe, parse_recipe
 from rlkit_core.recipe.inventory import flatten
 from rlkit_core.recipe.schema import CORE_TABLES
@@ -26,13 +27,13 @@ LENGTH_FREE_SCHEDULES = ("constant", "constant_with_warmup", "inverse_sqrt")
 _MISSING = object()
 
 
-def recipe_changes(recorded: dict, recipe: Recipe) -> list[tuple[str, Any, Any]]:
+def recipe_changes(recorded: dict, recipe: Recipe, launch: Launch = ONE_PROCESS) -> list[tuple[str, Any, Any]]:
     """(setting, the checkpoint's value, this recipe's value) for every change that can change
     what is trained. A setting written out on one side and left to its default on the other is
-    no change when the default is the written value."""
+    no change when the default is the written value. `launch`: the one `recipe` was checked for."""
     before, now = flatten(recorded), flatten(recipe.document)
     try:
-        parsed = parse_recipe(recorded, recipe.registry) if recipe.registry is not None else None
+        parsed = parse_recipe(recorded, recipe.registry, launch=launch) if recipe.registry is not None else None
     except RecipeError:  # a component the checkpoint names is no longer installed: compare as written
         parsed = None
     changes = []
@@ -77,9 +78,9 @@ def describe(changes: list[tuple[str, Any, Any]]) -> list[str]:
     return [f"$.{key}: {old!r} in the checkpoint's recipe, {new!r} now" for key, old, new in changes]
 
 
-def check_resumed_recipe(recorded: dict, recipe: Recipe, checkpoint_path, allow_changes: bool) -> list[str]:
+def check_resumed_recipe(recorded: dict, recipe: Recipe, checkpoint_path, allow_changes: bool, launch: Launch = ONE_PROCESS) -> list[str]:
     """The changes (as lines) when `allow_changes`; otherwise the located refusal if there are any."""
-    lines = describe(recipe_changes(recorded, recipe))
+    lines = describe(recipe_changes(recorded, recipe, launch))
     if lines and not allow_changes:
         steps = ""
         if any(line.startswith("$.run.steps:") for line in lines):

@@ -1,14 +1,14 @@
-"""The core tables of a recipe: `[run]`, `[ppo]` and `[optim]`.
+"""The core tables of a recipe (`[run]`, `[ppo]`, `[optim]`, `[eval]`, `[health]`) and the checks across tables.
 
 Component tables (`[policy]`, `[kl]`, ...) are described by their plugins' own config classes;
-`COMPONENT_TABLES` maps each table to its component kind and the type used when the table is absent.
+`COMPONENT_TABLES` maps each table to its component kind and the type used when the table is absent. What depends
+on how the run is launched is checked in `rlkit_core.recipe.launch`.
 """
 
 import os
 from pathlib import Path
 
 import attrs
-import torch
 
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
 from rlkit_core.errors import Problem
@@ -184,15 +184,15 @@ def critic_problems(ppo: PPOConfig, advantage, value_head) -> list[Problem]:
     """An advantage estimator and the rest of the recipe that do not go together, each located:
     a critic-free estimator with a critic (trained for nothing) or with one sample per prompt when
     it compares a prompt's samples; `value_head.type = "none"` with an estimator that needs values.
-    `advantage` and `value_head` are the checked component tables."""
-    estimator, critic = advantage.component, value_head.component.name
+    `advantage` and `value_head` are the checked component tables (`value_head` None: "none")."""
+    estimator = advantage.component
     needs_values, needs_groups = estimator.factory.needs_values, estimator.factory.needs_groups
     problems = []
-    if needs_values and critic == "none":
+    if needs_values and value_head is None:
         problems.append(Problem("$.value_head.type", f"'none' builds no critic, but advantage estimator {estimator.name!r} needs "
                                                      "values; use 'shared' or 'separate', or a critic-free estimator such as 'grpo'"))
-    elif not needs_values and critic != "none":
-        problems.append(Problem("$.value_head.type", f"advantage estimator {estimator.name!r} uses no critic, so the {critic!r} "
+    elif not needs_values and value_head is not None:
+        problems.append(Problem("$.value_head.type", f"advantage estimator {estimator.name!r} uses no critic, so the {value_head.component.name!r} "
                                                      "critic would cost memory and time for nothing; set value_head.type = 'none' "
                                                      "or leave [value_head] out"))
     if needs_groups and ppo.samples_per_prompt < 2:
@@ -219,12 +219,14 @@ def kl_penalty_problems(ppo: PPOConfig, loss) -> list[Problem]:
 def packing_problems(ppo: PPOConfig, policy, value_head) -> list[Problem]:
     """`ppo.pack_sequences` needs a policy and a critic that keep attention within each packed
     rollout (`Policy.packs_sequences`, `ValueHead.packs_sequences`); one that does not would let
-    rollouts attend to each other. `policy` and `value_head` are the checked component tables."""
+    rollouts attend to each other. `policy` and `value_head` are the checked component tables
+    (`value_head` None: no critic)."""
     if not ppo.pack_sequences:
         return []
     return [Problem("$.ppo.pack_sequences", f"{kind} {table.component.name!r} does not declare packs_sequences (that it keeps "
                                             "attention within each of several rollouts in one row); set pack_sequences = false")
-            for kind, table in (("policy", policy), ("value head", value_head)) if not table.component.factory.packs_sequences]
+            for kind, table in (("policy", policy), ("value head", value_head))
+            if table is not None and not table.component.factory.packs_sequences]
 
 
 def overlong_problems(ppo: PPOConfig, generator) -> list[Problem]:
@@ -243,63 +245,6 @@ def overlong_problems(ppo: PPOConfig, generator) -> list[Problem]:
     return []
 
 
-def launch_problems(run, policy_config, cuda: bool) -> list[Problem]:
-    """Combinations of recipe and launch that cannot work, each located, found before anything
-    is built. `cuda`: whether this machine has a GPU."""
-    problems = _device_problems(run.device, cuda)
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
-        problems.append(Problem("launch", "the accelerate config selects DeepSpeed, which rlkit does not run (untested: accelerate "
-                                          "runs it on GPUs only); to shard weights, gradients and optimiser state use "
-                                          "configs/accelerate/fsdp.yaml (FSDP2, as ZeRO-3), otherwise configs/accelerate/ddp.yaml"))
-    # 'no' is also what a config file that leaves precision to the recipe (configs/accelerate/) sets
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if launched not in ("no", run.mixed_precision):
-        problems.append(Problem("launch", f"accelerate launch asks for mixed precision {launched!r} but $.run.mixed_precision = "
-                                          f"{run.mixed_precision!r}; the recipe decides (it is what the run records): set "
-                                          f"--set run.mixed_precision={launched}, or launch without --mixed_precision"))
-    if run.mixed_precision == "fp16":
-        if run.device == "cpu" or not cuda:
-            problems.append(Problem("$.run.mixed_precision", "'fp16' needs a GPU (on a CPU accelerate would quietly run float32); "
-                                                             "use 'bf16' or 'no'"))
-        if policy_config.weights_dtype != "float32":
-            dtype = field_of(policy_config, "dtype")
-            problems.append(Problem("$.run.mixed_precision", f"'fp16' keeps float32 master weights and scales the loss, but "
-                                                             f"policy.{dtype} = {policy_config.weights_dtype!r}; set policy.{dtype} = 'float32', "
-                                                             "or run.mixed_precision = 'no' for pure low-precision weights"))
-    return problems
-
-
-def sharding_problems(policy_config, generator) -> list[Problem]:
-    """What rlkit cannot run under FSDP (an `accelerate launch` whose config selects it). `generator`
-    is the checked component table."""
-    if not sharded_launch():
-        return []
-    problems = []
-    version = os.environ.get("FSDP_VERSION", "1")
-    if version != "2":
-        problems.append(Problem("launch", f"the accelerate config selects FSDP version {version}; rlkit runs FSDP version 2 "
-                                          "(fully_shard) only: set fsdp_version: 2, as configs/accelerate/fsdp.yaml does"))
-    untested = {"FSDP_OFFLOAD_PARAMS": "fsdp_offload_params", "FSDP_ACTIVATION_CHECKPOINTING": "fsdp_activation_checkpointing"}
-    for variable, key in untested.items():
-        if os.environ.get(variable, "false").lower() == "true":
-            problems.append(Problem("launch", f"the accelerate config sets {key}: true, which rlkit does not run (untested); "
-                                              "set it to false (for activation checkpointing use policy.gradient_checkpointing)"))
-    if policy_config.weights_dtype != "float32":
-        dtype = field_of(policy_config, "dtype")
-        problems.append(Problem(f"$.policy.{dtype}", f"{policy_config.weights_dtype!r} weights are not run under FSDP (untested); "
-                                                     f"keep policy.{dtype} = 'float32' and set run.mixed_precision = 'bf16' for bf16 compute"))
-    if not generator.component.factory.runs_under_fsdp:
-        problems.append(Problem("$.generator.type", f"{generator.component.name!r} is not run under FSDP (it reads the weights "
-                                                    "outside the engine); use the 'hf' generator, or launch with "
-                                                    "configs/accelerate/ddp.yaml"))
-    return problems
-
-
-def sharded_launch() -> bool:
-    """Whether this launch's accelerate config selects FSDP (`accelerate launch` sets the variable)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-
-
 def output_dir_problems(run: RunConfig) -> list[Problem]:
     """An output_dir that cannot hold a run, found before anything is written: a file in its place
     or on its way, or a folder this user may not write in."""
@@ -314,23 +259,6 @@ def output_dir_problems(run: RunConfig) -> list[Problem]:
     if not os.access(existing, os.W_OK | os.X_OK):
         return [Problem("$.run.output_dir", f"{str(existing)!r} is not writable by this user; {fix}")]
     return []
-
-
-def _device_problems(device: str, cuda: bool) -> list[Problem]:
-    if device == "auto":
-        return []
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError):
-        return [Problem("$.run.device", f"{device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'")]
-    if kind == "cuda" and not cuda:
-        return [Problem("$.run.device", f"{device!r} needs a GPU, and torch sees none here; use 'auto' or 'cpu'")]
-    return []
-
-
-def launched_processes() -> int:
-    """The number of processes of this launch: `accelerate launch` and `torchrun` set WORLD_SIZE."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def kl_problems(ppo: PPOConfig) -> list[Problem]:

@@ -14,7 +14,10 @@ import os
 import sys
 import traceback
 
+import attrs
+
 from rlkit_core.errors import RlkitError
+from rlkit_core.launch import Launch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,21 +117,11 @@ def _plugin_health(registry) -> list[str]:
     return lines + [""] if lines else []
 
 
-def accelerate_launch_environment(config_file: str) -> dict[str, str]:
-    """The variables `accelerate launch --config_file config_file` sets that rlkit's checks read."""
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    try:
-        config = load_config_from_file(config_file)
-    except (OSError, ValueError, TypeError) as exc:
-        raise RlkitError(f"--accelerate-config {config_file}: not an accelerate config file ({exc})") from None
-    engine = config.distributed_type.value
-    environment = {"WORLD_SIZE": str(config.num_processes), "ACCELERATE_MIXED_PRECISION": str(config.mixed_precision)}
-    if engine == "FSDP":
-        environment.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION=str((config.fsdp_config or {}).get("fsdp_version", 1)))
-    if engine == "DEEPSPEED":
-        environment["ACCELERATE_USE_DEEPSPEED"] = "true"
-    return environment
+def check_launch(accelerate_config: str | None, num_processes: int | None) -> Launch:
+    """The launch `rlkit check` checks for: `accelerate launch --config_file accelerate_config`
+    when given, else this one (its environment); `num_processes` overrides the processes of either."""
+    launch = Launch.from_accelerate_config(accelerate_config) if accelerate_config else Launch.from_environment()
+    return attrs.evolve(launch, processes=num_processes) if num_processes else launch
 
 
 def _cmd_check(args) -> int:
@@ -138,12 +131,9 @@ def _cmd_check(args) -> int:
     from rlkit_core.recipe.plan import describe_plan
     from rlkit_core.recipe.plugins import load_registry
 
-    if args.accelerate_config:
-        os.environ.update(accelerate_launch_environment(args.accelerate_config))
-    if args.num_processes:
-        os.environ["WORLD_SIZE"] = str(args.num_processes)  # what accelerate launch would set
-    recipe = load_recipe(args.recipe, load_registry(), args.overrides)
-    print(describe_plan(recipe, args.prompt_tokens, probe=not args.offline))
+    launch = check_launch(args.accelerate_config, args.num_processes)
+    recipe = load_recipe(args.recipe, load_registry(), args.overrides, launch)
+    print(describe_plan(recipe, args.prompt_tokens, probe=not args.offline, launch=launch))
     return 0
 
 
@@ -156,11 +146,13 @@ def _cmd_run(args) -> int:
 
     if args.allow_changes and not args.resume:
         raise RlkitError("--allow-changes: only with --resume (it accepts a recipe that differs from the checkpoint's)")
-    recipe = load_recipe(args.recipe, load_registry(), args.overrides)
+    launch = Launch.from_environment()
+    recipe = load_recipe(args.recipe, load_registry(), args.overrides, launch)
     problems, _ = preflight(recipe)  # what `rlkit check` would refuse, before anything is built or written
     if problems:
         raise RecipeError(problems, recipe.source)
-    run_recipe(recipe, quiet=args.quiet, resume=args.resume, overwrite=args.overwrite, allow_changes=args.allow_changes)  # several processes end inside it
+    run_recipe(recipe, quiet=args.quiet, resume=args.resume, overwrite=args.overwrite, allow_changes=args.allow_changes,
+               launch=launch)  # several processes end inside it
     return 0
 
 
@@ -192,7 +184,7 @@ def _cmd_export(args) -> int:
     from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.runtime.export import export_checkpoint
 
-    target = export_checkpoint(args.checkpoint, args.out, load_registry(), merge_lora=args.merge_lora)
+    target = export_checkpoint(args.checkpoint, args.out, load_registry(), merge_lora=args.merge_lora, launch=Launch.from_environment())
     print(f"wrote {target}; load it with transformers' AutoModelForCausalLM.from_pretrained({str(target)!r})")
     return 0
 

@@ -18,7 +18,7 @@ from accelerate.utils import DistributedType, gather_object
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RunError
 from rlkit_core.interfaces import LossTerms
-from rlkit_core.recipe.schema import sharded_launch
+from rlkit_core.launch import Launch
 
 
 @attrs.frozen
@@ -219,11 +219,15 @@ def _reshards_after_forward(unit) -> bool:
     return any(group.post_forward_mesh_info is not None for group in unit._get_fsdp_state()._fsdp_param_groups)
 
 
-def engine_problem(accelerator) -> str | None:
-    """What is wrong with the engine accelerate set up for this launch, if anything: rlkit
-    shards with FSDP2 only, and accelerate runs FSDP only on GPUs (on CPUs it silently falls back
-    to DDP, which would not shard anything the user planned to fit by sharding)."""
-    if not sharded_launch():
+def engine_problem(accelerator, launch: Launch) -> str | None:
+    """What is wrong with the engine accelerate set up for this launch, if anything: the recipe
+    was checked for another number of processes, rlkit shards with FSDP2 only, and accelerate runs
+    FSDP only on GPUs (on CPUs it silently falls back to DDP, which would not shard anything the
+    user planned to fit by sharding)."""
+    if accelerator.num_processes != launch.processes:
+        return (f"the recipe was checked for {launch.processes} process(es), but this launch has {accelerator.num_processes}; "
+                "check and run it for the launch it runs in (rlkit_core.Launch.from_environment)")
+    if not launch.sharded:
         return None
     if accelerator.distributed_type != DistributedType.FSDP:
         return (f"the accelerate config selects FSDP, but accelerate runs FSDP on GPUs only and chose "
@@ -242,7 +246,7 @@ def critic_problem(value_head) -> str | None:
             "needs to shard it; launch with configs/accelerate/ddp.yaml, or return the module from module()")
 
 
-def fsdp_plugin(mixed_precision: str):
+def fsdp_plugin(mixed_precision: str, launch: Launch):
     """accelerate's FSDP plugin for this launch (None without FSDP: accelerate's defaults stand).
 
     Under mixed precision accelerate would have FSDP cast the weights it gathers, the prepared
@@ -251,7 +255,7 @@ def fsdp_plugin(mixed_precision: str):
     update's log-probs, which the PPO ratio compares with float32 ones; so FSDP casts nothing
     here, and the forward passes compute in the low precision under accelerate's autocast, as
     they do without FSDP."""
-    if not sharded_launch():
+    if not launch.sharded:
         return None
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -15,14 +15,18 @@ import json
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 
 from rlkit_core.errors import RunError
 
 # Our own packages: their frames are internals the user need not read (RLKIT_DEBUG=1 shows them).
-OWN_PACKAGES = tuple(str(Path(importlib.util.find_spec(name).origin).parent) for name in ("rlkit_core", "rlkit_plugins"))
+OWN_PACKAGES = tuple(str(Path(spec.origin).parent) for spec in map(importlib.util.find_spec, ("rlkit_core", "rlkit_plugins"))
+                     if spec is not None and spec.origin is not None)
 
 
 def checked_scores(scores, count: int) -> list[float]:
@@ -109,7 +113,7 @@ class StopRequests:
     def __init__(self, processes):
         self.processes = processes
         self.received: int | None = None
-        self.previous: dict[int, object] = {}
+        self.previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
     def __enter__(self) -> StopRequests:
         for number in self.SIGNALS:

@@ -14,6 +14,7 @@ hand-built numbers; `HealthMonitor` feeds them from the loop.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import attrs
 import torch
@@ -96,7 +97,7 @@ class HealthStop(RunError):
 class HealthMonitor:
     """Feeds `detect` from the loop and reports each check the first time it fires."""
 
-    def __init__(self, config: HealthConfig, earlier: list[dict] = ()):
+    def __init__(self, config: HealthConfig, earlier: Sequence[dict] = ()):
         """`earlier`: the rows of metrics.jsonl a resumed run continues (checks that fired there stay quiet)."""
         self.config = config
         self.history = [row for row in earlier if "score/mean" in row]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rlkit_core import __version__
 from rlkit_core.errors import RlkitError, RunError
-from rlkit_core.interfaces import SilentTracker
+from rlkit_core.interfaces import Tracker
+from rlkit_core.launch import Launch
 from rlkit_core.progress import Progress
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.recipe.inventory import flatten, inventory_rows
@@ -30,6 +31,19 @@ from rlkit_core.runtime.run_lock import RunLock, launched_as_main
 from rlkit_core.runtime.trainer import Trainer, record_columns
 
 SAMPLES_SHOWN = 4
+
+
+class _Untracked(Tracker):
+    """What the processes other than the main one log to: nothing (one tracked run per training run)."""
+
+    def start(self, *, run_name, params, tags, resume_id):
+        return None
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def finish(self, status):
+        pass
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "samples_before.json", "final_model", "curves.png", "bad_batches")
@@ -59,21 +73,24 @@ def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> tu
 
 
 def run_recipe(recipe: Recipe, quiet: bool = False, resume: str | None = None, overwrite: bool = False, out=sys.stdout,
-               allow_changes: bool = False) -> list[dict]:
+               allow_changes: bool = False, launch: Launch | None = None) -> list[dict]:
     """Train up to `recipe.run.steps` iterations; returns the metrics of every iteration (on the
     main process; the others train alongside it and write nothing). The main process holds the
     output folder's lock throughout (see `rlkit_core.runtime.run_lock`). A resumed run refuses a recipe
-    that trains differently from the checkpoint's, unless `allow_changes`."""
+    that trains differently from the checkpoint's, unless `allow_changes`. `launch`: the one the
+    recipe was checked for (default: this process's, read from the environment)."""
+    launch = launch or Launch.from_environment()
     with RunLock(recipe.run.output_dir) as lock:
         if launched_as_main() and (took_over := lock.acquire()):
             print(f"rlkit run: {took_over}", file=sys.stderr)
-        return _run_recipe(recipe, quiet, resume, overwrite, out, lock, allow_changes)
+        return _run_recipe(recipe, quiet, resume, overwrite, out, lock, allow_changes, launch)
 
 
-def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool, out, lock: RunLock, allow_changes: bool) -> list[dict]:
+def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool, out, lock: RunLock, allow_changes: bool,
+                launch: Launch) -> list[dict]:
     earlier, start, note = claim_output_dir(recipe.run.output_dir, resume, overwrite)
-    changes = check_resumed_recipe(checkpoint.read_meta(start)["recipe"], recipe, start, allow_changes) if start else []
-    trainer = Trainer(recipe)
+    changes = check_resumed_recipe(checkpoint.read_meta(start)["recipe"], recipe, start, allow_changes, launch) if start else []
+    trainer = Trainer(recipe, launch=launch)
     main = trainer.processes.is_main
     if main:
         for warning in kl_warnings(recipe.ppo):
@@ -86,7 +103,7 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
         for path in earlier:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     trainer.processes.wait()
-    tracker = trainer.parts.tracker if main else SilentTracker()  # one tracked run per training run
+    tracker = trainer.parts.tracker if main else _Untracked()  # one tracked run per training run
     counts = trainer.prompt_counts
     if main and (counts["cut"] or counts["skipped"] or counts["empty"]):
         print(f"prompts: {counts['loaded']} loaded, {counts['cut']} cut from the left to {trainer.max_prompt_tokens} tokens, "
@@ -309,7 +326,7 @@ def _finish_outputs(trainer, tracker, run_id, history) -> Path:
     model_dir = Path(trainer.output_dir) / "final_model"
     if trainer.processes.sharded:  # the model holds shards; the checkpoint holds the gathered weights
         shutil.rmtree(model_dir, ignore_errors=True)
-        export_checkpoint(str(final_checkpoint), str(model_dir), trainer.recipe.registry, merge_lora=True)
+        export_checkpoint(str(final_checkpoint), str(model_dir), trainer.recipe.registry, merge_lora=True, launch=trainer.launch)
     else:
         trainer.policy.save_pretrained(str(model_dir), merge_adapters=True)
     tracker.log_model(str(model_dir))

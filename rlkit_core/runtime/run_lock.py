@@ -141,7 +141,7 @@ class RunLock:
     def _refusal(self, holder: Holder | None) -> RlkitError:
         other_host = holder is not None and holder.host != socket.gethostname()
         remove = (f"; rlkit cannot see processes on {holder.host}: if that run has ended, delete {self.path}"
-                  if other_host else "")
+                  if other_host and holder is not None else "")
         return RlkitError(f"{self.folder} is in use by another run ({holder}; lock file {self.path}): wait for it to end "
                           f"or stop it, or pick another folder with --set run.output_dir=...{remove}")
 

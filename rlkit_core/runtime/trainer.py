@@ -35,6 +35,7 @@ from rlkit_core.functional import (
     token_rewards,
 )
 from rlkit_core.interfaces import Generation, LossInputs
+from rlkit_core.launch import Launch
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts, prepare_prompts, within_context
 from rlkit_core.randomness import minibatch_order_generator, sampling_seed
 from rlkit_core.recipe.assemble import build_components
@@ -89,8 +90,10 @@ def pick_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, device: torch.device | None = None):
+    def __init__(self, recipe: Recipe, device: torch.device | None = None, launch: Launch | None = None):
+        """`launch`: the one the recipe was checked for (default: this process's, read from the environment)."""
         self.recipe = recipe
+        self.launch = launch or Launch.from_environment()
         run, ppo, optim = recipe.run, recipe.ppo, recipe.optim
         if run.threads:
             torch.set_num_threads(run.threads)
@@ -101,14 +104,15 @@ class Trainer:
         # Components are built on self.device; `prepare` must not move them (run.device = "cuda:1").
         # The schedule steps once per `scheduler.step()` (not once per process, accelerate's default).
         self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=run.mixed_precision, device_placement=False,
-                                       fsdp_plugin=fsdp_plugin(run.mixed_precision), step_scheduler_with_optimizer=False)
-        if problem := engine_problem(self.accelerator):
+                                       fsdp_plugin=fsdp_plugin(run.mixed_precision, self.launch), step_scheduler_with_optimizer=False)
+        if problem := engine_problem(self.accelerator, self.launch):
             raise RunError(problem)
         self.processes = Processes(self.accelerator)
         if self.processes.count > 1 and self.device.type == "cuda":
             self.device = self.accelerator.device  # this process's own GPU
         self.output_dir = Path(run.output_dir)
-        self.context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed)
+        self.context = BuildContext(recipe=recipe, device=self.device, output_dir=str(self.output_dir), seed=run.seed,
+                                    launch=self.launch)
         self.parts = build_components(recipe, self.context)
         self.policy, self.value_head = self.parts.policy, self.parts.value_head
         if self.processes.sharded and (problem := critic_problem(self.value_head)):
@@ -175,7 +179,7 @@ class Trainer:
             response_ids=generation.response_ids, response_mask=mask, sampled_logprobs=generation.logprobs,
             responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=self.device),
         )
-        return batch, {"time/generate": generated - started, "time/score": scored - generated, **self.parts.generator.metrics()}
+        return batch, {"time/generate": generated - started, "time/score": scored - generated, **self.parts.generator.pop_metrics()}
 
     def _generate(self, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool) -> list[Generation]:
         """The generator's output for each (prompt ids, mask) chunk, from the current weights:
@@ -478,5 +482,5 @@ class Trainer:
                   for start in range(0, len(records), size)]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             generations = self._generate(chunks, greedy)
-        self.parts.generator.metrics()  # its sync time is the report's, not the next iteration's
+        self.parts.generator.pop_metrics()  # its sync time is the report's, not the next iteration's
         return [text for g in generations for text in self.tokenizer.batch_decode(g.response_ids, skip_special_tokens=True)]
