@@ -12,12 +12,13 @@ dropped groups, so the batch keeps its size.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.functional import constant_groups
 from rlkit_core.randomness import extra_prompts_seed
-from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.prompt_stream import Prompts, PromptStream
@@ -41,7 +42,7 @@ def concatenated(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
     for name in ("group_ids", "ended", "scores"):
         fields[name] = torch.cat([getattr(b, name) for b in batches])
     fields["prompts"] = [p for b in batches for p in b.prompts]
-    fields["responses"] = [r for b in batches for r in b.responses]
+    fields["responses"] = [r for b in batches for r in cast(list[str], b.responses)]  # scored batches: decoded
     fields["columns"] = {key: [v for b in batches for v in b.columns[key]] for key in first.columns}
     return first.with_(**fields)
 
@@ -49,7 +50,7 @@ def concatenated(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
 class DynamicSampler:
     """Rollouts of one iteration with the constant groups replaced (see the module)."""
 
-    def __init__(self, recipe: Recipe, engine: Engine, components: Components, prompts: Prompts):
+    def __init__(self, recipe: Recipe, engine: Engine, components, prompts: Prompts):
         self.recipe, self.engine, self.components, self.max_prompt_tokens = recipe, engine, components, prompts.max_tokens
         ppo = recipe.ppo
         self.k, self.max_rounds = ppo.samples_per_prompt, ppo.max_extra_rounds
@@ -71,6 +72,7 @@ class DynamicSampler:
             for name, value in timing.items():
                 metrics[name] = metrics.get(name, 0.0) + value if name.startswith("time/") else value
             lengths = batch.response_mask.sum(dim=1)
+            assert batch.scores is not None and batch.ended is not None  # a rollout is scored
             constant = constant_groups(shaped(self.recipe, batch.scores, batch.ended, lengths), batch.group_ids)
             starts = torch.arange(0, len(batch), self.k, device=batch.group_ids.device)
             informative = starts[~constant[starts]]

@@ -87,7 +87,8 @@ class Engine:
     def clip_gradients(self, max_norm: float) -> float:
         """Clip the gradients to `max_norm` (0: no clipping); returns their norm before clipping."""
         # a float: under FSDP the norm is a sharded tensor
-        return float(self.accelerator.clip_grad_norm_(self.parameters, max_norm or float("inf")))
+        norm = self.accelerator.clip_grad_norm_(self.parameters, max_norm or float("inf"))
+        return float(norm)  # pyright: ignore[reportArgumentType]  (None only under DeepSpeed, which rlkit does not launch)
 
     def step_optimizer(self) -> None:
         self.optimizer.step()

@@ -15,7 +15,6 @@ from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import masked_sum
 from rlkit_core.randomness import evaluation_seed, held_out_generator
-from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import ComponentChoice, Recipe
 from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.faults import checked_scores
@@ -39,7 +38,7 @@ def hold_out(records: list[dict], size: int, seed: int) -> tuple[list[dict], lis
 class Evaluator:
     """Scores the current policy on the held-out records."""
 
-    def __init__(self, recipe: Recipe, engine: Engine, components: Components, context: BuildContext, prompts: Prompts):
+    def __init__(self, recipe: Recipe, engine: Engine, components, context: BuildContext, prompts: Prompts):
         self.recipe, self.engine, self.components = recipe, engine, components
         self.records, self.max_prompt_tokens = prompts.held_out, prompts.max_tokens
         self.config = recipe.eval
@@ -67,6 +66,7 @@ class Evaluator:
             for start in range(0, len(self.records), recipe.ppo.batch_size):
                 chunk = self.records[start:start + recipe.ppo.batch_size]
                 batch, _ = rollout(engine, components, chunk, 1, self.max_prompt_tokens, greedy=self.config.greedy)
+                assert batch.scores is not None and batch.ended is not None  # a rollout is scored
                 values = {
                     "eval/score": batch.scores,
                     "eval/length": batch.response_mask.sum(dim=1).float(),
@@ -74,6 +74,7 @@ class Evaluator:
                 }
                 if not self.config.greedy:  # a KL estimate needs tokens sampled from π
                     compared = compare_to_reference(engine, components, recipe, batch)
+                    assert compared.kl is not None
                     values["eval/kl"] = masked_sum(compared.kl, compared.response_mask, dim=1)
                 for name, reward in self.metrics.items():
                     values[f"eval/{name}"] = torch.tensor(_metric_scores(name, reward, batch))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -11,7 +12,6 @@ from rlkit_core.errors import RecipeError
 from rlkit_core.functional import shaped_scores
 from rlkit_core.interfaces import Generation
 from rlkit_core.prompts import encode_prompts
-from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import Processes
 from rlkit_core.runtime.engine import Engine
@@ -24,7 +24,7 @@ def record_columns(records: list[dict]) -> dict[str, list]:
     return {key: [r.get(key) for r in records] for key in keys}
 
 
-def rollout(engine: Engine, components: Components, records: list[dict], samples_per_prompt: int, max_prompt_tokens: int,
+def rollout(engine: Engine, components, records: list[dict], samples_per_prompt: int, max_prompt_tokens: int,
             greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
     """`samples_per_prompt` responses to each record, scored; and the stage's timings and the
     generator's metrics. Prompts are cut to `max_prompt_tokens` (0: not cut)."""
@@ -51,7 +51,7 @@ def rollout(engine: Engine, components: Components, records: list[dict], samples
     return batch, {"time/generate": generated - started, "time/score": scored - generated, **components.generator.metrics()}
 
 
-def generate(engine: Engine, components: Components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool) -> list[Generation]:
+def generate(engine: Engine, components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool) -> list[Generation]:
     """The generator's output for each (prompt ids, mask) chunk, from the current weights:
     read whole (FSDP gathers them in every process), synced once into an engine of its own
     (vLLM last saw them before the last update), under the run's mixed precision."""
@@ -61,11 +61,12 @@ def generate(engine: Engine, components: Components, prompts: list[tuple[torch.T
             return [components.generator.generate(ids, mask, greedy=greedy) for ids, mask in prompts]
 
 
-def score(processes: Processes, components: Components, prompts: list[str], responses: list[str], columns: dict) -> list[float]:
+def score(processes: Processes, components, prompts: list[str], responses: list[str], columns: dict) -> list[float]:
     """The reward's scores, checked here, where every reward source passes. A reward that
     raises or breaks its contract on any process is a `BadReward` on every process, so that
     all of them stop or skip together."""
-    problem, scores = None, None
+    problem: dict[str, Any] | None = None
+    scores: list[float] = []
     try:
         returned = components.reward.score(prompts, responses, **columns)
     except RecipeError:  # the recipe's fault (a column the data lacks): exit 2 with its located message
@@ -93,16 +94,17 @@ def shaped(recipe: Recipe, scores: torch.Tensor, ended: torch.Tensor, lengths: t
                          ppo.score_clip)
 
 
-def greedy_baseline(engine: Engine, components: Components, recipe: Recipe, records: list[dict], batch: RolloutBatch,
+def greedy_baseline(engine: Engine, components, recipe: Recipe, records: list[dict], batch: RolloutBatch,
                     max_prompt_tokens: int) -> tuple[RolloutBatch, dict[str, float]]:
     """`batch` with `baseline_scores`: the shaped score of the greedy response to each of `records`
     (ReMax's baseline), given to every sample of that prompt."""
     greedy, timing = rollout(engine, components, records, 1, max_prompt_tokens, greedy=True)
+    assert greedy.scores is not None and greedy.ended is not None  # a rollout is scored
     baseline = shaped(recipe, greedy.scores, greedy.ended, greedy.response_mask.sum(dim=1)).repeat_interleave(recipe.ppo.samples_per_prompt)
     return batch.with_(baseline_scores=baseline), {"time/baseline": timing["time/generate"] + timing["time/score"]}
 
 
-def sample_responses(engine: Engine, components: Components, records: list[dict], batch_size: int, max_prompt_tokens: int,
+def sample_responses(engine: Engine, components, records: list[dict], batch_size: int, max_prompt_tokens: int,
                      greedy: bool = False) -> list[str]:
     """Responses of the current weights to `records`, `batch_size` at a time, without touching the
     training random stream (for before/after reports)."""

@@ -16,7 +16,6 @@ from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RlkitError, RunError
 from rlkit_core.interfaces import SilentTracker
 from rlkit_core.progress import Progress
-from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.recipe.inventory import flatten, inventory_rows
 from rlkit_core.recipe.resume_check import check_resumed_recipe
@@ -209,7 +208,7 @@ class Checkpointer:
     """The run's checkpoints: on the schedule (`run.checkpoint_every`), when the run stops early,
     and at the end."""
 
-    def __init__(self, recipe: Recipe, engine: Engine, components: Components, tracker, run_id: str | None):
+    def __init__(self, recipe: Recipe, engine: Engine, components, tracker, run_id: str | None):
         self.recipe, self.engine, self.components, self.tracker, self.run_id = recipe, engine, components, tracker, run_id
         self.latest: tuple[int, Path] | None = None  # (iteration, folder) of the latest this run wrote
 
@@ -360,7 +359,7 @@ def _samples_before(trainer: Trainer) -> list[dict]:
     return samples
 
 
-def _scored(recipe: Recipe, components: Components, records: list[dict], samples: list[dict]) -> list[dict]:
+def _scored(recipe: Recipe, components, records: list[dict], samples: list[dict]) -> list[dict]:
     """`samples` with the reward's score of the response before and after training. The run has
     finished by now, so a reward failing here only leaves the samples unscored."""
     both = records + records
@@ -390,6 +389,7 @@ def _finish_outputs(trainer: Trainer, outputs: RunOutputs, checkpointer: Checkpo
     model_dir = Path(recipe.run.output_dir) / "final_model"
     if processes.sharded:  # the model holds shards; the checkpoint holds the gathered weights
         shutil.rmtree(model_dir, ignore_errors=True)
+        assert recipe.registry is not None  # a recipe parsed for a run knows where its components came from
         export_checkpoint(str(final_checkpoint), str(model_dir), recipe.registry, merge_lora=True)
     else:
         trainer.components.policy.save_pretrained(str(model_dir), merge_adapters=True)

@@ -10,7 +10,6 @@ import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.functional import kl_per_token, logprobs_from_logits, token_rewards
-from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.forward import ForwardObserver, chunks_of, lengths_of, response_view, rows_of
@@ -19,7 +18,7 @@ from rlkit_core.runtime.rollout import shaped
 
 
 @torch.no_grad()
-def with_advantages(engine: Engine, components: Components, recipe: Recipe, batch: RolloutBatch,
+def with_advantages(engine: Engine, components, recipe: Recipe, batch: RolloutBatch,
                     observe: ForwardObserver | None = None) -> RolloutBatch:
     """`batch` with old and reference log-probs, values, per-token KL and rewards, advantages and
     returns: everything the update reads.
@@ -28,6 +27,7 @@ def with_advantages(engine: Engine, components: Components, recipe: Recipe, batc
     global batch (whitening statistics, groups), and this process keeps its rows of them."""
     processes = engine.processes
     batch = compare_to_reference(engine, components, recipe, batch, observe)
+    assert batch.scores is not None and batch.ended is not None and batch.kl is not None  # scored, then compared
     mask = batch.response_mask
     kl_coef = components.kl.beta if recipe.ppo.kl_penalty == "reward" else 0.0
     rewards = token_rewards(shaped(recipe, batch.scores, batch.ended, mask.sum(dim=1)), batch.kl, mask, kl_coef)
@@ -38,7 +38,7 @@ def with_advantages(engine: Engine, components: Components, recipe: Recipe, batc
 
 
 @torch.no_grad()
-def compare_to_reference(engine: Engine, components: Components, recipe: Recipe, batch: RolloutBatch,
+def compare_to_reference(engine: Engine, components, recipe: Recipe, batch: RolloutBatch,
                          observe: ForwardObserver | None = None) -> RolloutBatch:
     """Old and reference log-probs, values and the per-token KL (zero on padding), on this
     process's rollouts."""
@@ -46,7 +46,7 @@ def compare_to_reference(engine: Engine, components: Components, recipe: Recipe,
         return _compare_in_chunks(engine, components, recipe, batch, observe)
 
 
-def _compare_in_chunks(engine: Engine, components: Components, recipe: Recipe, batch: RolloutBatch,
+def _compare_in_chunks(engine: Engine, components, recipe: Recipe, batch: RolloutBatch,
                        observe: ForwardObserver | None) -> RolloutBatch:
     ppo, policy = recipe.ppo, components.policy
     temperature, suppressed = components.generator.temperature, policy.suppressed_token_ids

@@ -147,6 +147,7 @@ class Trainer:
         finished = time.perf_counter()
 
         batch = engine.processes.gather_batch(batch, components.policy.tokenizer.pad_token_id)  # the metrics are global
+        assert batch.kl is not None and batch.scores is not None and batch.ended is not None and batch.old_logprobs is not None
         mask = batch.response_mask
         kl_per_sequence = masked_sum(batch.kl, mask, dim=1)
         kl_now = float(kl_per_sequence.mean())
@@ -167,7 +168,7 @@ class Trainer:
             "time/iteration": finished - started,
             "time/tokens_per_second": float(mask.sum()) / (finished - started),
         })
-        if batch.values is not None:
+        if batch.values is not None and batch.returns is not None:
             metrics.update(critic_metrics(batch.values, batch.returns, mask))
         return Iteration(metrics, batch)
 
