@@ -117,9 +117,8 @@ def padding_shares(batch, counted: dict) -> dict[str, dict[str, float]]:
     return {phase: {k: None if v is None else round(v, 3) for k, v in share.items()} for phase, share in shares.items()}
 
 
-def positions_generated(trainer) -> dict[str, tuple]:
+def positions_generated(generator) -> dict[str, tuple]:
     """The generator's (computed, real) positions so far, where it counts them (`hf` does)."""
-    generator = trainer.parts.generator
     return {"generate": generator.positions} if hasattr(generator, "positions") else {}
 
 
@@ -210,8 +209,9 @@ def main() -> None:
     from rlkit_core.recipe.document import parse_recipe
     from rlkit_core.recipe.plan import model_size
     from rlkit_core.recipe.plugins import load_registry
+    from rlkit_core.runtime.forward import PositionCount
+    from rlkit_core.runtime.metrics_log import MetricsLog
     from rlkit_core.runtime.trainer import Trainer
-
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     peaks = [matmul_peak(device, dtype)]
@@ -240,21 +240,24 @@ def main() -> None:
         if args.generator == "vllm":
             document["generator"]["gpu_memory_fraction"] = args.vllm_memory_fraction
         recipe = parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"}))
-        trainer = Trainer(recipe)
+        counter = PositionCount()
+        trainer = Trainer(recipe, observe=counter)
+        generator, metrics_log = trainer.components.generator, MetricsLog(Path(recipe.run.output_dir) / "metrics.jsonl")
         history = []
         for _ in range(args.steps):
             started, cpu_started = time.perf_counter(), time.process_time()
-            counted_before = dict(trainer.positions) | positions_generated(trainer)
-            metrics = trainer.step()
+            counted_before = dict(counter.positions) | positions_generated(generator)
+            iteration = trainer.iterate()
+            metrics, batch = iteration.metrics, iteration.batch
             counted = {phase: tuple(now - then for now, then in zip(positions[phase], counted_before[phase]))
-                       for positions in (trainer.positions, positions_generated(trainer)) for phase in positions}
-            lengths = list(zip(*(t.sum(dim=1).tolist() for t in (trainer.last_batch.prompt_mask, trainer.last_batch.response_mask))))
+                       for positions in (counter.positions, positions_generated(generator)) for phase in positions}
+            lengths = list(zip(*(t.sum(dim=1).tolist() for t in (batch.prompt_mask, batch.response_mask))))
             stepped = time.perf_counter()
-            trainer.metrics_log.append(trainer.iteration, metrics)
+            metrics_log.append(trainer.state.iteration, metrics)
             # tracking: the step's bookkeeping after the update, and writing metrics.jsonl
             metrics["time/tracking"] = (stepped - started - metrics["time/iteration"]) + (time.perf_counter() - stepped)
             metrics["time/cpu"] = time.process_time() - cpu_started
-            metrics["padding"] = padding_shares(trainer.last_batch, counted)
+            metrics["padding"] = padding_shares(batch, counted)
             metrics["lengths"] = lengths
             history.append(metrics)
         if args.profile:

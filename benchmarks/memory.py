@@ -71,7 +71,7 @@ def one_case(folder: Path, lora_r: int, checkpointing: bool) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     mib = 2**20
     return {"lora_r": lora_r, "gradient_checkpointing": checkpointing, "processes": processes, "fsdp": sharded,
-            "process": trainer.processes.index,
+            "process": trainer.engine.processes.index,
             # before the first step only the weights are resident (AdamW allocates its state at the first step)
             "estimate_weights_mib": round(parts["weights"] / mib), "measured_after_build_mib": round(built / mib),
             "estimate_peak_mib": round(parts["peak"] / mib), "measured_peak_mib": round(peak / mib),

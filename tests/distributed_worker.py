@@ -24,19 +24,19 @@ from rlkit_core.runtime.trainer import Trainer
 
 def flat_weights(trainer) -> torch.Tensor:
     """Every trained weight, whole (under FSDP a process holds shards; they are gathered here)."""
-    with trainer.full_weights():
-        critic = trainer.value_head.parameters() if trainer.value_head is not None else []
-        return torch.cat([p.detach().flatten().clone() for p in [*trainer.policy.parameters(), *critic]])
+    with trainer.engine.full_weights():
+        critic = trainer.components.value_head.parameters() if trainer.components.value_head is not None else []
+        return torch.cat([p.detach().flatten().clone() for p in [*trainer.components.policy.parameters(), *critic]])
 
 
 def held_share(trainer) -> float:
     """The fraction of the trained weights this process holds: 1, or under FSDP its shards' share."""
-    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in trainer.parameters)
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in trainer.engine.parameters)
     return held / len(flat_weights(trainer))
 
 
 def same_everywhere(trainer) -> bool:
-    weights = trainer.processes.gather_objects(flat_weights(trainer))
+    weights = trainer.engine.processes.gather_objects(flat_weights(trainer))
     return all(torch.equal(weights[0], w) for w in weights)
 
 
@@ -44,11 +44,11 @@ def main(document_path: str, out: str) -> None:
     document = json.loads(Path(document_path).read_text())
     launch = Launch.from_environment()  # torchrun's, with the FSDP variables under tests/fsdp_on_cpu.py
     trainer = Trainer(parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"}), launch=launch), launch=launch)
-    processes = trainer.processes
+    processes = trainer.engine.processes
 
     start, held = flat_weights(trainer), held_share(trainer)
     computed_in = set()  # the dtypes the policy's head computed in: sampling, the no-grad passes, the update
-    trainer.policy.model.get_output_embeddings().register_forward_hook(lambda module, args, out: computed_in.add(str(out.dtype)))
+    trainer.components.policy.model.get_output_embeddings().register_forward_hook(lambda module, args, out: computed_in.add(str(out.dtype)))
     torch.manual_seed(1234)  # the same global batch in every process
     whole, _ = trainer.rollout(trainer.stream.batch(0))
     rows = len(whole) // processes.count

@@ -17,6 +17,7 @@ from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime import checkpoint
 from rlkit_core.runtime.export import export_checkpoint
 from rlkit_core.runtime.run import run_recipe
+from rlkit_core.runtime.state import RunState
 from rlkit_core.runtime.trainer import Trainer
 
 
@@ -118,7 +119,7 @@ def test_the_fp16_loss_scaler_is_checkpointed_and_restored(recipe_document, buil
     takes it through accelerate's save_state and load_state as on a GPU."""
     recipe = parse_recipe(dict(recipe_document, run={**recipe_document["run"], "output_dir": str(tmp_path / "run")}), builtin_registry)
     trainer = Trainer(recipe)
-    scaler = trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    scaler = trainer.engine.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
     weight = torch.nn.Parameter(torch.ones(1))
     optimizer = torch.optim.SGD([weight], lr=0.1)
     for loss in [weight.sum() * float("inf"), weight.sum(), weight.sum(), weight.sum()]:  # one overflow, then 3 good steps
@@ -128,15 +129,14 @@ def test_the_fp16_loss_scaler_is_checkpointed_and_restored(recipe_document, buil
         scaler.update()
     assert scaler.state_dict() == {"scale": 2.0 ** 15, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
                                    "_growth_tracker": 3}
-    trainer.iteration = 1
-    path = checkpoint.save_checkpoint(trainer, None, keep=1)
+    path = checkpoint.save_checkpoint(trainer.engine, trainer.components, recipe, RunState(iteration=1), None, keep=1)
     assert "state/scaler.pt" in json.loads((path / "manifest.json").read_text())["files"]
 
     resumed = Trainer(recipe)
-    resumed.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-    checkpoint.load_checkpoint(resumed, path)
-    assert resumed.accelerator.scaler.state_dict() == scaler.state_dict()
-    assert resumed.accelerator.scaler.get_scale() == 2.0 ** 15 and resumed.iteration == 1
+    resumed.engine.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    state, _ = checkpoint.load_checkpoint(resumed.engine, resumed.components, path)
+    assert resumed.engine.accelerator.scaler.state_dict() == scaler.state_dict()
+    assert resumed.engine.accelerator.scaler.get_scale() == 2.0 ** 15 and state.iteration == 1
 
 
 def test_a_checkpoint_of_the_earlier_layout_is_refused_with_the_fix(recipe_document, builtin_registry, write_recipe, tmp_path, capsys):

@@ -315,8 +315,8 @@ def test_remax_baseline_is_the_score_of_the_greedy_response(recipe_document, bui
     batch, _ = trainer.rollout(records)
     with_baseline, timing = trainer.greedy_baseline(records, batch)
     greedy = trainer.sample_responses(records, greedy=True)
-    scores = trainer.parts.reward.score([r["prompt"] for r in records], greedy, letter=[r["letter"] for r in records])
-    ended = [trainer.tokenizer.eos_token in text for text in greedy]  # decoded without special tokens: never there
+    scores = trainer.components.reward.score([r["prompt"] for r in records], greedy, letter=[r["letter"] for r in records])
+    ended = [trainer.components.policy.tokenizer.eos_token in text for text in greedy]  # decoded without special tokens: never there
     expected = [s - 0.25 * (not e) for s, e in zip(scores, ended) for _ in range(2)]
     assert with_baseline.baseline_scores.tolist() == approx(expected)
     assert timing["time/baseline"] > 0
@@ -327,8 +327,8 @@ def test_a_critic_free_run_has_no_critic_anywhere(recipe_document, builtin_regis
     document = critic_free(recipe_document, "rloo")
     document["run"]["steps"] = 1
     trainer = Trainer(parse_recipe(document, builtin_registry))
-    assert trainer.value_head is None
-    assert len(trainer.parameters) == len(list(trainer.policy.parameters()))
+    assert trainer.components.value_head is None
+    assert len(trainer.engine.parameters) == len(list(trainer.components.policy.parameters()))
     run_recipe(parse_recipe(document, builtin_registry), quiet=True, out=io.StringIO())
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert "train/loss_policy" in row

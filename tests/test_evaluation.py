@@ -38,7 +38,7 @@ def test_hold_out_is_seeded_and_disjoint():
 
 def test_held_out_prompts_never_reach_a_training_batch(recipe_document, builtin_registry):
     trainer = Trainer(parse_recipe(with_eval(recipe_document), builtin_registry))
-    held = {r["prompt"] for r in trainer.eval_records}
+    held = {r["prompt"] for r in trainer.prompts.held_out}
     assert len(held) == 8
     seen = {r["prompt"] for i in range(20) for r in trainer.stream.batch(i)}  # several passes over the data
     assert seen and held.isdisjoint(seen)
@@ -62,7 +62,7 @@ def test_run_evaluates_before_and_after_and_reports_both(recipe_document, builti
     assert "held-out evaluation, iteration 0 → 3:" in text and "  score " in text
     samples = json.loads((tmp_path / "run" / "samples_before.json").read_text())
     trainer = Trainer(parse_recipe(document, builtin_registry))
-    assert [s["prompt"] for s in samples] == [r["prompt"] for r in trainer.eval_records]  # all 8, fixed before training
+    assert [s["prompt"] for s in samples] == [r["prompt"] for r in trainer.prompts.held_out]  # all 8, fixed before training
     assert "greedy responses to 8 held-out prompts, after training: " in text
     assert text.count("\nsample ") == 5 and "(score " in text
 
@@ -92,8 +92,8 @@ def test_a_reward_failing_on_the_reports_samples_leaves_them_unscored(recipe_doc
     broken.write_text("def score(prompts, responses, **columns):\n    raise ConnectionError('reward server went away')\n")
     recipe_document["reward"]["function"] = f"{broken}:score"
     trainer = Trainer(parse_recipe(with_eval(recipe_document), builtin_registry))
-    samples = [{"prompt": r["prompt"], "before": "x", "after": "y"} for r in trainer.eval_records]
-    assert _scored(trainer, trainer.eval_records, samples) == samples
+    samples = [{"prompt": r["prompt"], "before": "x", "after": "y"} for r in trainer.prompts.held_out]
+    assert _scored(trainer.recipe, trainer.components, trainer.prompts.held_out, samples) == samples
     warning = capsys.readouterr().err
     assert "rlkit run: warning: " in warning and "reward server went away" in warning and "shown unscored" in warning
 

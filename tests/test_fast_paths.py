@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from plugins.hf_policy import HFPolicy, HFPolicyConfig
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.forward import response_view, rows_of
 from rlkit_core.runtime.trainer import Trainer
 from rlkit_core.testing import policy_inputs
 
@@ -49,11 +50,11 @@ def test_response_logprobs_equal_the_ones_from_every_position(recipe_document, b
     batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
     sequence = batch.sequence()
     with torch.no_grad():
-        logprobs, values, _, _ = trainer._response_view(batch, trainer._rows(batch), grad=False)
-        every = trainer.policy.forward(*sequence)
+        logprobs, values, _, _ = response_view(trainer.components, batch, rows_of(batch, trainer.recipe.ppo.pack_sequences), grad=False)
+        every = trainer.components.policy.forward(*sequence)
     response_logits = every.logits[:, batch.prompt_length - 1:-1]
-    expected = logprobs_from_logits(response_logits, batch.response_ids, trainer.parts.generator.temperature,
-                                    trainer.policy.suppressed_token_ids)
+    expected = logprobs_from_logits(response_logits, batch.response_ids, trainer.components.generator.temperature,
+                                    trainer.components.policy.suppressed_token_ids)
     counted = batch.response_mask.bool()
     assert torch.allclose(logprobs[counted], expected[counted], atol=1e-6)
     assert torch.allclose(batch.old_logprobs[counted], expected[counted], atol=1e-6)

@@ -128,9 +128,9 @@ def trained(document, registry, iterations, prepare=None):
         prepare(trainer)
     monitor, first = HealthMonitor(trainer.recipe.health), {}
     for _ in range(iterations):
-        metrics = trainer.step()
-        for finding in monitor.observe(metrics, trainer.last_batch, getattr(trainer.parts.kl, "target", None)):
-            first[finding.check] = trainer.iteration
+        iteration = trainer.iterate()
+        for finding in monitor.observe(iteration.metrics, iteration.batch, getattr(trainer.components.kl, "target", None)):
+            first[finding.check] = trainer.state.iteration
     return first
 
 
@@ -161,7 +161,7 @@ def test_a_generator_left_on_the_first_weights_trips_the_logprob_gap(recipe_docu
     fast = dict(recipe_document, optim={"learning_rate": 1e-2})
 
     def stale(trainer):
-        trainer.parts.generator.policy = copy.deepcopy(trainer.policy)  # its own model, never updated
+        trainer.components.generator.policy = copy.deepcopy(trainer.components.policy)  # its own model, never updated
 
     assert trained(fast, builtin_registry, 3, stale).get("logprob_gap_jump") == 2
     assert "logprob_gap_jump" not in trained(fast, builtin_registry, 3)

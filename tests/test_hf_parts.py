@@ -15,7 +15,7 @@ def lora_trainer(recipe_document, registry):
 
 def test_lora_trains_only_adapters_and_the_reference_is_the_base(recipe_document, builtin_registry):
     trainer = lora_trainer(recipe_document, builtin_registry)
-    policy = trainer.policy
+    policy = trainer.components.policy
     assert policy._reference is None  # no frozen copy: the base with adapters disabled serves
     names = [name for name, p in policy.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in name for name in names)

@@ -10,6 +10,8 @@ from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime import update
+from rlkit_core.runtime.forward import PositionCount, response_view
 from rlkit_core.runtime.microbatches import TooLong, budget_pieces, fixed_pieces
 from rlkit_core.runtime.packing import PackedRows, PaddedRows, packed_layout
 from rlkit_core.runtime.trainer import Trainer
@@ -135,9 +137,9 @@ def ragged_document(request, recipe_document, tmp_path):
 def rollout(trainer: Trainer) -> RolloutBatch:
     """A ragged batch; the critic's zero-initialised head gets weights, so that values differ by position."""
     torch.manual_seed(5)
-    head = getattr(trainer.value_head, "head", None) or trainer.value_head.score
+    head = getattr(trainer.components.value_head, "head", None) or trainer.components.value_head.score
     torch.nn.init.normal_(head.weight, std=0.1)
-    return ragged(trainer.rollout(trainer.stream.batch(0))[0], trainer.tokenizer.pad_token_id)
+    return ragged(trainer.rollout(trainer.stream.batch(0))[0], trainer.components.policy.tokenizer.pad_token_id)
 
 
 @pytest.mark.parametrize("packed, budget", [(False, 0), (False, 60), (True, 0), (True, 100)],
@@ -146,23 +148,26 @@ def test_no_grad_passes_on_trimmed_pieces_equal_the_padded_computation(ragged_do
     """Packed with a budget, short rollouts share rows: attention must stay within each."""
     ragged_document["ppo"].update({"forward_batch_size": 0 if budget else 4, "max_tokens_per_forward": budget,
                                    "pack_sequences": packed})
-    trainer = Trainer(parse_recipe(ragged_document, builtin_registry))
+    counter, laid_out = PositionCount(), []
+
+    def observe(phase, chunk, rows):
+        laid_out.append((len(chunk), len(rows.inputs[0])))
+        counter(phase, chunk, rows)
+    trainer = Trainer(parse_recipe(ragged_document, builtin_registry), observe=observe)
     batch = rollout(trainer)
-    laid_out, rows_of = [], trainer._rows
-    trainer._rows = lambda part: laid_out.append((len(part), len(rows_of(part).inputs[0]))) or rows_of(part)
     compared = trainer.compare_to_reference(batch)
 
     with torch.no_grad():  # the whole padded batch in one pass, as before trimming
         sequence = batch.sequence()
-        logprobs, values, _, _ = trainer._response_view(batch, PaddedRows(batch), grad=False)
-        ref_logits = trainer.policy.reference_logits(*sequence, start=batch.prompt_length - 1)[:, :-1]
-        ref_logprobs = logprobs_from_logits(ref_logits, batch.response_ids, trainer.parts.generator.temperature,
-                                            trainer.policy.suppressed_token_ids)
+        logprobs, values, _, _ = response_view(trainer.components, batch, PaddedRows(batch), grad=False)
+        ref_logits = trainer.components.policy.reference_logits(*sequence, start=batch.prompt_length - 1)[:, :-1]
+        ref_logprobs = logprobs_from_logits(ref_logits, batch.response_ids, trainer.components.generator.temperature,
+                                            trainer.components.policy.suppressed_token_ids)
     counted = batch.response_mask.bool()
     assert counted.float().mean() < 0.7  # ragged: there was padding to leave out
     for name, padded in [("old_logprobs", logprobs), ("ref_logprobs", ref_logprobs), ("values", values)]:
         assert (getattr(compared, name)[counted] - padded[counted]).abs().max() < 1e-5, name
-    computed, real = trainer.positions["forward"]
+    computed, real = counter.positions["forward"]
     assert computed < 0.8 * (batch.prompt_mask.numel() + batch.response_mask.numel())  # pieces were trimmed
     assert real == int(batch.prompt_mask.sum() + batch.response_mask.sum())
     if packed:  # rows of rollouts end to end leave less padding than any trimmed piece
@@ -176,22 +181,23 @@ def test_no_grad_passes_on_trimmed_pieces_equal_the_padded_computation(ragged_do
     (True, {"gradient_accumulation_steps": 4}, {}), (True, {"max_tokens_per_microbatch": 100}, {}),
     (True, {"max_tokens_per_microbatch": 100}, {"gradient_checkpointing": True, "lora_r": 4}),
 ], ids=["trimmed-accumulating", "trimmed-budget", "packed-accumulating", "packed-budget", "packed-budget-lora-checkpointing"])
-def test_the_update_on_trimmed_micro_batches_equals_the_padded_one(ragged_document, builtin_registry, split, packed, policy):
+def test_the_update_on_trimmed_micro_batches_equals_the_padded_one(ragged_document, builtin_registry, split, packed, policy, monkeypatch):
     ragged_document["ppo"].update(split, pack_sequences=packed)
     ragged_document["policy"].update(policy)
     ragged_document["optim"]["max_grad_norm"] = 0.0  # the step sees the summed gradient as it is
     trainer = Trainer(parse_recipe(ragged_document, builtin_registry))
     batch = trainer.with_advantages(rollout(trainer))
     token_count = batch.response_mask.sum()
-    trainer._micro_step(batch, PaddedRows(batch), token_count)  # the whole padded minibatch at once: the fixed split of one
-    padded = torch.cat([p.grad.flatten() for p in trainer.parameters])
-    trainer.optimizer.zero_grad(set_to_none=True)
+    # the whole padded minibatch at once: the fixed split of one
+    update._micro_step(trainer.engine, trainer.components, trainer.recipe, batch, PaddedRows(batch), token_count)
+    padded = torch.cat([p.grad.flatten() for p in trainer.engine.parameters])
+    trainer.engine.optimizer.zero_grad(set_to_none=True)
 
     gradients = []  # the summed gradient the optimiser step sees
-    trainer.optimizer.optimizer.register_step_pre_hook(lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.parameters])))
-    micro_batches, step = [], trainer._micro_step  # (rollouts, computed positions, rows) of each
-    trainer._micro_step = lambda micro, rows, count: micro_batches.append(
-        (len(micro), rows.computed, len(rows.inputs[0]))) or step(micro, rows, count)
+    trainer.engine.optimizer.optimizer.register_step_pre_hook(lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.engine.parameters])))
+    micro_batches, step = [], update._micro_step  # (rollouts, computed positions, rows) of each
+    monkeypatch.setattr(update, "_micro_step", lambda engine, components, recipe, micro, rows, count: micro_batches.append(
+        (len(micro), rows.computed, len(rows.inputs[0]))) or step(engine, components, recipe, micro, rows, count))
     trainer.train_on(batch)
     assert len(gradients) == 1 and padded.abs().max() > 1e-3
     assert (gradients[0] - padded).abs().max() < 1e-5 * padded.abs().max()
@@ -246,10 +252,10 @@ def test_generation_in_length_ordered_chunks_gives_each_prompt_its_own_response(
     if style == "padless-gpt2":
         recipe_document["policy"]["model"] = str(write_tiny_model(tmp_path / "gpt2-style", "gpt2"))
     trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
-    generator = trainer.parts.generator
-    prompt_ids, prompt_mask = encode_prompts(trainer.tokenizer, trainer.records[:8], trainer.device)
+    generator = trainer.components.generator
+    prompt_ids, prompt_mask = encode_prompts(trainer.components.policy.tokenizer, trainer.prompts.train[:8], trainer.engine.device)
     assert len(set(prompt_mask.sum(dim=1).tolist())) > 2  # prompts of several lengths
-    pad = torch.full((8, 4), trainer.tokenizer.pad_token_id)
+    pad = torch.full((8, 4), trainer.components.policy.tokenizer.pad_token_id)
     padded_ids, padded_mask = torch.cat([pad, prompt_ids], dim=1), torch.cat([torch.zeros_like(pad), prompt_mask], dim=1)
     whole = generator.generate(prompt_ids, prompt_mask, greedy=True)
     generator.config = attrs.evolve(generator.config, batch_size=3)
@@ -287,14 +293,15 @@ def test_rlkit_check_estimates_the_update_with_the_token_budget(recipe_document,
 
 def test_every_process_runs_as_many_micro_batches_as_the_one_that_needs_most(recipe_document, builtin_registry, monkeypatch):
     """DDP's and FSDP's collective calls pair up only if every process takes as many steps."""
-    from rlkit_core.runtime.trainer import lengths_of
+    from rlkit_core.runtime.forward import chunks_of, lengths_of
 
     recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16})
     trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
     batch = trainer.rollout(trainer.stream.batch(0))[0]
     index, lengths = torch.arange(len(batch)), lengths_of(batch)
-    assert len(trainer._pieces(index, lengths, 1000, 16, "max_tokens_per_microbatch", same_count=True)) == 1  # all fit at once
-    monkeypatch.setattr(trainer.processes, "count", 2)
-    monkeypatch.setattr(trainer.processes, "gather_objects", lambda value: [value, 5])  # the other process needs 5
-    pieces = trainer._pieces(index, lengths, 1000, 16, "max_tokens_per_microbatch", same_count=True)
+    processes = trainer.engine.processes
+    assert len(chunks_of(index, lengths, 1000, 16, "max_tokens_per_microbatch", False, processes)) == 1  # all fit at once
+    monkeypatch.setattr(trainer.engine.processes, "count", 2)
+    monkeypatch.setattr(trainer.engine.processes, "gather_objects", lambda value: [value, 5])  # the other process needs 5
+    pieces = chunks_of(index, lengths, 1000, 16, "max_tokens_per_microbatch", False, processes)
     assert len(pieces) == 5 and sorted(torch.cat(pieces).tolist()) == list(range(16))

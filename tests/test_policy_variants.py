@@ -56,7 +56,7 @@ def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch(grpo_document, b
     records = trainer.stream.batch(0)
     flat_prompts = sum(r["prompt"][0] in "ab" for r in records)
     assert flat_prompts  # the first batch has prompts whose groups are flat
-    batch, metrics = trainer.dynamic_sampler.rollout(records)
+    batch, metrics = trainer.dynamic_sampler.rollout(records, 0)
     assert len(batch) == 16 and batch.group_ids.tolist() == [i // 4 for i in range(16)]
     for rows in groups_of(batch, 4):  # each group: one prompt, and scores that differ
         assert len({batch.prompts[i] for i in rows}) == 1
@@ -74,7 +74,7 @@ def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch(grpo_document, b
 def test_dynamic_sampling_out_of_rounds_fills_with_flat_groups(grpo_document, builtin_registry, monkeypatch):
     monkeypatch.setenv("FLAT_RANK", "0")  # every group flat on this (the only) process
     trainer = Trainer(parse_recipe(grpo_document, builtin_registry))
-    batch, metrics = trainer.dynamic_sampler.rollout(trainer.stream.batch(0))
+    batch, metrics = trainer.dynamic_sampler.rollout(trainer.stream.batch(0), 0)
     # 4 prompts a round, 1 + 2 rounds: 12 flat groups, 4 of them fill the batch, 8 dropped
     assert metrics["batch/extra_rounds"] == 2
     assert metrics["batch/constant_groups_kept"] == 4 and metrics["batch/dropped_groups"] == 8

@@ -13,6 +13,7 @@ import torch
 
 from rlkit_core.errors import RecipeError
 from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.forward import response_view, rows_of
 from rlkit_core.runtime.trainer import Trainer
 from rlkit_core.testing.offline_models import write_tiny_model
 
@@ -78,7 +79,7 @@ def test_padless_tokenizer_gets_a_pad_that_is_never_sampled(recipe_document, bui
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm)},
                                             generator={"max_new_tokens": 32, "temperature": 2.0},
                                             ppo={"batch_size": 64, "minibatch_size": 32}), builtin_registry))
-    tokenizer, policy = trainer.tokenizer, trainer.policy
+    tokenizer, policy = trainer.components.policy.tokenizer, trainer.components.policy
     assert tokenizer.pad_token_id == len(original) and tokenizer.pad_token_id not in policy.eos_token_ids
     assert policy.suppressed_token_ids == (tokenizer.pad_token_id,)
     assert policy.model.get_input_embeddings().num_embeddings == len(original) + 1  # no spare row: one added
@@ -94,14 +95,14 @@ def test_spare_embedding_rows_take_the_pad_without_a_resize(recipe_document, bui
 
     rows = AutoConfig.from_pretrained(chat_lm).vocab_size
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm)}), builtin_registry))
-    assert trainer.policy.model.get_input_embeddings().num_embeddings == rows
-    assert trainer.tokenizer.pad_token_id < rows
+    assert trainer.components.policy.model.get_input_embeddings().num_embeddings == rows
+    assert trainer.components.policy.tokenizer.pad_token_id < rows
 
 
 def test_separate_critic_reads_a_padless_policys_ids(recipe_document, builtin_registry, gpt2_lm, gpt2_classifier):
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm)},
                                             value_head={"type": "separate", "model": str(gpt2_classifier)}), builtin_registry))
-    assert trainer.tokenizer.pad_token_id >= trainer.value_head.model.get_input_embeddings().num_embeddings
+    assert trainer.components.policy.tokenizer.pad_token_id >= trainer.components.value_head.model.get_input_embeddings().num_embeddings
     batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
     assert trainer.train_on(batch)["train/value_loss"] > 0
 
@@ -123,24 +124,24 @@ def test_critic_with_another_vocabulary_is_refused_at_build_and_by_check(recipe_
 def test_a_response_ending_on_the_second_end_id_counts_as_ended(recipe_document, builtin_registry, chat_lm):
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm)},
                                             ppo={"missing_eos_penalty": 1.0}), builtin_registry))
-    tokenizer = trainer.tokenizer
+    tokenizer = trainer.components.policy.tokenizer
     end_of_turn = tokenizer.convert_tokens_to_ids("<|eot_id|>")
-    assert trainer.policy.eos_token_ids == (tokenizer.eos_token_id, end_of_turn)
+    assert trainer.components.policy.eos_token_ids == (tokenizer.eos_token_id, end_of_turn)
 
     def favour_end_of_turn(module, inputs, output):
         output[..., end_of_turn] += 50.0
         return output
 
-    trainer.policy.model.lm_head.register_forward_hook(favour_end_of_turn)
+    trainer.components.policy.model.lm_head.register_forward_hook(favour_end_of_turn)
     batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
     assert (batch.response_ids[:, 0] == end_of_turn).all() and (batch.response_mask.sum(dim=1) == 1).all()
     assert batch.ended.all()
-    assert torch.allclose(batch.rewards[:, 0], batch.scores - trainer.parts.kl.beta * batch.kl[:, 0])  # no missing-EOS penalty
+    assert torch.allclose(batch.rewards[:, 0], batch.scores - trainer.components.kl.beta * batch.kl[:, 0])  # no missing-EOS penalty
 
 
 def test_end_tokens_from_the_recipe_join_the_end_ids(recipe_document, builtin_registry, gpt2_lm, chat_lm):
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm), "end_tokens": ["<|start_header_id|>"]}), builtin_registry))
-    assert trainer.policy.eos_token_ids[-1] == trainer.tokenizer.convert_tokens_to_ids("<|start_header_id|>")
+    assert trainer.components.policy.eos_token_ids[-1] == trainer.components.policy.tokenizer.convert_tokens_to_ids("<|start_header_id|>")
     with pytest.raises(RecipeError, match=r"\$\.policy\.end_tokens: '<\|im_end\|>' is not a token of the policy's tokenizer"):
         Trainer(parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm), "end_tokens": ["<|im_end|>"]}), builtin_registry))
 
@@ -201,7 +202,7 @@ def test_check_warns_on_k1_in_the_loss(recipe_document, builtin_registry):
 def test_entropy_keeps_a_graph_only_when_the_loss_uses_it(recipe_document, builtin_registry, coef, graphed):
     trainer = Trainer(parse_recipe(document(recipe_document, loss={"entropy_coef": coef}), builtin_registry))
     batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
-    _, _, entropy, _ = trainer._response_view(batch, trainer._rows(batch), grad=True)
+    _, _, entropy, _ = response_view(trainer.components, batch, rows_of(batch, trainer.recipe.ppo.pack_sequences), grad=True)
     assert entropy.requires_grad is graphed
     assert torch.isfinite(entropy).all()
 
@@ -224,8 +225,8 @@ def test_chat_records_render_with_the_policys_template_and_rewards_see_text_and_
     assert got["prompt"].startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>")
     assert got["prompt"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert got["messages"][1]["role"] == "user" and got["topic"] == "happy"
-    ids = trainer.tokenizer(got["prompt"], add_special_tokens=False)["input_ids"]
-    assert ids.count(trainer.tokenizer.bos_token_id) == 1  # the template's BOS, not a second one
+    ids = trainer.components.policy.tokenizer(got["prompt"], add_special_tokens=False)["input_ids"]
+    assert ids.count(trainer.components.policy.tokenizer.bos_token_id) == 1  # the template's BOS, not a second one
 
 
 def test_reward_model_rerenders_the_conversation_with_its_own_template(chat_classifier, gpt2_classifier):
@@ -261,8 +262,8 @@ def test_reward_model_with_a_tokenizer_too_big_for_it_is_refused(gpt2_classifier
 def test_long_prompts_are_cut_or_skipped_and_counted(recipe_document, builtin_registry, chat_lm, chat_prompts, truncate, kept, cut, skipped):
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(chat_lm)},
                                             data={"path": str(chat_prompts), "max_prompt_tokens": 70, "truncate": truncate}), builtin_registry))
-    assert trainer.prompt_counts == {"loaded": 16, "cut": cut, "skipped": skipped, "empty": 0}
-    assert len(trainer.records) == kept
+    assert trainer.prompts.counts == {"loaded": 16, "cut": cut, "skipped": skipped, "empty": 0}
+    assert len(trainer.prompts.train) == kept
     batch, _ = trainer.rollout(trainer.stream.batch(0))
     assert batch.prompt_ids.shape[1] <= 70
 
@@ -368,11 +369,12 @@ def test_critic_free_estimators_on_real_style_tokenizers(recipe_document, builti
     if model == "chat_lm":
         tables["data"] = {"path": str(chat_prompts)}
     trainer = Trainer(parse_recipe(document(recipe_document, **tables), builtin_registry))
-    metrics = trainer.step()
-    assert trainer.value_head is None and not [name for name in metrics if "value" in name]
+    iteration = trainer.iterate()
+    metrics = iteration.metrics
+    assert trainer.components.value_head is None and not [name for name in metrics if "value" in name]
     assert all(math.isfinite(value) for value in metrics.values())
     assert ("time/baseline" in metrics) == (estimator == "remax")
-    assert trainer.tokenizer.pad_token_id not in trainer.last_batch.response_ids[trainer.last_batch.response_mask.bool()]
+    assert trainer.components.policy.tokenizer.pad_token_id not in iteration.batch.response_ids[iteration.batch.response_mask.bool()]
 
 
 @pytest.mark.parametrize("estimator, samples, model", [("remax", 1, "chat_lm"), ("grpo", 2, "gpt2_lm")])

@@ -229,8 +229,8 @@ def test_gradient_accumulation_gives_the_same_update(recipe_document, builtin_re
         document["ppo"].update({"minibatch_size": 16, "batch_size": 16, "gradient_accumulation_steps": accumulation})
         trainer = Trainer(parse_recipe(document, builtin_registry))
         gradients = []  # the summed gradient each optimiser step sees
-        trainer.optimizer.optimizer.register_step_pre_hook(
-            lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.parameters])))
+        trainer.engine.optimizer.optimizer.register_step_pre_hook(
+            lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.engine.parameters])))
         torch.manual_seed(5)
         batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
         metrics = trainer.train_on(batch)
@@ -257,9 +257,9 @@ from rlkit_core.runtime.trainer import Trainer
 launch = Launch.from_environment()
 trainer = Trainer(parse_recipe(json.loads(sys.argv[1]), load_registry(environ={"RLKIT_PLUGINS": "none"}), launch=launch), launch=launch)
 seen = set()
-trainer.policy.model.lm_head.register_forward_hook(lambda module, args, out: seen.add(str(out.dtype)))
+trainer.components.policy.model.lm_head.register_forward_hook(lambda module, args, out: seen.add(str(out.dtype)))
 metrics = [trainer.step() for _ in range(2)]
-print(json.dumps({"dtypes": sorted(seen), "weights": sorted({str(p.dtype) for p in trainer.parameters}),
+print(json.dumps({"dtypes": sorted(seen), "weights": sorted({str(p.dtype) for p in trainer.engine.parameters}),
                   "finite": all(math.isfinite(v) for m in metrics for v in m.values()),
                   "logprob_gap": metrics[0]["check/logprob_gap"]}))
 """
@@ -367,7 +367,7 @@ def test_generation_in_chunks_pads_every_chunk_to_the_longest(recipe_document, b
 
     recipe_document["generator"]["batch_size"] = 2
     trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
-    generator, pad = trainer.parts.generator, trainer.tokenizer.pad_token_id
+    generator, pad = trainer.components.generator, trainer.components.policy.tokenizer.pad_token_id
 
     def fake(prompt_ids, prompt_mask, greedy):  # the first chunk stops after 1 token, the second after 3
         width = 1 if prompt_ids[0, -1] == 10 else 3

@@ -155,11 +155,11 @@ def test_cispo_trains_a_step(recipe_document, builtin_registry):
     recipe_document["loss"] = {"type": "ppo-clip", "surrogate": "cispo", "clip_high": 0.28}
     recipe_document["run"]["steps"] = 1
     trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
-    before = [p.detach().clone() for p in trainer.parameters]
+    before = [p.detach().clone() for p in trainer.engine.parameters]
     metrics = trainer.step()
     assert math.isfinite(metrics["train/loss_policy"]) and math.isfinite(metrics["train/loss"])
     assert 0.0 <= metrics["train/clipfrac"] <= 1.0 and metrics["train/skipped"] == 0.0
-    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.parameters))
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.engine.parameters))
 
 
 class LogitLoss(Loss):
@@ -186,7 +186,7 @@ def test_the_loop_keeps_the_logits_only_for_a_loss_that_declares_them(recipe_doc
     trainer = Trainer(parse_recipe(recipe_document, registry))
     trainer.step()
     [logits] = LogitLoss.seen
-    vocabulary = trainer.policy.model.config.vocab_size
+    vocabulary = trainer.components.policy.model.config.vocab_size
     assert logits.requires_grad and logits.dim() == 3 and logits.shape[2] == vocabulary
 
     ppo_clip = build_loss(recipe_document, builtin_registry)

@@ -26,20 +26,20 @@ def one_step(document, registry):
 @pytest.mark.parametrize("kl_type, controller", [("fixed", FixedKL), ("adaptive", AdaptiveKL)])
 def test_kl_controller_swaps(recipe_document, builtin_registry, kl_type, controller):
     recipe_document["kl"] = {"type": kl_type, "beta": 0.05}
-    kl = one_step(recipe_document, builtin_registry).parts.kl
+    kl = one_step(recipe_document, builtin_registry).components.kl
     assert type(kl) is controller
     moved = kl.beta != 0.05
     assert moved is (kl_type == "adaptive")
 
 
 def test_reward_swaps_from_python_function_to_reward_model(recipe_document, builtin_registry, tiny_reward_model):
-    assert type(one_step(copy.deepcopy(recipe_document), builtin_registry).parts.reward) is PythonReward
+    assert type(one_step(copy.deepcopy(recipe_document), builtin_registry).components.reward) is PythonReward
     recipe_document["reward"] = {"type": "reward-model", "model": str(tiny_reward_model), "batch_size": 8}
-    assert type(one_step(recipe_document, builtin_registry).parts.reward) is RewardModel
+    assert type(one_step(recipe_document, builtin_registry).components.reward) is RewardModel
 
 
 def test_generator_hf_trains_and_vllm_says_what_this_machine_lacks(recipe_document, builtin_registry, write_recipe, monkeypatch, capsys):
-    assert type(one_step(copy.deepcopy(recipe_document), builtin_registry).parts.generator) is HFGenerator
+    assert type(one_step(copy.deepcopy(recipe_document), builtin_registry).components.generator) is HFGenerator
     recipe_document["generator"]["type"] = "vllm"
     monkeypatch.setenv("RLKIT_PLUGINS", "none")
     assert main(["check", write_recipe(recipe_document)]) == 0  # `rlkit check`, in this process

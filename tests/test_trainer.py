@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.forward import response_view, rows_of
 from rlkit_core.runtime.trainer import Trainer
 
 
@@ -23,7 +24,7 @@ def test_first_step_ratio_is_one_and_logprobs_match_the_sampler(recipe_document,
     batch = trainer.with_advantages(batch)
     mask = batch.response_mask.bool()
     # The training code path, before any update, reproduces π_old: ratio exactly 1.
-    logprobs, _, _, _ = trainer._response_view(batch, trainer._rows(batch), grad=False)
+    logprobs, _, _, _ = response_view(trainer.components, batch, rows_of(batch, trainer.recipe.ppo.pack_sequences), grad=False)
     ratio = torch.exp(logprobs - batch.old_logprobs)[mask]
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)
     # ... and agrees with the sampler's own log-probs (padding, positions and temperature all right).
@@ -77,9 +78,9 @@ def test_every_kl_estimator_runs_and_is_logged(recipe_document, builtin_registry
 def test_kl_in_the_loss_keeps_the_rewards_free_of_it(recipe_document, builtin_registry):
     trainer = make_trainer(recipe_document, builtin_registry, ppo__kl_penalty="loss", ppo__kl_estimator="k3")
     trainer.step()
-    metrics = trainer.step()
+    iteration = trainer.iterate()
+    metrics, batch = iteration.metrics, iteration.batch
     assert "train/loss_kl" in metrics
-    batch = trainer.last_batch
     assert torch.count_nonzero(batch.rewards).item() <= len(batch)  # only the score positions
 
 
@@ -100,13 +101,13 @@ def test_gradient_checkpointing_recomputes_during_the_update_and_changes_nothing
         torch.manual_seed(5)
         batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
         calls = []
-        model = trainer.policy.model.get_base_model() if lora_r else trainer.policy.model
+        model = trainer.components.policy.model.get_base_model() if lora_r else trainer.components.policy.model
         # a module inside a block (transformers keeps the block's own hooks out of the recomputation),
         # counted as it starts (torch's recomputation may stop before it returns)
         model.transformer.h[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
         gradients = []
-        trainer.optimizer.optimizer.register_step_pre_hook(
-            lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.parameters])))
+        trainer.engine.optimizer.optimizer.register_step_pre_hook(
+            lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.engine.parameters])))
         trainer.train_on(batch)
         return len(calls), gradients
 
@@ -143,11 +144,11 @@ def test_forward_batch_size_only_changes_how_the_rollout_is_chunked(recipe_docum
 ])
 def test_learning_rate_schedule_over_the_run(recipe_document, builtin_registry, schedule, warmup, factors):
     trainer = make_trainer(recipe_document, builtin_registry, optim__schedule=schedule, optim__warmup_steps=warmup)
-    rates = [trainer.scheduler.get_last_lr()[0]]
+    rates = [trainer.engine.scheduler.get_last_lr()[0]]
     for _ in range(8):
-        trainer.optimizer.step()
-        trainer.scheduler.step()
-        rates.append(trainer.scheduler.get_last_lr()[0])
+        trainer.engine.optimizer.step()
+        trainer.engine.scheduler.step()
+        rates.append(trainer.engine.scheduler.get_last_lr()[0])
     assert rates == pytest.approx([1e-3 * f for f in factors], abs=1e-12)
 
 
@@ -155,14 +156,14 @@ def test_a_minibatch_whose_ratio_exploded_is_skipped(recipe_document, builtin_re
     """A threshold of 0.5 is below the ratio of 1 that every minibatch starts at, so every one is
     skipped and the weights must not move at all; at the default of 10 none is."""
     trainer = make_trainer(recipe_document, builtin_registry, loss__ratio_threshold=0.5)
-    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    before = {k: v.clone() for k, v in trainer.components.policy.state_dict().items()}
     batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
     with warnings.catch_warnings(record=True) as caught:  # the schedule moves on without a warning to the user
         warnings.simplefilter("always")
         metrics = trainer.train_on(batch)
     assert not [w for w in caught if "lr_scheduler" in str(w.message)]
     assert metrics["train/skipped"] == 1.0 and metrics["train/grad_norm"] == 0.0
-    assert all(torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in trainer.components.policy.state_dict().items())
     metrics = make_trainer(recipe_document, builtin_registry, loss__ratio_threshold=10.0).train_on(batch)
     assert metrics["train/skipped"] == 0.0
 

@@ -617,10 +617,10 @@ def test_the_reports_samples_come_from_the_weights_after_the_last_update(recipe_
     recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8}
     trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
     trainer.step()
-    engine = trainer.parts.generator.engine
-    trained = trainer.policy.model.state_dict()
+    engine = trainer.components.generator.engine
+    trained = trainer.components.policy.model.state_dict()
     assert any(not torch.equal(engine.model.state_dict()[name], trained[name]) for name in trained)  # one update behind
-    trainer.sample_responses(trainer.records[:2], greedy=True)
+    trainer.sample_responses(trainer.prompts.train[:2], greedy=True)
     for name, weight in trained.items():
         assert torch.equal(engine.model.state_dict()[name], weight), name
-    assert "time/weight_sync" not in trainer.parts.generator.pop_metrics()
+    assert "time/weight_sync" not in trainer.components.generator.pop_metrics()

@@ -8,8 +8,8 @@ Layout of `<output_dir>/checkpoints/iter_000012/`:
                           (scheduler.bin), each process's random states (random_states_<i>.pkl),
                           the fp16 loss scaler (scaler.pt, under fp16 only); under FSDP also every
                           process's shards of the weights and the optimiser state
-  trainer.pt              what accelerate does not hold: iteration, KL controller, the count of
-                          non-finite steps in a row
+  trainer.pt              what accelerate does not hold: the run's state (`RunState`: iteration,
+                          non-finite steps and skipped batches) and the KL controller's
   meta.json               iteration, tracker run id, the recipe document, rlkit version, processes,
                           whether the run was sharded, the layout
   manifest.json           every other file's path, size and SHA-256, written last: a checkpoint
@@ -42,12 +42,16 @@ import shutil
 import signal
 from pathlib import Path
 
+import attrs
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from rlkit_core import __version__
 from rlkit_core.errors import RlkitError, RunError
+from rlkit_core.recipe.document import Recipe
+from rlkit_core.runtime.engine import Engine
+from rlkit_core.runtime.state import RunState
 
 PREFIX = "iter_"
 STATE = "state"
@@ -75,12 +79,14 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(trainer, run_id: str | None, keep: int, rng: dict | None = None) -> Path:
-    """Checkpoint the trainer as it is, with this process's random state as it is (or `rng`, one
-    taken earlier by `rng_state`). A failed write (a full disk) leaves the earlier checkpoints as they were
-    and stops the run with exit code 1 on every process."""
-    processes = trainer.processes
-    final = checkpoint_root(trainer.output_dir) / f"{PREFIX}{trainer.iteration:06d}"
+def save_checkpoint(engine: Engine, components, recipe: Recipe, state: RunState, run_id: str | None, keep: int,
+                    rng: dict | None = None) -> Path:
+    """Checkpoint the run at `state` (the engine and components as they are), with this process's
+    random state as it is (or `rng`, one taken earlier by `rng_state`), under `recipe.run.output_dir`.
+    A failed write (a full disk) leaves the earlier checkpoints as they were and stops the run with
+    exit code 1 on every process."""
+    processes, output_dir = engine.processes, recipe.run.output_dir
+    final = checkpoint_root(output_dir) / f"{PREFIX}{state.iteration:06d}"
     temporary = final.parent / f".{final.name}.tmp-{processes.gather_objects(os.getpid())[0]}"  # the main process's id, everywhere
     if processes.is_main:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -89,16 +95,16 @@ def save_checkpoint(trainer, run_id: str | None, keep: int, rng: dict | None = N
     processes.wait()  # the folder exists before any process writes into it
     problem = None
     try:
-        _save_accelerate_state(trainer, temporary / STATE, rng)
+        _save_accelerate_state(engine, temporary / STATE, rng)
     except OSError as exc:
-        problem = _write_failed(trainer, final, exc)
+        problem = _write_failed(output_dir, final, exc)
     processes.wait()  # every process's files are on disk before the main process lists them in the manifest
-    with trainer.full_weights():
+    with engine.full_weights():
         if processes.is_main and problem is None:
             try:
-                _write_checkpoint(trainer, temporary, final, run_id, keep)
+                _write_checkpoint(engine, components, recipe, state, temporary, final, run_id, keep)
             except OSError as exc:
-                problem = _write_failed(trainer, final, exc)
+                problem = _write_failed(output_dir, final, exc)
     problems = [p for p in processes.gather_objects(problem) if p]  # also: every process waits for the write
     if problems:
         if processes.is_main:
@@ -107,33 +113,33 @@ def save_checkpoint(trainer, run_id: str | None, keep: int, rng: dict | None = N
     return final
 
 
-def _write_failed(trainer, final: Path, exc: OSError) -> str:
-    earlier = complete_checkpoints(trainer.output_dir)
+def _write_failed(output_dir: str, final: Path, exc: OSError) -> str:
+    earlier = complete_checkpoints(output_dir)
     kept = f"the latest complete one, {earlier[-1]}, is intact" if earlier else "there is no earlier one"
     return (f"writing the checkpoint {final} failed: {exc.strerror or exc}; {kept}; free some space (or set "
             "run.output_dir elsewhere) and continue with --resume auto")
 
 
-def _save_accelerate_state(trainer, folder: Path, rng: dict | None) -> None:
+def _save_accelerate_state(engine: Engine, folder: Path, rng: dict | None) -> None:
     """accelerate's save_state into `folder`, with the random state `rng` in place of the current
     one when given; the current one is put back after."""
     current = rng_state() if rng is not None else None
     if rng is not None:
         _set_rng_state(rng)
     try:
-        with _weights_left_to_rlkit(trainer):
-            trainer.accelerator.save_state(str(folder))
+        with _weights_left_to_rlkit(engine):
+            engine.accelerator.save_state(str(folder))
     finally:
         if current is not None:
             _set_rng_state(current)
 
 
 @contextlib.contextmanager
-def _weights_left_to_rlkit(trainer):
+def _weights_left_to_rlkit(engine: Engine):
     """Without sharding, accelerate's save_state and load_state skip the weights (rlkit writes and
     reads them as policy.safetensors and value_head.safetensors); under FSDP they pass through,
     as accelerate saves and loads the shards before these hooks run."""
-    accelerator = trainer.accelerator
+    accelerator = engine.accelerator
     hooks = [accelerator.register_save_state_pre_hook(lambda models, weights, folder: weights.clear()),
              accelerator.register_load_state_pre_hook(lambda models, folder: models.clear())]
     try:
@@ -143,21 +149,21 @@ def _weights_left_to_rlkit(trainer):
             hook.remove()
 
 
-def _write_checkpoint(trainer, temporary: Path, final: Path, run_id: str | None, keep: int) -> None:
-    save_file({k: v.contiguous() for k, v in trainer.policy.state_dict().items()}, temporary / "policy.safetensors")
-    _test_fault(trainer.iteration)
-    if trainer.value_head is not None:
-        save_file({k: v.contiguous() for k, v in _critic_state(trainer).items()}, temporary / "value_head.safetensors")
-    torch.save({"iteration": trainer.iteration, "kl": trainer.parts.kl.state_dict(),
-                "nonfinite_in_a_row": trainer.nonfinite_in_a_row}, temporary / "trainer.pt")
-    meta = {"iteration": trainer.iteration, "run_id": run_id, "rlkit_version": __version__, "recipe": trainer.recipe.document,
-            "processes": trainer.processes.count, "sharded": trainer.processes.sharded, "layout": LAYOUT}
+def _write_checkpoint(engine: Engine, components, recipe: Recipe, state: RunState, temporary: Path, final: Path,
+                      run_id: str | None, keep: int) -> None:
+    save_file({k: v.contiguous() for k, v in components.policy.state_dict().items()}, temporary / "policy.safetensors")
+    _test_fault(state.iteration)
+    if components.value_head is not None:
+        save_file({k: v.contiguous() for k, v in _critic_state(engine, components.value_head).items()}, temporary / "value_head.safetensors")
+    torch.save({**attrs.asdict(state), "kl": components.kl.state_dict()}, temporary / "trainer.pt")
+    meta = {"iteration": state.iteration, "run_id": run_id, "rlkit_version": __version__, "recipe": recipe.document,
+            "processes": engine.processes.count, "sharded": engine.processes.sharded, "layout": LAYOUT}
     (temporary / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
     write_manifest(temporary)
     if final.exists():  # the same iteration written again (a resumed run redoing it): replace it whole
         shutil.rmtree(final)
     os.replace(temporary, final)
-    for old in complete_checkpoints(trainer.output_dir)[:-keep]:
+    for old in complete_checkpoints(recipe.run.output_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -174,12 +180,12 @@ def _test_fault(iteration: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def _critic_state(trainer) -> dict[str, torch.Tensor]:
+def _critic_state(engine: Engine, value_head) -> dict[str, torch.Tensor]:
     """The critic's tensors. Under FSDP (inside `full_weights`) they are read as the head module's
     gathered parameters: a module's `state_dict` there would hand back its shards."""
-    if not trainer.processes.sharded:
-        return trainer.value_head.state_dict()
-    return {name: p.detach().clone() for name, p in trainer.value_head.module().named_parameters()}
+    if not engine.processes.sharded:
+        return value_head.state_dict()
+    return {name: p.detach().clone() for name, p in value_head.module().named_parameters()}
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -302,32 +308,32 @@ def layout_problem(path: Path, meta: dict | None = None) -> str | None:
             "it with the rlkit that wrote it, or start over with --overwrite; rlkit export still reads its weights")
 
 
-def load_checkpoint(trainer, path: Path) -> dict:
-    """Restore `trainer` from `path`; returns the checkpoint's meta (iteration, run id, recipe).
-    Every process loads; each takes back its own random states."""
+def load_checkpoint(engine: Engine, components, path: Path) -> tuple[RunState, dict]:
+    """Restore the engine and the components from `path`; returns the run's state there and the
+    checkpoint's meta (iteration, run id, recipe). Every process loads; each takes back its own
+    random states."""
     meta = read_meta(path)
     if problem := layout_problem(path, meta):
         raise RlkitError(f"--resume {path}: {problem}")
-    sharded = trainer.processes.sharded
+    sharded = engine.processes.sharded
     if meta.get("sharded", False) != sharded:
         engines = {True: "under FSDP (configs/accelerate/fsdp.yaml)", False: "without sharding (one process or DDP)"}
         raise RlkitError(f"--resume {path}: the checkpoint was written {engines[not sharded]} and this run is launched "
                          f"{engines[sharded]}; resume the way it was written (the optimiser state is kept the engine's way)")
-    written_by, processes = meta.get("processes", 1), trainer.processes.count
+    written_by, processes = meta.get("processes", 1), engine.processes.count
     if written_by != processes:
         raise RlkitError(f"--resume {path}: the checkpoint was written by {written_by} processes and this run has "
                          f"{processes}; resume with {written_by} processes (each continues its own random stream)")
-    state = _plain_values(path, path / "trainer.pt", lambda: torch.load(path / "trainer.pt", map_location="cpu", weights_only=True))
+    saved = _plain_values(path, path / "trainer.pt", lambda: torch.load(path / "trainer.pt", map_location="cpu", weights_only=True))
     if not sharded:  # under FSDP accelerate loads the shards
-        trainer.policy.load_state_dict(load_file(path / "policy.safetensors", device=str(trainer.device)))
-        if trainer.value_head is not None:
-            trainer.value_head.load_state_dict(load_file(path / "value_head.safetensors", device=str(trainer.device)))
-    with _weights_left_to_rlkit(trainer):  # optimiser, schedule, loss scaler, this process's random states
-        _plain_values(path, path / STATE, lambda: trainer.accelerator.load_state(str(path / STATE)))
-    trainer.parts.kl.load_state_dict(state["kl"])
-    trainer.nonfinite_in_a_row = state["nonfinite_in_a_row"]
-    trainer.iteration = state["iteration"]
-    return meta
+        components.policy.load_state_dict(load_file(path / "policy.safetensors", device=str(engine.device)))
+        if components.value_head is not None:
+            components.value_head.load_state_dict(load_file(path / "value_head.safetensors", device=str(engine.device)))
+    with _weights_left_to_rlkit(engine):  # optimiser, schedule, loss scaler, this process's random states
+        _plain_values(path, path / STATE, lambda: engine.accelerator.load_state(str(path / STATE)))
+    components.kl.load_state_dict(saved["kl"])
+    # a trainer.pt from before the skip counts were kept in it: no batch counted as skipped
+    return RunState(**{field.name: saved.get(field.name, 0) for field in attrs.fields(RunState)}), meta
 
 
 def _plain_values(checkpoint: Path, where: Path, load):

@@ -91,9 +91,9 @@ class TrainableModules(torch.nn.Module):
         # by this name on the module it prepares.
         self._no_split_modules = list(getattr(policy.model, "_no_split_modules", None) or [])
 
-    def forward(self, view, *args):
-        """`view(*args)`, inside the wrapper's forward (and its autocast under mixed precision)."""
-        return view(*args)
+    def forward(self, view, *args, **kwargs):
+        """`view(*args, **kwargs)`, inside the wrapper's forward (and its autocast under mixed precision)."""
+        return view(*args, **kwargs)
 
 
 class Processes:

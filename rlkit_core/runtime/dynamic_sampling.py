@@ -12,12 +12,17 @@ dropped groups, so the batch keeps its size.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.functional import constant_groups
 from rlkit_core.randomness import extra_prompts_seed
-from rlkit_core.runtime.prompt_stream import PromptStream
+from rlkit_core.recipe.document import Recipe
+from rlkit_core.runtime.engine import Engine
+from rlkit_core.runtime.prompt_stream import Prompts, PromptStream
+from rlkit_core.runtime.rollout import rollout, shaped
 
 
 def concatenated(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
@@ -37,7 +42,7 @@ def concatenated(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
     for name in ("group_ids", "ended", "scores"):
         fields[name] = torch.cat([getattr(b, name) for b in batches])
     fields["prompts"] = [p for b in batches for p in b.prompts]
-    fields["responses"] = [r for b in batches for r in b.responses]
+    fields["responses"] = [r for b in batches for r in cast(list[str], b.responses)]  # scored batches: decoded
     fields["columns"] = {key: [v for b in batches for v in b.columns[key]] for key in first.columns}
     return first.with_(**fields)
 
@@ -45,15 +50,17 @@ def concatenated(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
 class DynamicSampler:
     """Rollouts of one iteration with the constant groups replaced (see the module)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        ppo = trainer.recipe.ppo
+    def __init__(self, recipe: Recipe, engine: Engine, components, prompts: Prompts):
+        self.recipe, self.engine, self.components, self.max_prompt_tokens = recipe, engine, components, prompts.max_tokens
+        ppo = recipe.ppo
         self.k, self.max_rounds = ppo.samples_per_prompt, ppo.max_extra_rounds
         # the prompts of extra round r of iteration i depend only on (seed, i, r), as the main stream's do
-        self.extra = PromptStream(trainer.records, ppo.batch_size // self.k, extra_prompts_seed(trainer.recipe.run.seed))
+        self.extra = PromptStream(prompts.train, ppo.batch_size // self.k, extra_prompts_seed(recipe.run.seed))
 
-    def rollout(self, records: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
-        trainer, processes = self.trainer, self.trainer.processes
+    def rollout(self, records: list[dict], iteration: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """The rollouts of iteration `iteration + 1`, starting from `records` (its share of the stream)."""
+        engine, processes = self.engine, self.engine.processes
+        device, pad_token_id = engine.device, self.components.policy.tokenizer.pad_token_id
         quota = len(records)  # groups this process trains on
         kept, dropped = [], []  # batches of informative groups and of constant ones
         rounds, metrics = 0, {}
@@ -61,28 +68,29 @@ class DynamicSampler:
         def lacking() -> int:
             return quota - sum(len(b) for b in kept) // self.k
         while True:
-            batch, timing = trainer.rollout(records)
+            batch, timing = rollout(engine, self.components, records, self.k, self.max_prompt_tokens)
             for name, value in timing.items():
                 metrics[name] = metrics.get(name, 0.0) + value if name.startswith("time/") else value
             lengths = batch.response_mask.sum(dim=1)
-            constant = constant_groups(trainer.shaped(batch.scores, batch.ended, lengths), batch.group_ids)
+            assert batch.scores is not None and batch.ended is not None  # a rollout is scored
+            constant = constant_groups(shaped(self.recipe, batch.scores, batch.ended, lengths), batch.group_ids)
             starts = torch.arange(0, len(batch), self.k, device=batch.group_ids.device)
             informative = starts[~constant[starts]]
             kept.append(self._groups(batch, informative[:lacking()]))  # more informative groups than room: the rest unused
             dropped.append(self._groups(batch, starts[constant[starts]]))
-            if not int(processes.sum(torch.tensor(lacking(), device=trainer.device))) or rounds == self.max_rounds:
+            if not int(processes.sum(torch.tensor(lacking(), device=device))) or rounds == self.max_rounds:
                 break
             rounds += 1
-            step = trainer.iteration * self.max_rounds + rounds - 1
+            step = iteration * self.max_rounds + rounds - 1
             records = processes.share(self.extra.batch(step))
         short = lacking()
-        spare = concatenated(dropped, trainer.tokenizer.pad_token_id)
+        spare = concatenated(dropped, pad_token_id)
         if short:  # out of rounds: the share is completed with constant groups (advantage 0)
-            kept.append(spare.select(torch.arange(short * self.k, device=trainer.device)))
-        batch = concatenated(kept, trainer.tokenizer.pad_token_id)
+            kept.append(spare.select(torch.arange(short * self.k, device=device)))
+        batch = concatenated(kept, pad_token_id)
         # one id per group again, unique over processes (the rounds each numbered theirs from 0)
-        batch = batch.with_(group_ids=torch.arange(len(batch), device=trainer.device) // self.k + processes.index * quota)
-        counts = processes.sum(torch.tensor([len(spare) // self.k - short, short], device=trainer.device))
+        batch = batch.with_(group_ids=torch.arange(len(batch), device=device) // self.k + processes.index * quota)
+        counts = processes.sum(torch.tensor([len(spare) // self.k - short, short], device=device))
         metrics.update({"batch/dropped_groups": float(counts[0]), "batch/constant_groups_kept": float(counts[1]),
                         "batch/extra_rounds": float(rounds)})
         return batch, metrics

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import masked_sum
 from rlkit_core.randomness import evaluation_seed, held_out_generator
-from rlkit_core.recipe.document import ComponentChoice
+from rlkit_core.recipe.document import ComponentChoice, Recipe
+from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.faults import checked_scores
+from rlkit_core.runtime.prompt_stream import Prompts
+from rlkit_core.runtime.rollout import rollout
+from rlkit_core.runtime.targets import compare_to_reference
 
 
 def hold_out(records: list[dict], size: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -33,40 +38,43 @@ def hold_out(records: list[dict], size: int, seed: int) -> tuple[list[dict], lis
 class Evaluator:
     """Scores the current policy on the held-out records."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.config = trainer.recipe.eval
-        self.metrics = {c.name: trainer.context.build(ComponentChoice(f"eval.metrics[{i}]", c, c.config_class()))
-                        for i, c in enumerate(trainer.recipe.eval_metrics)}
+    def __init__(self, recipe: Recipe, engine: Engine, components, context: BuildContext, prompts: Prompts):
+        self.recipe, self.engine, self.components = recipe, engine, components
+        self.records, self.max_prompt_tokens = prompts.held_out, prompts.max_tokens
+        self.config = recipe.eval
+        self.metrics = {c.name: context.build(ComponentChoice(f"eval.metrics[{i}]", c, c.config_class()))
+                        for i, c in enumerate(recipe.eval_metrics)}
 
     @property
     def enabled(self) -> bool:
-        return bool(self.trainer.eval_records)
+        return bool(self.records)
 
     def due(self, iteration: int) -> bool:
         """Whether to evaluate after `iteration` (besides before the first, which the run does itself)."""
-        every, last = self.config.every, self.trainer.recipe.run.steps
+        every, last = self.config.every, self.recipe.run.steps
         return self.enabled and (iteration == last or bool(every) and iteration % every == 0)
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
         """Means over the held-out records: `eval/score` (the run's reward), `eval/<metric>` for each
         extra metric, `eval/length`, `eval/eos_rate`, and `eval/kl` when responses are sampled."""
-        trainer = self.trainer
-        device = trainer.device
+        recipe, engine, components = self.recipe, self.engine, self.components
+        device = engine.device
         sums, count = {}, 0
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(evaluation_seed(trainer.recipe.run.seed))
-            for start in range(0, len(trainer.eval_records), trainer.recipe.ppo.batch_size):
-                chunk = trainer.eval_records[start:start + trainer.recipe.ppo.batch_size]
-                batch, _ = trainer.rollout(chunk, samples_per_prompt=1, greedy=self.config.greedy)
+            torch.manual_seed(evaluation_seed(recipe.run.seed))
+            for start in range(0, len(self.records), recipe.ppo.batch_size):
+                chunk = self.records[start:start + recipe.ppo.batch_size]
+                batch, _ = rollout(engine, components, chunk, 1, self.max_prompt_tokens, greedy=self.config.greedy)
+                assert batch.scores is not None and batch.ended is not None  # a rollout is scored
                 values = {
                     "eval/score": batch.scores,
                     "eval/length": batch.response_mask.sum(dim=1).float(),
                     "eval/eos_rate": batch.ended.float(),
                 }
                 if not self.config.greedy:  # a KL estimate needs tokens sampled from π
-                    compared = trainer.compare_to_reference(batch)
+                    compared = compare_to_reference(engine, components, recipe, batch)
+                    assert compared.kl is not None
                     values["eval/kl"] = masked_sum(compared.kl, compared.response_mask, dim=1)
                 for name, reward in self.metrics.items():
                     values[f"eval/{name}"] = torch.tensor(_metric_scores(name, reward, batch))

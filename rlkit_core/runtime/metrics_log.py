@@ -8,9 +8,10 @@ from pathlib import Path
 
 
 class MetricsLog:
+    """The file at `path`, created by the first `append` (making one touches nothing on disk)."""
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def truncate_after(self, iteration: int) -> None:
         """Drop lines past `iteration`, so a resumed run does not duplicate the iterations it redoes."""
@@ -23,6 +24,7 @@ class MetricsLog:
         """`notes`: text beside the numbers (`note/...` keys: a health warning, the settings a
         resumed run changed), which the tracker gets as notes rather than metrics."""
         clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as out:
             out.write(json.dumps({"iteration": iteration, **clean, **(notes or {})}) + "\n")
 

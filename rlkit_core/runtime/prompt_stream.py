@@ -8,9 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
 from rlkit_core.randomness import data_order_generator
+
+
+@attrs.frozen
+class Prompts:
+    """A run's prompts, rendered and within the length limit, split before training."""
+
+    train: list[dict[str, Any]]
+    held_out: list[dict[str, Any]]  # `[eval] size` of them, never in a training batch
+    counts: dict[str, int]  # loaded, cut, skipped (too long), empty: for the report
+    max_tokens: int  # the longest prompt in tokens, longer ones cut from the left (0: no limit)
 
 
 class PromptStream:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-SAMPLES_PRINTED = 5
+SAMPLES = 5  # prompts shown: in the report, and in each sample table the tracker gets
 SAME_SCORE = 1e-6  # scores closer than this count as unchanged
 
 
@@ -48,7 +48,7 @@ def print_report(history, samples, held_out, metrics_path, checkpoint_path, trac
         higher, lower, same = score_changes(samples)
         print(f"greedy responses to {len(samples)} {'held-out' if held_out else 'training'} prompts, after training: "
               f"{higher} score higher, {lower} lower, {same} the same", file=out)
-    for i, sample in enumerate(samples[:SAMPLES_PRINTED], start=1):
+    for i, sample in enumerate(samples[:SAMPLES], start=1):
         print(f"\nsample {i}: {sample['prompt']!r}", file=out)
         for when in ("before", "after"):
             score = f" (score {sample[when + '_score']:.3f})" if when + "_score" in sample else ""

@@ -9,8 +9,10 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 from rlkit_core import __version__
+from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RlkitError, RunError
 from rlkit_core.interfaces import Tracker
 from rlkit_core.launch import Launch
@@ -20,17 +22,19 @@ from rlkit_core.recipe.inventory import flatten, inventory_rows
 from rlkit_core.recipe.resume_check import check_resumed_recipe
 from rlkit_core.recipe.schema import kl_warnings
 from rlkit_core.runtime import checkpoint
+from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.evaluation import Evaluator
 from rlkit_core.runtime.export import export_checkpoint
 from rlkit_core.runtime.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, checked_scores, failure_text, reward_name, save_bad_batch
 from rlkit_core.runtime.health import HealthMonitor, HealthStop
 from rlkit_core.runtime.metrics_log import MetricsLog
 from rlkit_core.runtime.plot import plot_curves
-from rlkit_core.runtime.report import SAMPLES_PRINTED, print_report
+from rlkit_core.runtime.prompt_stream import Prompts
+from rlkit_core.runtime.report import SAMPLES, print_report
+from rlkit_core.runtime.rollout import record_columns
 from rlkit_core.runtime.run_lock import RunLock, launched_as_main
-from rlkit_core.runtime.trainer import Trainer, record_columns
-
-SAMPLES_SHOWN = 4
+from rlkit_core.runtime.state import RunState
+from rlkit_core.runtime.trainer import Trainer
 
 
 class _Untracked(Tracker):
@@ -91,7 +95,9 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
     earlier, start, note = claim_output_dir(recipe.run.output_dir, resume, overwrite)
     changes = check_resumed_recipe(checkpoint.read_meta(start)["recipe"], recipe, start, allow_changes, launch) if start else []
     trainer = Trainer(recipe, launch=launch)
-    main = trainer.processes.is_main
+    engine, components, prompts = trainer.engine, trainer.components, trainer.prompts
+    processes = engine.processes
+    main = processes.is_main
     if main:
         for warning in kl_warnings(recipe.ppo):
             print(f"rlkit run: warning: {warning}", file=sys.stderr)
@@ -102,113 +108,184 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
                   + "; ".join(changes), file=sys.stderr)
         for path in earlier:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    trainer.processes.wait()
-    tracker = trainer.parts.tracker if main else _Untracked()  # one tracked run per training run
-    counts = trainer.prompt_counts
+    processes.wait()
+    outputs = RunOutputs(recipe, components.tracker, main)
+    counts = prompts.counts
     if main and (counts["cut"] or counts["skipped"] or counts["empty"]):
-        print(f"prompts: {counts['loaded']} loaded, {counts['cut']} cut from the left to {trainer.max_prompt_tokens} tokens, "
+        print(f"prompts: {counts['loaded']} loaded, {counts['cut']} cut from the left to {prompts.max_tokens} tokens, "
               f"{counts['skipped']} skipped as too long, {counts['empty']} skipped as empty", file=out)
-    run_id = None
-    if start:
-        meta = checkpoint.load_checkpoint(trainer, start)
-        run_id = meta["run_id"]
-    history = []
-    if main:
-        trainer.metrics_log.truncate_after(trainer.iteration)
-        history = trainer.metrics_log.read()
-
-    tags = {"rlkit.version": __version__}
-    tags.update({f"rlkit.component.{r['table']}": f"{r['type']} ({r['distribution']} {r['version']})" for r in inventory_rows(recipe)})
-    params = {**flatten(recipe.document), **{f"prompts.{name}": value for name, value in counts.items()},
-              "processes": trainer.processes.count}
-    run_id = tracker.start(run_name=recipe.run.name, params=params, tags=tags, resume_id=run_id)
-    if recipe.source and not start:
-        tracker.log_artifact(recipe.source, "recipe")
-    notes = {"note/recipe_changes": changes} if changes else {}  # text for the next row of metrics.jsonl
+    run_id = trainer.resume(start)["run_id"] if start else None
+    outputs.continue_after(trainer.state.iteration)
+    run_id = outputs.start_tracking(counts, processes.count, run_id, resumed=bool(start))
     if changes:
-        tracker.log_note("resume.recipe_changes", f"resumed after iteration {trainer.iteration} with --allow-changes: "
-                         + "; ".join(changes), step=trainer.iteration)
-    evaluator = Evaluator(trainer)  # every process evaluates the same held-out set; the main one writes
-    if evaluator.enabled and trainer.iteration == 0:
-        before = _evaluate(evaluator)
-        if main:
-            trainer.metrics_log.append(0, before)
-        tracker.log_metrics(before, step=0)
-        history.append({"iteration": 0, **before})
+        outputs.notes["note/recipe_changes"] = changes  # text for the next row of metrics.jsonl
+        outputs.recipe_changes = len(changes)
+        outputs.tracker.log_note("resume.recipe_changes", f"resumed after iteration {trainer.state.iteration} with --allow-changes: "
+                                 + "; ".join(changes), step=trainer.state.iteration)
+    checkpointer = Checkpointer(recipe, engine, components, outputs.tracker, run_id)
+    # every process evaluates the same held-out set; the main one writes
+    evaluator = Evaluator(recipe, engine, components, trainer.context, prompts)
+    if evaluator.enabled and trainer.state.iteration == 0:
+        outputs.evaluated_before(_evaluate(evaluator, trainer.state))
     samples_before = _samples_before(trainer)
 
-    progress = Progress(recipe.run.steps, start=trainer.iteration, quiet=quiet or not main)
     status, final_checkpoint = "FAILED", None
-    skipped = max((row.get("run/skipped_batches", 0) for row in history), default=0)
-    skips_in_a_row = 0
-    health = HealthMonitor(recipe.health, history)
+    health = HealthMonitor(recipe.health, outputs.history)
+    outputs.progress = Progress(recipe.run.steps, start=trainer.state.iteration, quiet=quiet or not main)
     try:
-        with StopRequests(trainer.processes) as stop:
-            while trainer.iteration < recipe.run.steps:
-                before = checkpoint.rng_state()  # to checkpoint the state before this iteration if its reward fails
-                try:
-                    metrics = trainer.step()
-                    skips_in_a_row = 0
-                except BadReward as fault:
-                    skips_in_a_row += 1
-                    if recipe.run.on_bad_reward == "stop" or skips_in_a_row >= recipe.run.max_skips_in_a_row:
-                        raise _reward_failed(trainer, fault, run_id, before, skips_in_a_row) from None
-                    metrics = _skip_batch(trainer, fault)
-                    skipped += 1
-                except NonFiniteSteps as fault:
-                    raise RunError(f"{fault}; {_latest_checkpoint(trainer)}; lower optim.learning_rate or look at the "
-                                   "reward's scale (score/mean), then continue with --resume auto") from None
-                if skipped:
-                    metrics["run/skipped_batches"] = skipped
-                if evaluator.due(trainer.iteration):
-                    metrics.update(_evaluate(evaluator))
-                findings = health.observe(metrics, trainer.last_batch, trainer.parts.kl.target)
-                notes.update(_report_findings(findings, tracker, trainer.iteration, main))
-                if "note/recipe_changes" in notes:
-                    metrics["run/recipe_changes"] = len(changes)
-                started = time.perf_counter()
-                if main:
-                    trainer.metrics_log.append(trainer.iteration, metrics, notes)
-                notes = {}
-                tracker.log_metrics(metrics, step=trainer.iteration)
-                trained = "score/mean" in metrics
-                if trained and (trainer.iteration % recipe.run.sample_every == 0 or trainer.iteration == recipe.run.steps):
-                    tracker.log_samples(_sample_rows(trainer.last_batch), step=trainer.iteration)
-                metrics["time/tracking"] = time.perf_counter() - started
-                history.append({"iteration": trainer.iteration, **metrics})
-                if trained:
-                    progress.update(trainer.iteration, metrics)
-                every = recipe.run.checkpoint_every
-                saved = None
-                if every and trainer.iteration % every == 0 and trainer.iteration < recipe.run.steps:
-                    saved = checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
-                    tracker.log_checkpoint(str(saved), trainer.iteration)
-                if halt := trainer.processes.gather_objects(health.stops(findings))[0]:  # the main process decides for all
-                    saved = saved or checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
-                    raise HealthStop(f"health check {halt.check} fired after iteration {trainer.iteration} and is in "
-                                     f"health.stop_on: {halt.text}; saved {saved}; continue with --resume auto")
-                signal_number = stop.requested() if trainer.iteration < recipe.run.steps else None
-                if signal_number:
-                    saved = saved or checkpoint.save_checkpoint(trainer, run_id, recipe.run.keep_checkpoints)
-                    raise Stopped(f"stopped by {signal.Signals(signal_number).name} after iteration {trainer.iteration}; "
-                                  f"saved {saved}; continue with --resume auto", signal_number)
-        final_checkpoint = _finish_outputs(trainer, tracker, run_id, history)
+        with StopRequests(processes) as stop:
+            while trainer.state.iteration < recipe.run.steps:
+                metrics, batch = _train_or_skip(trainer, checkpointer)
+                if evaluator.due(trainer.state.iteration):
+                    metrics.update(_evaluate(evaluator, trainer.state))
+                findings = health.observe(metrics, batch, components.kl.target)
+                outputs.record(trainer.state.iteration, metrics, batch, findings)
+                checkpointer.maybe_save(trainer.state, "schedule")
+                _stop_if_asked(trainer.state, processes, health.stops(findings), stop, checkpointer)
+        final_checkpoint = _finish_outputs(trainer, outputs, checkpointer)
         status = "FINISHED"
     except (KeyboardInterrupt, Stopped):
         status = "KILLED"
         raise
     finally:
-        progress.close()
-        tracker.finish(status)
+        outputs.progress.close()
+        outputs.tracker.finish(status)
 
-    records = _sample_records(trainer)
+    records = _sample_records(prompts)
     after = trainer.sample_responses(records, greedy=True)  # every process: FSDP gathers the weights
     if main:
-        samples = _scored(trainer, records, [{**before, "after": a} for before, a in zip(samples_before, after)])
-        print_report(history, samples, bool(trainer.eval_records), trainer.metrics_log.path, final_checkpoint, tracker, out=out)
+        samples = _scored(recipe, components, records, [{**before, "after": a} for before, a in zip(samples_before, after)])
+        print_report(outputs.history, samples, bool(prompts.held_out), outputs.metrics_log.path, final_checkpoint, outputs.tracker, out=out)
     lock.release()  # before: with several processes, this process ends in the next line
-    trainer.processes.exit_together()  # with several processes, this process ends here
-    return history
+    processes.exit_together()  # with several processes, this process ends here
+    return outputs.history
+
+
+class RunOutputs:
+    """Where a run's numbers go: metrics.jsonl (the main process's), the tracker (the main
+    process's; the others get a silent one) with its sample tables, the progress line, and the
+    history of every row, which the report reads. Making one touches nothing on disk."""
+
+    def __init__(self, recipe: Recipe, tracker, main: bool):
+        self.recipe, self.main = recipe, main
+        self.metrics_log = MetricsLog(Path(recipe.run.output_dir) / "metrics.jsonl")
+        self.tracker = tracker if main else _Untracked()  # one tracked run per training run
+        self.progress: Progress | None = None
+        self.history: list[dict] = []
+        self.notes: dict = {}  # text for the next row of metrics.jsonl
+        self.recipe_changes = 0  # settings a resumed run changed, counted in its first row
+
+    def continue_after(self, iteration: int) -> None:
+        """The rows of metrics.jsonl up to `iteration` (the checkpoint a resumed run starts from)
+        are its history; later ones, which it redoes, are dropped."""
+        if self.main:
+            self.metrics_log.truncate_after(iteration)
+            self.history = self.metrics_log.read()
+
+    def start_tracking(self, counts: dict[str, int], processes: int, run_id: str | None, resumed: bool) -> str | None:
+        """The tracked run, started (or continued: `run_id`) with the recipe's settings as
+        parameters and the components as tags; returns its id."""
+        recipe = self.recipe
+        tags = {"rlkit.version": __version__}
+        tags.update({f"rlkit.component.{r['table']}": f"{r['type']} ({r['distribution']} {r['version']})" for r in inventory_rows(recipe)})
+        params = {**flatten(recipe.document), **{f"prompts.{name}": value for name, value in counts.items()}, "processes": processes}
+        run_id = self.tracker.start(run_name=recipe.run.name, params=params, tags=tags, resume_id=run_id)
+        if recipe.source and not resumed:
+            self.tracker.log_artifact(recipe.source, "recipe")
+        return run_id
+
+    def evaluated_before(self, metrics: dict[str, float]) -> None:
+        """The held-out evaluation before the first iteration, as row 0."""
+        if self.main:
+            self.metrics_log.append(0, metrics)
+        self.tracker.log_metrics(metrics, step=0)
+        self.history.append({"iteration": 0, **metrics})
+
+    def record(self, iteration: int, metrics: dict[str, float], batch, findings) -> None:
+        """Iteration `iteration`'s row: the health checks that fired, metrics.jsonl, the tracker
+        (and a sample table on `run.sample_every`), the history and the progress line."""
+        run = self.recipe.run
+        self.notes.update(_report_findings(findings, self.tracker, iteration, self.main))
+        if "note/recipe_changes" in self.notes:
+            metrics["run/recipe_changes"] = self.recipe_changes
+        started = time.perf_counter()
+        if self.main:
+            self.metrics_log.append(iteration, metrics, self.notes)
+        self.notes = {}
+        self.tracker.log_metrics(metrics, step=iteration)
+        trained = "score/mean" in metrics
+        if trained and (iteration % run.sample_every == 0 or iteration == run.steps):
+            self.tracker.log_samples(_sample_rows(batch), step=iteration)
+        metrics["time/tracking"] = time.perf_counter() - started
+        self.history.append({"iteration": iteration, **metrics})
+        if trained and self.progress is not None:
+            self.progress.update(iteration, metrics)
+
+
+class Checkpointer:
+    """The run's checkpoints: on the schedule (`run.checkpoint_every`), when the run stops early,
+    and at the end."""
+
+    def __init__(self, recipe: Recipe, engine: Engine, components, tracker, run_id: str | None):
+        self.recipe, self.engine, self.components, self.tracker, self.run_id = recipe, engine, components, tracker, run_id
+        self.latest: tuple[int, Path] | None = None  # (iteration, folder) of the latest this run wrote
+
+    def save(self, state: RunState, rng: dict | None = None) -> Path:
+        """A checkpoint of `state` (with the random state `rng` when given; see `save_checkpoint`)."""
+        path = checkpoint.save_checkpoint(self.engine, self.components, self.recipe, state, self.run_id,
+                                          self.recipe.run.keep_checkpoints, rng=rng)
+        self.latest = (state.iteration, path)
+        return path
+
+    def maybe_save(self, state: RunState, reason: Literal["schedule", "stop"]) -> Path | None:
+        """`schedule`: a checkpoint when `run.checkpoint_every` says one is due after this iteration
+        (not after the last: the end writes that one), logged with the tracker. `stop`: the state as
+        it is, unless it was written already. Returns the checkpoint (None: none was due)."""
+        if reason == "stop":
+            return self.latest[1] if self.latest and self.latest[0] == state.iteration else self.save(state)
+        every = self.recipe.run.checkpoint_every
+        if not (every and state.iteration % every == 0 and state.iteration < self.recipe.run.steps):
+            return None
+        path = self.save(state)
+        self.tracker.log_checkpoint(str(path), state.iteration)
+        return path
+
+
+def _train_or_skip(trainer: Trainer, checkpointer: Checkpointer) -> tuple[dict[str, float], RolloutBatch | None]:
+    """The next iteration, trained, or skipped when its reward failed and the recipe says skip:
+    its metrics and the batch it trained on (None when skipped). Both counts of failures in a row
+    obey `run.max_skips_in_a_row`: batches whose reward failed (counted here) and optimiser steps
+    that were not finite (counted by the update); past it, the run ends with what was saved."""
+    run, state = trainer.recipe.run, trainer.state
+    before = checkpoint.rng_state()  # to checkpoint the state before this iteration if its reward fails
+    try:
+        result = trainer.iterate()
+        metrics, batch = result.metrics, result.batch
+    except BadReward as fault:
+        in_a_row = state.reward_failed().skips_in_a_row
+        if run.on_bad_reward == "stop" or in_a_row >= run.max_skips_in_a_row:
+            raise _reward_failed(trainer, checkpointer, fault, before, in_a_row) from None
+        metrics, batch = _skip_batch(trainer, fault), None
+    except NonFiniteSteps as fault:
+        raise RunError(f"{fault}; {_latest_checkpoint(run.output_dir)}; lower optim.learning_rate or look at the "
+                       "reward's scale (score/mean), then continue with --resume auto") from None
+    if trainer.state.skipped_batches:
+        metrics["run/skipped_batches"] = trainer.state.skipped_batches
+    return metrics, batch
+
+
+def _stop_if_asked(state: RunState, processes, finding, stop: StopRequests, checkpointer: Checkpointer) -> None:
+    """End the run early, with a checkpoint, when a health check in `health.stop_on` fired
+    (`finding`, as the main process saw it) or a signal asked to stop before the last iteration."""
+    if halt := processes.gather_objects(finding)[0]:  # the main process decides for all
+        saved = checkpointer.maybe_save(state, "stop")
+        raise HealthStop(f"health check {halt.check} fired after iteration {state.iteration} and is in "
+                         f"health.stop_on: {halt.text}; saved {saved}; continue with --resume auto")
+    signal_number = stop.requested() if state.iteration < checkpointer.recipe.run.steps else None
+    if signal_number:
+        saved = checkpointer.maybe_save(state, "stop")
+        raise Stopped(f"stopped by {signal.Signals(signal_number).name} after iteration {state.iteration}; "
+                      f"saved {saved}; continue with --resume auto", signal_number)
 
 
 def _report_findings(findings, tracker, iteration: int, main: bool) -> dict[str, str]:
@@ -224,89 +301,92 @@ def _report_findings(findings, tracker, iteration: int, main: bool) -> dict[str,
     return texts
 
 
-def _latest_checkpoint(trainer) -> str:
-    found = checkpoint.complete_checkpoints(trainer.output_dir)
+def _latest_checkpoint(output_dir: str) -> str:
+    found = checkpoint.complete_checkpoints(output_dir)
     if not found:
         return "no checkpoint was written before it (run.checkpoint_every sets how often one is)"
     return f"the latest checkpoint, {found[-1]}, is intact"
 
 
-def _reward_failed(trainer, fault: BadReward, run_id, rng_before: dict, in_a_row: int) -> RunError:
-    """The error that ends a run whose reward failed at iteration `trainer.iteration + 1`: which
-    reward, where, and what was saved: the state before the iteration (nothing in it changed
+def _reward_failed(trainer: Trainer, checkpointer: Checkpointer, fault: BadReward, rng_before: dict, in_a_row: int) -> RunError:
+    """The error that ends a run whose reward failed at iteration `trainer.state.iteration + 1`:
+    which reward, where, and what was saved: the state before the iteration (nothing in it changed
     but the random stream, which is rewound) and the batch."""
-    failed_at, last_good = trainer.iteration + 1, trainer.iteration
+    recipe, state = trainer.recipe, trainer.state
+    output_dir = recipe.run.output_dir
+    failed_at, last_good = state.iteration + 1, state.iteration
     saved = "nothing was trained yet, so no checkpoint"
     if last_good:
-        found = checkpoint.complete_checkpoints(trainer.output_dir)
+        found = checkpoint.complete_checkpoints(output_dir)
         path = found[-1] if found and checkpoint.read_meta(found[-1])["iteration"] == last_good else \
-            checkpoint.save_checkpoint(trainer, run_id, trainer.recipe.run.keep_checkpoints, rng=rng_before)
+            checkpointer.save(state, rng=rng_before)
         saved = f"saved the state after iteration {last_good} as {path}"
-    reward = reward_name(trainer.recipe)
-    if trainer.processes.is_main:
-        saved += f" and the batch as {save_bad_batch(trainer.output_dir, failed_at, reward, fault)}"
+    reward = reward_name(recipe)
+    if trainer.engine.processes.is_main:
+        saved += f" and the batch as {save_bad_batch(output_dir, failed_at, reward, fault)}"
     skips = f" ({in_a_row} batches in a row; run.max_skips_in_a_row)" if in_a_row > 1 else ""
     advice = "continue with --resume auto once the reward is fixed"
-    if trainer.recipe.run.on_bad_reward == "stop":
+    if recipe.run.on_bad_reward == "stop":
         advice += ', or set run.on_bad_reward = "skip" to drop such batches'
     return RunError(f"{reward} failed at iteration {failed_at}{skips}: {fault.headline}; {saved}; {advice}{fault.frames}")
 
 
-def _evaluate(evaluator) -> dict[str, float]:
+def _evaluate(evaluator: Evaluator, state: RunState) -> dict[str, float]:
     """The held-out evaluation; its reward failing ends the run (no batch to drop)."""
     try:
         return evaluator()
     except BadReward as fault:
-        trainer = evaluator.trainer
-        raise RunError(f"{reward_name(trainer.recipe)} failed in the held-out evaluation after iteration {trainer.iteration}: "
-                       f"{fault.headline}; {_latest_checkpoint(trainer)}{fault.frames}") from None
+        recipe = evaluator.recipe
+        raise RunError(f"{reward_name(recipe)} failed in the held-out evaluation after iteration {state.iteration}: "
+                       f"{fault.headline}; {_latest_checkpoint(recipe.run.output_dir)}{fault.frames}") from None
 
 
-def _skip_batch(trainer, fault: BadReward) -> dict[str, float]:
+def _skip_batch(trainer: Trainer, fault: BadReward) -> dict[str, float]:
     """run.on_bad_reward = "skip": the iteration passes without training; say so and keep the batch."""
     trainer.skip_iteration()
-    reward = reward_name(trainer.recipe)
-    if trainer.processes.is_main:
-        path = save_bad_batch(trainer.output_dir, trainer.iteration, reward, fault)
-        print(f"rlkit run: warning: {reward} failed at iteration {trainer.iteration}: {fault.headline}; skipped the batch "
+    reward, iteration = reward_name(trainer.recipe), trainer.state.iteration
+    if trainer.engine.processes.is_main:
+        path = save_bad_batch(trainer.recipe.run.output_dir, iteration, reward, fault)
+        print(f"rlkit run: warning: {reward} failed at iteration {iteration}: {fault.headline}; skipped the batch "
               f"(saved as {path})", file=sys.stderr)
     return {}
 
 
-def _sample_records(trainer) -> list[dict]:
+def _sample_records(prompts: Prompts) -> list[dict]:
     """The prompts the report compares before and after training, fixed before training: every
     held-out one when there are (it shows the first few and counts how many got better), else the
     first training ones. Their responses are greedy, the policy's best guess, so before and after
     compare the policy rather than two draws."""
-    return trainer.eval_records or trainer.records[:SAMPLES_PRINTED]
+    return prompts.held_out or prompts.train[:SAMPLES]
 
 
-def _samples_before(trainer) -> list[dict]:
+def _samples_before(trainer: Trainer) -> list[dict]:
     """Responses of the starting policy to the sample prompts, kept on disk so a resumed run can
     still show what the policy said before any training. Every process generates them (under
     FSDP generation needs them all); the main process writes them."""
-    path = Path(trainer.output_dir) / "samples_before.json"
-    if trainer.processes.gather_objects(path.exists())[0]:
+    processes = trainer.engine.processes
+    path = Path(trainer.recipe.run.output_dir) / "samples_before.json"
+    if processes.gather_objects(path.exists())[0]:
         return json.loads(path.read_text())
-    records = _sample_records(trainer)
+    records = _sample_records(trainer.prompts)
     responses = trainer.sample_responses(records, greedy=True)
     samples = [{"prompt": r["prompt"], "before": b} for r, b in zip(records, responses)]
-    if trainer.processes.is_main:
+    if processes.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(samples, indent=2))
     return samples
 
 
-def _scored(trainer, records: list[dict], samples: list[dict]) -> list[dict]:
+def _scored(recipe: Recipe, components, records: list[dict], samples: list[dict]) -> list[dict]:
     """`samples` with the reward's score of the response before and after training. The run has
     finished by now, so a reward failing here only leaves the samples unscored."""
     both = records + records
     responses = [s["before"] for s in samples] + [s["after"] for s in samples]
     try:
-        scores = checked_scores(trainer.parts.reward.score([r["prompt"] for r in both], responses, **record_columns(both)),
+        scores = checked_scores(components.reward.score([r["prompt"] for r in both], responses, **record_columns(both)),
                                 len(responses))
     except Exception as exc:  # someone else's code, after the run: say so and report without scores
-        print(f"rlkit run: warning: {reward_name(trainer.recipe)} failed on the report's samples ({failure_text(exc)}); "
+        print(f"rlkit run: warning: {reward_name(recipe)} failed on the report's samples ({failure_text(exc)}); "
               "they are shown unscored", file=sys.stderr)
         return samples
     return [{**s, "before_score": b, "after_score": a} for s, b, a in zip(samples, scores, scores[len(samples):])]
@@ -314,24 +394,26 @@ def _scored(trainer, records: list[dict], samples: list[dict]) -> list[dict]:
 
 def _sample_rows(batch) -> list[dict]:
     return [{"prompt": p, "response": r, "score": float(s)}
-            for p, r, s in zip(batch.prompts[:SAMPLES_SHOWN], batch.responses[:SAMPLES_SHOWN], batch.scores[:SAMPLES_SHOWN])]
+            for p, r, s in zip(batch.prompts[:SAMPLES], batch.responses[:SAMPLES], batch.scores[:SAMPLES])]
 
 
-def _finish_outputs(trainer, tracker, run_id, history) -> Path:
+def _finish_outputs(trainer: Trainer, outputs: RunOutputs, checkpointer: Checkpointer) -> Path:
     """The last checkpoint, the final model and the curves, logged with the run."""
-    final_checkpoint = checkpoint.save_checkpoint(trainer, run_id, trainer.recipe.run.keep_checkpoints)
-    tracker.log_checkpoint(str(final_checkpoint), trainer.iteration)
-    if not trainer.processes.is_main:
+    recipe, processes, tracker = trainer.recipe, trainer.engine.processes, outputs.tracker
+    final_checkpoint = checkpointer.save(trainer.state)
+    tracker.log_checkpoint(str(final_checkpoint), trainer.state.iteration)
+    if not processes.is_main:
         return final_checkpoint
-    model_dir = Path(trainer.output_dir) / "final_model"
-    if trainer.processes.sharded:  # the model holds shards; the checkpoint holds the gathered weights
+    model_dir = Path(recipe.run.output_dir) / "final_model"
+    if processes.sharded:  # the model holds shards; the checkpoint holds the gathered weights
         shutil.rmtree(model_dir, ignore_errors=True)
-        export_checkpoint(str(final_checkpoint), str(model_dir), trainer.recipe.registry, merge_lora=True, launch=trainer.launch)
+        assert recipe.registry is not None  # a recipe parsed for a run knows where its components came from
+        export_checkpoint(str(final_checkpoint), str(model_dir), recipe.registry, merge_lora=True, launch=trainer.launch)
     else:
-        trainer.policy.save_pretrained(str(model_dir), merge_adapters=True)
+        trainer.components.policy.save_pretrained(str(model_dir), merge_adapters=True)
     tracker.log_model(str(model_dir))
-    tracker.log_artifact(str(trainer.metrics_log.path))
-    curves = plot_curves(history, Path(trainer.output_dir) / "curves.png")
+    tracker.log_artifact(str(outputs.metrics_log.path))
+    curves = plot_curves(outputs.history, Path(recipe.run.output_dir) / "curves.png")
     if curves:
         tracker.log_artifact(str(curves))
     return final_checkpoint
