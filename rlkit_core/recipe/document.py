@@ -24,17 +24,11 @@ import torch
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
 from rlkit_core.config import nested_spec
-from rlkit_core.context import ComponentChoice
 from rlkit_core.errors import Problem, RecipeError
-from rlkit_core.recipe.registry import Component, Registry
+from rlkit_core.recipe.registry import Registry
 from rlkit_core.recipe.schema import (
     COMPONENT_TABLES,
     CORE_TABLES,
-    EvalConfig,
-    HealthConfig,
-    OptimConfig,
-    PPOConfig,
-    RunConfig,
     batch_arithmetic_problems,
     critic_problems,
     kl_penalty_problems,
@@ -46,28 +40,12 @@ from rlkit_core.recipe.schema import (
     schedule_problems,
     sharding_problems,
 )
+from rlkit_core.records import Component, ComponentChoice, EvalConfig, Recipe
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-@attrs.frozen
-class Recipe:
-    run: RunConfig
-    ppo: PPOConfig
-    optim: OptimConfig
-    components: dict[str, ComponentChoice]
-    document: dict[str, Any]  # the TOML document after overrides, as logged with the run
-    source: str | None = None
-    eval: EvalConfig = EvalConfig()
-    eval_metrics: tuple[Component, ...] = ()  # the reward components named by eval.metrics
-    registry: Registry | None = attrs.field(default=None, eq=False, repr=False)  # where the components were found
-    health: HealthConfig = HealthConfig()
-
-    def __getitem__(self, table: str) -> ComponentChoice:
-        return self.components[table]
 
 
 def _strict(expected: type, words: str):

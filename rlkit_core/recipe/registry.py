@@ -14,18 +14,8 @@ import attrs
 
 from rlkit_core.errors import BrokenPluginContract, PluginError, Problem, RecipeError
 from rlkit_core.interfaces import KIND_TABLE, KINDS, PART_HOOKS, Policy
+from rlkit_core.records import Component
 from rlkit_core.settings import CoreSettings
-
-
-@attrs.frozen
-class Component:
-    kind: str
-    name: str
-    factory: type  # the component's class, a subclass of its kind's interface
-    config_class: type
-    plugin: str  # entry-point name of the plugin that registered it
-    distribution: str
-    version: str
 
 
 class Registry:
