@@ -23,11 +23,8 @@ import inspect
 import attrs
 import torch
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, between, greater_than, setting
+from rlkit_core import Generation, Generator, StandardSampling, at_least, hookimpl, setting
 from rlkit_core.functional import response_mask
-from rlkit_core.interfaces import Generation, Generator
-from rlkit_core.settings import SamplingSettings
 
 # The prefill runs the prompts in groups of similar length, with at most this share of a group's
 # positions padding: a few more forward passes instead of computing a ragged batch's padding.
@@ -35,23 +32,9 @@ PREFILL_PADDING = 0.1
 
 
 @attrs.frozen
-class SamplingConfig(SamplingSettings):
-    """The sampling settings both built-in generators take (`vllm`'s config adds its engine's)."""
-
-    renamed = {"batch_size": None}  # prompts go to the sampler all at once
-    max_new_tokens: int = setting(64, help="longest response in tokens", validator=greater_than(0))
-    min_new_tokens: int = setting(0, help="EOS is forbidden before this many tokens (the sampler then differs from π; keep 0 for exact PPO)", validator=at_least(0))
-    temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed", validator=greater_than(0))
-    top_k: int = setting(0, help="sample from the k likeliest tokens only (0: off). Biases PPO: the sampler is no longer π, see README", validator=at_least(0))
-    top_p: float = setting(1.0, help="nucleus sampling mass (1.0: off). Biases PPO like top_k", validator=between(0.0, 1.0))
-
-
-@attrs.frozen
-class HFGeneratorConfig(SamplingConfig):
+class HFGeneratorConfig(StandardSampling):
     """The `hf` generator's settings: the sampling settings and how many prompts go into one
     decoding loop."""
-
-    renamed = {}
 
     batch_size: int = setting(0, help="prompts per decoding loop, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
 

@@ -13,16 +13,20 @@ import inspect
 import attrs
 import torch
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, one_of, setting
-from rlkit_core.context import building_at
-from rlkit_core.errors import RecipeError
-from rlkit_core.hf_loading import LOAD_ERRORS, check_tokenizer, load_problem, settle_pad
-from rlkit_core.interfaces import Policy, PolicyOutput
-from rlkit_core.randomness import switch_off_dropout
-from rlkit_core.settings import PolicySettings
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rlkit_core import (
+    ModelShape,
+    Policy,
+    PolicyOutput,
+    PolicySettings,
+    RecipeError,
+    at_least,
+    building_at,
+    hookimpl,
+    one_of,
+    setting,
+    switch_off_dropout,
+)
+from rlkit_core.hf import DTYPES, LOAD_ERRORS, check_tokenizer, context_length, load_problem, settle_pad, shard_units
 
 
 @attrs.frozen
@@ -102,6 +106,7 @@ class HFPolicy(Policy):
             self.suppressed_token_ids = (self.tokenizer.pad_token_id,)
         if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
             base.resize_token_embeddings(len(self.tokenizer))  # a row for the added PAD (none spare, as in GPT-2)
+        self.context_length = context_length(base.config)
         base.config.pad_token_id = self.tokenizer.pad_token_id
         base.generation_config.pad_token_id = self.tokenizer.pad_token_id
         base.generation_config.eos_token_id = list(self.eos_token_ids)
@@ -134,6 +139,9 @@ class HFPolicy(Policy):
     def model(self) -> torch.nn.Module:
         return self._model
 
+    def shard_units(self) -> list[type]:
+        return shard_units(self._model)
+
     @staticmethod
     def check(config: HFPolicyConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check`: the tokenizer must load (a missing directory is named)."""
@@ -146,8 +154,6 @@ class HFPolicy(Policy):
     def shape(config: HFPolicyConfig):
         """The model's shape from its config file alone (no weights loaded); None when unreadable."""
         from transformers import AutoConfig, AutoModelForCausalLM
-
-        from rlkit_core.memory import ModelShape
 
         try:
             model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)

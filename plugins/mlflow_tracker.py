@@ -28,9 +28,7 @@ from pathlib import Path
 
 import attrs
 
-from rlkit_core.config import at_least, setting
-from rlkit_core.errors import RunError
-from rlkit_core.interfaces import Tracker
+from rlkit_core import RunError, Tracker, at_least, setting
 
 MAX_PARAM_VAL_LENGTH = 6000
 MAX_TAG_VAL_LENGTH = 8000

@@ -2,10 +2,7 @@
 
 import attrs
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, greater_than, one_of, setting
-from rlkit_core.context import building_at
-from rlkit_core.errors import RecipeError
+from rlkit_core import Loss, RecipeError, at_least, building_at, field_of, greater_than, hookimpl, one_of, setting
 from rlkit_core.functional import (
     AGGREGATIONS,
     IS_MODES,
@@ -18,8 +15,6 @@ from rlkit_core.functional import (
     policy_loss,
     value_loss,
 )
-from rlkit_core.interfaces import Loss
-from rlkit_core.settings import field_of
 
 
 def dual_clip_constant(instance, attribute, value):

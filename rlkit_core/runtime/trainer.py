@@ -115,9 +115,8 @@ class Trainer:
             raise RunError(problem)
         self.tokenizer = self.policy.tokenizer
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
-        context = getattr(getattr(self.policy.model, "config", None), "max_position_embeddings", None)
         generator = recipe["generator"].config
-        limit = within_context(limit, context, generator.response_limit, field_of(generator, "max_new_tokens"))
+        limit = within_context(limit, self.policy.context_length, generator.response_limit, field_of(generator, "max_new_tokens"))
         self.max_prompt_tokens = limit.max_prompt_tokens if limit else 0
         records, self.prompt_counts = prepare_prompts(self.parts.data.load(), self.tokenizer, limit)
         self.eval_records, self.records = hold_out(records, recipe.eval.size, run.seed)
@@ -180,10 +179,11 @@ class Trainer:
     def _generate(self, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool) -> list[Generation]:
         """The generator's output for each (prompt ids, mask) chunk, from the current weights:
         read whole (FSDP gathers them in every process), synced once into an engine of its own
-        (vLLM last saw them before the last update), under the run's mixed precision."""
+        (vLLM last saw them before the last update), under the run's mixed precision unless the
+        generator runs its own (`Generator.runs_own_precision`)."""
         with self.full_weights():
             self.parts.generator.sync_weights(self.policy)
-            with self.accelerator.autocast():
+            with contextlib.nullcontext() if type(self.parts.generator).runs_own_precision else self.accelerator.autocast():
                 return [self.parts.generator.generate(ids, mask, greedy=greedy) for ids, mask in prompts]
 
     def _score(self, prompts: list[str], responses: list[str], columns: dict) -> list[float]:
