@@ -13,6 +13,7 @@ from rlkit_core import hookimpl
 from rlkit_core.config import setting
 from rlkit_core.interfaces import KLController
 from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.testing import stand_ins
 from rlkit_core.testing.contracts import (
     AdvantageEstimatorContract,
     GeneratorContract,
@@ -251,3 +252,23 @@ def test_the_kl_contract_holds_a_controller_to_its_configs_target():
     kept = ForgetsItsTarget(config)
     kept.target = config.target
     contract.test_target_is_the_configs(kept, config)
+
+
+class TestTheKitsStandInPolicy(PolicyContract):
+    component = stand_ins.POLICY
+
+    @pytest.fixture
+    def component_config(self, tiny_model):
+        return {"model": str(tiny_model)}
+
+
+class TestTheKitsStandInPrompts(PromptSourceContract):
+    component = stand_ins.PROMPTS
+
+
+class TestTheKitsStandInReward(RewardContract):
+    component = stand_ins.REWARD
+
+
+class TestTheKitsStandInTracker(TrackerContract):
+    component = stand_ins.TRACKER

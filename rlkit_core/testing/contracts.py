@@ -13,9 +13,9 @@ factory gets a `BuildContext` holding that recipe, the registry and the recipe's
 
 When the table needs a path or another fixture, override the `component_config` fixture instead
 of `config`; to put the component next to other parts or batch sizes, override `recipe_document`.
-The recipe's policy is a two-layer GPT-2 with the byte-level ByT5 tokenizer, written offline, and
-the recipe's prompts, reward and tracker are the kit's own stand-ins (`rlkit_core.testing.stand_ins`),
-so that the tests depend on no task's plugins.
+The recipe's other parts are the kit's own stand-ins (`rlkit_core.testing.stand_ins`), so that the
+tests depend on no task's plugins; its policy is a two-layer GPT-2 with the byte-level ByT5
+tokenizer, written offline.
 """
 
 from __future__ import annotations
@@ -83,13 +83,13 @@ class ComponentContract:
 
     @pytest.fixture
     def recipe_document(self, registered, component_config, tiny_model, tmp_path) -> dict[str, Any]:
-        """The recipe a run of this component reads: its table, the `hf` policy on the tiny model,
-        and the kit's stand-ins in the other tables a recipe must have (two samples per prompt for
-        an estimator that compares them)."""
+        """The recipe a run of this component reads: its table, and the kit's stand-ins (the policy
+        on the tiny model) in the other tables a recipe must have (two samples per prompt for an
+        estimator that compares them)."""
         document = {
             "run": {"steps": 10, "output_dir": str(tmp_path / "run")},
             "ppo": {"samples_per_prompt": 2 if self.kind == "advantage_estimator" and registered.factory.needs_groups else 1},
-            "policy": {"type": "hf", "model": str(tiny_model)},
+            "policy": {"type": stand_ins.POLICY, "model": str(tiny_model)},
             "reward": {"type": stand_ins.REWARD},
             "data": {"type": stand_ins.PROMPTS, "size": 16},
             "tracker": {"type": stand_ins.TRACKER},
