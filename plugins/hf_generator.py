@@ -19,6 +19,7 @@ finished ones included, and uses the running rows' part. The same seed gives the
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import attrs
 import torch
@@ -126,7 +127,7 @@ class HFGenerator(Generator):
         accepted = inspect.signature(base.forward).parameters
         # transformers 5 calls the cache `cache`, 4 `past_key_values`; logits at the last position only
         cache_name = "cache" if "cache" in accepted else "past_key_values"
-        options = {"use_cache": True, "logits_to_keep": 1} if "logits_to_keep" in accepted else {"use_cache": True}
+        options: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1} if "logits_to_keep" in accepted else {"use_cache": True}
         rows, limit = prompt_ids.shape[0], self.config.max_new_tokens
         logits, cache, running = self._prefill(model, base.config, prompt_ids, prompt_mask, options, cache_name)
         options[cache_name] = cache
@@ -163,7 +164,7 @@ class HFGenerator(Generator):
             response_ids[at, step], sampled[at, step] = chosen, logprob
         return response_ids, sampled
 
-    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name) -> tuple[torch.Tensor, object, torch.Tensor]:
+    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """The prompts through the model in groups of similar length, each cut to its longest prompt:
         (last-position logits, one KV cache for all rows, the rows' order in both). A cache that
         is not plain full attention in every layer (sliding windows, linear layers) is not joined:
@@ -199,9 +200,9 @@ class HFGenerator(Generator):
         if self.temperature != 1.0:
             logits = logits / self.temperature
         if self.config.top_k:
-            logits = TopKLogitsWarper(self.config.top_k)(None, logits)
+            logits = TopKLogitsWarper(self.config.top_k)(None, logits)  # pyright: ignore[reportArgumentType] (the warpers never read input_ids)
         if self.config.top_p < 1.0:
-            logits = TopPLogitsWarper(self.config.top_p)(None, logits)
+            logits = TopPLogitsWarper(self.config.top_p)(None, logits)  # pyright: ignore[reportArgumentType] (the warpers never read input_ids)
         return logits
 
 

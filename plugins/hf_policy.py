@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+from typing import Any, cast
 
 import attrs
 import torch
@@ -104,7 +105,7 @@ class HFPolicy(Policy):
             # The added PAD only fills masked positions; it must never be sampled or take
             # probability from real tokens, so the loop masks it out of every softmax.
             self.suppressed_token_ids = (self.tokenizer.pad_token_id,)
-        if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
+        if len(self.tokenizer) > cast(torch.nn.Embedding, base.get_input_embeddings()).num_embeddings:
             base.resize_token_embeddings(len(self.tokenizer))  # a row for the added PAD (none spare, as in GPT-2)
         self.context_length = context_length(base.config)
         base.config.pad_token_id = self.tokenizer.pad_token_id
@@ -129,7 +130,7 @@ class HFPolicy(Policy):
 
             lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                               target_modules=list(config.lora_target_modules) or None, task_type="CAUSAL_LM")
-            self._model = get_peft_model(base, lora)
+            self._model: Any = get_peft_model(base, lora)  # a peft model, or the transformers one: each has its own methods
             self._reference = None
         else:
             self._model = base

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import attrs
-from rlkit_plugins import summarize_task
 
 from rlkit_core import (
     ComponentChoice,
@@ -31,6 +30,8 @@ from rlkit_core import (
     setting,
 )
 from rlkit_core.hf import DTYPES
+
+from . import summarize_task
 
 
 def default_cache_dir() -> str:
@@ -138,7 +139,7 @@ class WarmStartPolicy(Policy):
     packs_sequences = True  # as the `hf` policy it passes its calls on to
 
     def __init__(self, config: WarmStartConfig, context):
-        from rlkit_plugins.warm_start import build_warm_start
+        from .warm_start import build_warm_start
 
         where = building_at(context, "policy")
         if config.n_embd % config.n_head:

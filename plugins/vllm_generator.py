@@ -30,7 +30,7 @@ import random
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 import numpy as np
@@ -246,7 +246,7 @@ def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if key in deltas:
             tensor = tensor + deltas[key].to(tensor.dtype)
         full = getattr(tensor, "full_tensor", None)  # DTensor under FSDP2: gather the shards
-        yield _checkpoint_name(key), full() if callable(full) else tensor
+        yield _checkpoint_name(key), cast(torch.Tensor, full()) if callable(full) else tensor
 
 
 def _second_names(model: torch.nn.Module) -> set[str]:
@@ -270,7 +270,7 @@ def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for adapter in module.active_adapters:
                 if adapter in module.lora_A:
                     key = f"{name}.base_layer.weight"
-                    delta = module.get_delta_weight(adapter)
+                    delta = cast(Any, module).get_delta_weight(adapter)  # LoraLayer's subclasses (Linear, Embedding) define it
                     deltas[key] = deltas[key] + delta if key in deltas else delta
     return deltas
 
@@ -298,6 +298,7 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], counts: list[int], greedy: bool = False) -> list[list[Sample]]:
         """counts[i] samples for prompts[i] (token ids, no padding); `greedy`: the likeliest tokens."""
+        ...
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Consumes the pairs one at a time, every weight of the model among them."""
@@ -327,7 +328,7 @@ class InProcessEngine:
 
     def __init__(self, settings: dict, sampling: dict, cuda_devices: list):
         os.environ[MULTIPROCESSING] = "0"  # a user's other value is refused before (missing_here)
-        from vllm import LLM, SamplingParams  # after the environment: vLLM reads it on import
+        from vllm import LLM, SamplingParams  # pyright: ignore[reportMissingImports] (an optional extra); after the environment: vLLM reads it on import
 
         self._params = SamplingParams
         self.sampling = sampling
@@ -352,7 +353,10 @@ class InProcessEngine:
         model_config = self.llm.llm_engine.model_config
 
         def reload(model):
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+            from vllm.model_executor.model_loader.reload import (  # pyright: ignore[reportMissingImports] (an optional extra)
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
 
             initialize_layerwise_reload(model)
             loaded = model.load_weights(weights)
@@ -388,7 +392,7 @@ def _repack_tied(model: torch.nn.Module) -> None:
         if not isinstance(weight, torch.nn.Parameter):
             continue
         if id(weight) in owners and hasattr(module, "cpu_linear"):
-            module.quant_method.process_weights_after_loading(module)
+            cast(Any, module).quant_method.process_weights_after_loading(module)  # vLLM's layer, not a torch one
         owners.add(id(weight))
 
 

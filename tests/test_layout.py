@@ -69,6 +69,9 @@ def imported_modules(tree: ast.AST):
             continue
         if isinstance(node, ast.Import):
             yield from ((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 1:  # within the plugins' package
+            yield from ((f"rlkit_plugins.{name}", node.lineno) for name in
+                        ([node.module] if node.module else [alias.name for alias in node.names]))
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.module, node.lineno
             if node.module == "rlkit_core":  # `from rlkit_core import checkpoint` may name a module
@@ -139,7 +142,7 @@ def test_the_example_plugins_import_only_the_api(path):
 def test_the_plugin_checker_sees_what_reaches_past_the_api():
     source = ("from rlkit_core import Policy, hookimpl\nfrom rlkit_core.functional import gae\nfrom rlkit_core.hf import DTYPES\n"
               "from rlkit_core.randomness import sampling_seed\nfrom rlkit_core import prompts\n"
-              "from rlkit_plugins import summarize_task\nfrom rlkit_plugins.hf_policy import HFPolicy\n")
+              "from . import summarize_task\nfrom .hf_policy import HFPolicy\n")
     assert plugin_problems(source, "summarize") == [
         "line 4: rlkit_core.randomness (import it from rlkit_core, or use a helper module: rlkit_core.functional, rlkit_core.hf, rlkit_core.testing)",
         "line 5: rlkit_core.prompts (import it from rlkit_core, or use a helper module: rlkit_core.functional, rlkit_core.hf, rlkit_core.testing)",
