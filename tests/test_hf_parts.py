@@ -84,3 +84,16 @@ def test_a_policy_without_a_context_or_units_declares_none():
     from rlkit_core import Policy
 
     assert Policy.context_length is None and Policy.shard_units(object()) == []
+
+
+def test_fsdp_wraps_the_units_the_policy_declares():
+    """accelerate finds the classes to shard by name on the module it prepares."""
+    import types
+
+    from rlkit_core.runtime.distributed import TrainableModules
+
+    class Block(torch.nn.Module):
+        pass
+
+    policy = types.SimpleNamespace(model=torch.nn.Sequential(Block()), shard_units=lambda: [Block])
+    assert TrainableModules(policy, None)._no_split_modules == ["Block"]
