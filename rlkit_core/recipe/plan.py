@@ -65,7 +65,8 @@ def code_it_runs(recipe: Recipe) -> list[str]:
     from rlkit_core.recipe.registry import Registry
 
     registry = recipe.registry
-    plugins = sorted({(c.plugin, c.distribution, c.version) for c in registry.all() if c.distribution != BUILTIN_DISTRIBUTION}) if isinstance(registry, Registry) else []
+    plugins = sorted({(c.plugin, c.distribution, c.version) for c in registry.all()
+                      if c.distribution != BUILTIN_DISTRIBUTION}) if isinstance(registry, Registry) else []
     lines = [f"plugin {name} ({dist} {version})" for name, dist, version in plugins] or ["no third-party plugins loaded"]
     for top in recipe.components.values():
         for choice in with_nested(top):
