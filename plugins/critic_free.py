@@ -16,10 +16,8 @@ from abc import abstractmethod
 import attrs
 import torch
 
-from rlkit_core import hookimpl
-from rlkit_core.config import between, setting
+from rlkit_core import AdvantageEstimator, between, hookimpl, setting
 from rlkit_core.functional import discounted_returns, group_normalized, leave_one_out, masked_whiten, per_token, sequence_rewards
-from rlkit_core.interfaces import AdvantageEstimator
 
 
 @attrs.frozen

@@ -2,10 +2,8 @@
 
 import attrs
 
-from rlkit_core import hookimpl
-from rlkit_core.config import between, setting
+from rlkit_core import AdvantageEstimator, between, hookimpl, setting
 from rlkit_core.functional import gae, masked_whiten
-from rlkit_core.interfaces import AdvantageEstimator
 
 
 @attrs.frozen

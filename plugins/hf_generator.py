@@ -19,15 +19,13 @@ finished ones included, and uses the running rows' part. The same seed gives the
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import attrs
 import torch
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, between, greater_than, setting
+from rlkit_core import Generation, Generator, StandardSampling, at_least, hookimpl, setting
 from rlkit_core.functional import response_mask
-from rlkit_core.interfaces import Generation, Generator
-from rlkit_core.settings import SamplingSettings
 
 # The prefill runs the prompts in groups of similar length, with at most this share of a group's
 # positions padding: a few more forward passes instead of computing a ragged batch's padding.
@@ -35,24 +33,9 @@ PREFILL_PADDING = 0.1
 
 
 @attrs.frozen
-class SamplingConfig(SamplingSettings):
-    """The sampling settings both built-in generators take (`vllm`'s config adds its engine's)."""
-
-    renamed = {"batch_size": None}  # prompts go to the sampler all at once
-    max_new_tokens: int = setting(64, help="longest response in tokens", validator=greater_than(0))
-    min_new_tokens: int = setting(0, help="EOS is forbidden before this many tokens (the sampler then differs from π; keep 0 for exact PPO)",
-                                  validator=at_least(0))
-    temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed", validator=greater_than(0))
-    top_k: int = setting(0, help="sample from the k likeliest tokens only (0: off). Biases PPO: the sampler is no longer π", validator=at_least(0))
-    top_p: float = setting(1.0, help="nucleus sampling mass (1.0: off). Biases PPO like top_k", validator=between(0.0, 1.0))
-
-
-@attrs.frozen
-class HFGeneratorConfig(SamplingConfig):
+class HFGeneratorConfig(StandardSampling):
     """The `hf` generator's settings: the sampling settings and how many prompts go into one
     decoding loop."""
-
-    renamed = {}
 
     batch_size: int = setting(0, help="prompts per decoding loop, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
 
@@ -144,7 +127,7 @@ class HFGenerator(Generator):
         accepted = inspect.signature(base.forward).parameters
         # transformers 5 calls the cache `cache`, 4 `past_key_values`; logits at the last position only
         cache_name = "cache" if "cache" in accepted else "past_key_values"
-        options = {"use_cache": True, "logits_to_keep": 1} if "logits_to_keep" in accepted else {"use_cache": True}
+        options: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1} if "logits_to_keep" in accepted else {"use_cache": True}
         rows, limit = prompt_ids.shape[0], self.config.max_new_tokens
         logits, cache, running = self._prefill(model, base.config, prompt_ids, prompt_mask, options, cache_name)
         options[cache_name] = cache
@@ -181,7 +164,7 @@ class HFGenerator(Generator):
             response_ids[at, step], sampled[at, step] = chosen, logprob
         return response_ids, sampled
 
-    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name) -> tuple[torch.Tensor, object, torch.Tensor]:
+    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """The prompts through the model in groups of similar length, each cut to its longest prompt:
         (last-position logits, one KV cache for all rows, the rows' order in both). A cache that
         is not plain full attention in every layer (sliding windows, linear layers) is not joined:
@@ -217,9 +200,9 @@ class HFGenerator(Generator):
         if self.temperature != 1.0:
             logits = logits / self.temperature
         if self.config.top_k:
-            logits = TopKLogitsWarper(self.config.top_k)(None, logits)
+            logits = TopKLogitsWarper(self.config.top_k)(None, logits)  # pyright: ignore[reportArgumentType] (the warpers never read input_ids)
         if self.config.top_p < 1.0:
-            logits = TopPLogitsWarper(self.config.top_p)(None, logits)
+            logits = TopPLogitsWarper(self.config.top_p)(None, logits)  # pyright: ignore[reportArgumentType] (the warpers never read input_ids)
         return logits
 
 

@@ -9,20 +9,25 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+from typing import Any, cast
 
 import attrs
 import torch
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, one_of, setting
-from rlkit_core.context import building_at
-from rlkit_core.errors import RecipeError
-from rlkit_core.hf_loading import LOAD_ERRORS, check_tokenizer, load_problem, settle_pad
-from rlkit_core.interfaces import Policy, PolicyOutput
-from rlkit_core.randomness import switch_off_dropout
-from rlkit_core.settings import PolicySettings
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rlkit_core import (
+    ModelShape,
+    Policy,
+    PolicyOutput,
+    PolicySettings,
+    RecipeError,
+    at_least,
+    building_at,
+    hookimpl,
+    one_of,
+    setting,
+    switch_off_dropout,
+)
+from rlkit_core.hf import DTYPES, LOAD_ERRORS, check_tokenizer, context_length, load_problem, settle_pad, shard_units
 
 
 @attrs.frozen
@@ -101,8 +106,9 @@ class HFPolicy(Policy):
             # The added PAD only fills masked positions; it must never be sampled or take
             # probability from real tokens, so the loop masks it out of every softmax.
             self.suppressed_token_ids = (self.tokenizer.pad_token_id,)
-        if len(self.tokenizer) > base.get_input_embeddings().num_embeddings:
+        if len(self.tokenizer) > cast(torch.nn.Embedding, base.get_input_embeddings()).num_embeddings:
             base.resize_token_embeddings(len(self.tokenizer))  # a row for the added PAD (none spare, as in GPT-2)
+        self.context_length = context_length(base.config)
         base.config.pad_token_id = self.tokenizer.pad_token_id
         base.generation_config.pad_token_id = self.tokenizer.pad_token_id
         base.generation_config.eos_token_id = list(self.eos_token_ids)
@@ -125,7 +131,7 @@ class HFPolicy(Policy):
 
             lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                               target_modules=list(config.lora_target_modules) or None, task_type="CAUSAL_LM")
-            self._model = get_peft_model(base, lora)
+            self._model: Any = get_peft_model(base, lora)  # a peft model, or the transformers one: each has its own methods
             self._reference = None
         else:
             self._model = base
@@ -134,6 +140,9 @@ class HFPolicy(Policy):
     @property
     def model(self) -> torch.nn.Module:
         return self._model
+
+    def shard_units(self) -> list[type]:
+        return shard_units(self._model)
 
     @staticmethod
     def check(config: HFPolicyConfig, recipe, where: str) -> tuple[list[str], list[str]]:
@@ -147,8 +156,6 @@ class HFPolicy(Policy):
     def shape(config: HFPolicyConfig):
         """The model's shape from its config file alone (no weights loaded); None when unreadable."""
         from transformers import AutoConfig, AutoModelForCausalLM
-
-        from rlkit_core.memory import ModelShape
 
         try:
             model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)

@@ -2,9 +2,7 @@
 
 import attrs
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, greater_than, setting
-from rlkit_core.interfaces import KLController
+from rlkit_core import KLController, at_least, greater_than, hookimpl, setting
 
 
 @attrs.frozen

@@ -29,9 +29,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from rlkit_core.config import at_least, setting
-from rlkit_core.errors import RunError
-from rlkit_core.interfaces import Tracker
+from rlkit_core import RunError, Tracker, at_least, setting
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient

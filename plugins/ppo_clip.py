@@ -2,10 +2,20 @@
 
 import attrs
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, greater_than, one_of, setting
-from rlkit_core.context import building_at
-from rlkit_core.errors import RecipeError
+from rlkit_core import (
+    SURROGATES,
+    Loss,
+    LossTerms,
+    RecipeError,
+    at_least,
+    building_at,
+    field_of,
+    greater_than,
+    hookimpl,
+    one_of,
+    registered_surrogate,
+    setting,
+)
 from rlkit_core.functional import (
     AGGREGATIONS,
     IS_MODES,
@@ -19,9 +29,6 @@ from rlkit_core.functional import (
     ratio_statistics,
     token_log_ratio,
 )
-from rlkit_core.interfaces import Loss, LossTerms
-from rlkit_core.settings import field_of
-from rlkit_core.surrogates import SURROGATES, registered_surrogate
 
 
 def dual_clip_constant(instance, attribute, value):

@@ -8,12 +8,7 @@ from pathlib import Path
 
 import attrs
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, setting
-from rlkit_core.context import building_at
-from rlkit_core.errors import RecipeError
-from rlkit_core.interfaces import PromptSource
-from rlkit_core.prompts import PromptLengthLimit
+from rlkit_core import PromptLengthLimit, PromptSource, RecipeError, at_least, building_at, hookimpl, setting
 
 
 @attrs.frozen

@@ -41,11 +41,7 @@ from functools import partial
 
 import attrs
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, between, greater_than, setting
-from rlkit_core.context import building_at
-from rlkit_core.errors import RecipeError
-from rlkit_core.interfaces import RewardSource
+from rlkit_core import RecipeError, RewardSource, at_least, between, building_at, greater_than, hookimpl, setting
 
 RETRIED_STATUSES = {408, 425, 429, 500, 502, 503, 504}  # the service may answer the same request later
 LARGEST_REPLY = 16 * 2**20  # bytes; a reply beyond this is a broken service, not scores

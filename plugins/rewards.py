@@ -12,13 +12,8 @@ from pathlib import Path
 import attrs
 import torch
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, greater_than, setting
-from rlkit_core.context import building_at
-from rlkit_core.errors import RecipeError
-from rlkit_core.hf_loading import LOAD_ERRORS, check_tokenizer, load_problem
-from rlkit_core.interfaces import RewardSource
-from rlkit_core.randomness import switch_off_dropout
+from rlkit_core import RecipeError, RewardSource, at_least, building_at, greater_than, hookimpl, setting, switch_off_dropout
+from rlkit_core.hf import LOAD_ERRORS, check_tokenizer, load_problem
 
 
 @attrs.frozen

@@ -11,17 +11,27 @@ from collections.abc import Callable
 from pathlib import Path
 
 import attrs
-from rlkit_plugins import summarize_task
-from rlkit_plugins.hf_policy import DTYPES, HFPolicy, HFPolicyConfig
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, between, greater_than, one_of, setting
-from rlkit_core.context import building_at
-from rlkit_core.errors import RecipeError
-from rlkit_core.interfaces import ComponentBase, Policy, PromptSource, RewardSource
-from rlkit_core.progress import Progress
-from rlkit_core.prompts import PromptLengthLimit
-from rlkit_core.settings import PolicySettings
+from rlkit_core import (
+    ComponentChoice,
+    Policy,
+    PolicySettings,
+    Progress,
+    PromptLengthLimit,
+    PromptSource,
+    RecipeError,
+    RewardSource,
+    at_least,
+    between,
+    building_at,
+    greater_than,
+    hookimpl,
+    one_of,
+    setting,
+)
+from rlkit_core.hf import DTYPES
+
+from . import summarize_task
 
 
 def default_cache_dir() -> str:
@@ -124,17 +134,22 @@ class ExactSummary(ReferenceMetric):
     measure = staticmethod(summarize_task.exact_summary)
 
 
-class WarmStartPolicy(HFPolicy):
-    """Build the warm start on first use (minutes on two CPU cores), then load it like any `hf` model."""
+class WarmStartPolicy(Policy):
+    """Build the warm start on first use (minutes on two CPU cores), then load it with the installed
+    `hf` policy (found in the registry, as any plugin finds another's component) and pass every
+    call on to it."""
 
-    # the hf policy's plan hooks read a model directory, which the warm start has only once it is built
-    check, shape, describe = ComponentBase.__dict__["check"], Policy.__dict__["shape"], ComponentBase.__dict__["describe"]
+    packs_sequences = True  # as the `hf` policy it passes its calls on to
 
     def __init__(self, config: WarmStartConfig, context):
-        from rlkit_plugins.warm_start import build_warm_start
+        from .warm_start import build_warm_start
 
+        where = building_at(context, "policy")
         if config.n_embd % config.n_head:
-            raise RecipeError([f"{building_at(context, 'policy')}.n_head: {config.n_head} does not divide n_embd={config.n_embd}"])
+            raise RecipeError([f"{where}.n_head: {config.n_head} does not divide n_embd={config.n_embd}"])
+        loader = context.registry.find("policy", "hf") if context.registry is not None else None
+        if loader is None:
+            raise RecipeError([f"{where}.type: warm-start-summarizer loads its model with the 'hf' policy, which is not installed"])
         folder = Path(config.cache_dir) / (
             f"summarizer-l{config.n_layer}-d{config.n_embd}-h{config.n_head}-s{config.sft_steps}-f{config.sft_filler_share:g}-seed{config.seed}")
         if not (folder / "warm_start.json").exists():
@@ -142,7 +157,35 @@ class WarmStartPolicy(HFPolicy):
         path = build_warm_start(folder, n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
                                 sft_steps=config.sft_steps, batch_size=config.sft_batch_size, lr=config.sft_learning_rate,
                                 seed=config.seed, filler_share=config.sft_filler_share, progress=Progress(config.sft_steps, label="warm-start step"))
-        super().__init__(HFPolicyConfig(model=str(path), dtype=config.dtype), context)
+        loaded = context.build(ComponentChoice(where.removeprefix("$."), loader, loader.config_class(model=str(path), dtype=config.dtype)))
+        self._loaded: Policy = loaded
+        self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids
+        self.suppressed_token_ids, self.context_length = loaded.suppressed_token_ids, loaded.context_length
+
+    @property
+    def model(self):
+        return self._loaded.model
+
+    def forward(self, input_ids, attention_mask, position_ids, start: int = 0):
+        return self._loaded.forward(input_ids, attention_mask, position_ids, start)
+
+    def reference_logits(self, input_ids, attention_mask, position_ids, start: int = 0):
+        return self._loaded.reference_logits(input_ids, attention_mask, position_ids, start)
+
+    def parameters(self):
+        return self._loaded.parameters()
+
+    def state_dict(self):
+        return self._loaded.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self._loaded.load_state_dict(state)
+
+    def save_pretrained(self, path: str, merge_adapters: bool = True) -> None:
+        self._loaded.save_pretrained(path, merge_adapters)
+
+    def shard_units(self) -> list[type]:
+        return self._loaded.shard_units()
 
 
 @hookimpl

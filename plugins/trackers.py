@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from rlkit_core import hookimpl
-from rlkit_core.interfaces import Tracker
+from rlkit_core import Tracker, hookimpl
 
 
 @attrs.frozen

@@ -6,14 +6,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from rlkit_core import hookimpl
-from rlkit_core.config import one_of, setting
-from rlkit_core.context import building_at
-from rlkit_core.errors import RecipeError
-from rlkit_core.hf_loading import LOAD_ERRORS, PAD_TOKEN, check_tokenizer, load_problem, vocabulary_mismatch
-from rlkit_core.interfaces import ValueHead
-from rlkit_core.randomness import switch_off_dropout
-from rlkit_core.settings import field_of
+from rlkit_core import RecipeError, ValueHead, building_at, field_of, hookimpl, one_of, setting, switch_off_dropout
+from rlkit_core.hf import LOAD_ERRORS, PAD_TOKEN, check_tokenizer, load_problem, vocabulary_mismatch
 
 
 @attrs.frozen

@@ -30,22 +30,30 @@ import random
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 import numpy as np
 import torch
 from packaging.version import InvalidVersion, Version
-from rlkit_plugins.hf_generator import SamplingConfig
 
-from rlkit_core import hookimpl
-from rlkit_core.config import at_least, between, greater_than, one_of, setting
-from rlkit_core.context import building_at
-from rlkit_core.errors import RecipeError, RunError
+from rlkit_core import (
+    Generation,
+    Generator,
+    PromptLengthLimit,
+    RecipeError,
+    RunError,
+    StandardSampling,
+    at_least,
+    between,
+    building_at,
+    greater_than,
+    hookimpl,
+    one_of,
+    sampling_seed,
+    setting,
+)
 from rlkit_core.functional import response_mask
-from rlkit_core.interfaces import Generation, Generator
-from rlkit_core.prompts import PromptLengthLimit
-from rlkit_core.randomness import sampling_seed
 
 # The tested range (pyproject's extras pin the same): the layerwise reload module and
 # `wake_up(tags)` are in both; 0.34 is not out.
@@ -65,8 +73,10 @@ def _top_p(instance, attribute, value):
 
 
 @attrs.frozen
-class VLLMGeneratorConfig(SamplingConfig):
-    """The hf generator's sampling settings (the same words in a recipe, within vLLM's ranges), then the engine's."""
+class VLLMGeneratorConfig(StandardSampling):
+    """The sampling settings the hf generator takes too (the same words in a recipe, within vLLM's ranges), then the engine's."""
+
+    renamed = {"batch_size": None}  # prompts go to the engine all at once
 
     temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed (vLLM: 0.01 to 2)",
                                  validator=between(MIN_TEMPERATURE, MAX_TEMPERATURE))
@@ -243,7 +253,7 @@ def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if key in deltas:
             tensor = tensor + deltas[key].to(tensor.dtype)
         full = getattr(tensor, "full_tensor", None)  # DTensor under FSDP2: gather the shards
-        yield _checkpoint_name(key), full() if callable(full) else tensor
+        yield _checkpoint_name(key), cast(torch.Tensor, full()) if callable(full) else tensor
 
 
 def _second_names(model: torch.nn.Module) -> set[str]:
@@ -267,7 +277,7 @@ def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for adapter in module.active_adapters:
                 if adapter in module.lora_A:
                     key = f"{name}.base_layer.weight"
-                    delta = module.get_delta_weight(adapter)
+                    delta = cast(Any, module).get_delta_weight(adapter)  # LoraLayer's subclasses (Linear, Embedding) define it
                     deltas[key] = deltas[key] + delta if key in deltas else delta
     return deltas
 
@@ -295,6 +305,7 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], counts: list[int], greedy: bool = False) -> list[list[Sample]]:
         """counts[i] samples for prompts[i] (token ids, no padding); `greedy`: the likeliest tokens."""
+        ...
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Consumes the pairs one at a time, every weight of the model among them."""
@@ -324,7 +335,7 @@ class InProcessEngine:
 
     def __init__(self, settings: dict, sampling: dict, cuda_devices: list):
         os.environ[MULTIPROCESSING] = "0"  # a user's other value is refused before (missing_here)
-        from vllm import LLM, SamplingParams  # after the environment: vLLM reads it on import
+        from vllm import LLM, SamplingParams  # pyright: ignore[reportMissingImports] (an optional extra); after the environment: vLLM reads it on import
 
         self._params = SamplingParams
         self.sampling = sampling
@@ -349,7 +360,10 @@ class InProcessEngine:
         model_config = self.llm.llm_engine.model_config
 
         def reload(model):
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+            from vllm.model_executor.model_loader.reload import (  # pyright: ignore[reportMissingImports] (an optional extra)
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
 
             initialize_layerwise_reload(model)
             loaded = model.load_weights(weights)
@@ -385,7 +399,7 @@ def _repack_tied(model: torch.nn.Module) -> None:
         if not isinstance(weight, torch.nn.Parameter):
             continue
         if id(weight) in owners and hasattr(module, "cpu_linear"):
-            module.quant_method.process_weights_after_loading(module)
+            cast(Any, module).quant_method.process_weights_after_loading(module)  # vLLM's layer, not a torch one
         owners.add(id(weight))
 
 
@@ -431,6 +445,8 @@ def to_generation(samples: list[Sample], eos_token_ids: tuple[int, ...], pad_tok
 class VLLMGenerator(Generator):
     """Builds its engine from the policy; `engine` may be given (a server client, or a test's)."""
 
+    runs_own_precision = True  # the engine computes in its own dtypes: the run's autocast must not reach into it
+
     def __init__(self, config: VLLMGeneratorConfig, context, engine: Engine | None = None):
         self.config = config
         self.temperature = config.temperature
@@ -454,23 +470,19 @@ class VLLMGenerator(Generator):
         base.config.save_pretrained(self._model_dir.name)
         base.generation_config.save_pretrained(self._model_dir.name)
         rank = int(os.environ.get("RANK", "0"))
-        max_model_len = needed_model_len(self.config, context.recipe, getattr(base.config, "max_position_embeddings", None))
+        max_model_len = needed_model_len(self.config, context.recipe, self.policy.context_length)
         cpu_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if context.device.type == "cpu" else 0
         settings = engine_settings(self.config, self._model_dir.name, base.dtype, sampling_seed(context.seed, rank),
                                    max_model_len, context.launch.processes, cpu_memory)
         sampling = sampling_settings(self.config, self.policy.eos_token_ids, self.policy.suppressed_token_ids)
         return InProcessEngine(settings, sampling, [context.device] if context.device.type == "cuda" else [])
 
-    def _outside_autocast(self):
-        """The engine runs its own dtypes; the trainer's autocast (mixed_precision) must not reach into it."""
-        return torch.autocast(self.device.type, enabled=False)
-
     def sync_weights(self, policy) -> None:
         """On a GPU with sleep mode, in the order vLLM documents for RL (0.33.0: `LLM.wake_up`
         tags; `examples/rl`): the trainer's cached blocks freed, the weights woken, pushed, then the
         KV cache woken; the prefix cache is reset last (its blocks hold the old weights' keys)."""
         started = time.perf_counter()
-        with self._outside_autocast(), torch.no_grad():
+        with torch.no_grad():
             if self._asleep:
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -486,18 +498,17 @@ class VLLMGenerator(Generator):
     def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
         if not self._pushed:
             self.sync_weights(self.policy)
-        with self._outside_autocast():
-            if self._asleep:  # level 1 kept the weights
-                self.engine.wake_up()
-                self._asleep = False
-            prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-            # vLLM refuses n > 1 at temperature 0, and greedy copies would all be alike anyway
-            unique, counts = (prompts, [1] * len(prompts)) if greedy else repeat_runs(prompts)
-            samples = [sample for group in self.engine.generate(unique, counts, greedy) for sample in group]
-            if self.config.sleep_level:
-                self.engine.sleep(self.config.sleep_level)
-                self._asleep = True
-                self._pushed = self.config.sleep_level == 1  # level 2 drops the weights
+        if self._asleep:  # level 1 kept the weights
+            self.engine.wake_up()
+            self._asleep = False
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        # vLLM refuses n > 1 at temperature 0, and greedy copies would all be alike anyway
+        unique, counts = (prompts, [1] * len(prompts)) if greedy else repeat_runs(prompts)
+        samples = [sample for group in self.engine.generate(unique, counts, greedy) for sample in group]
+        if self.config.sleep_level:
+            self.engine.sleep(self.config.sleep_level)
+            self._asleep = True
+            self._pushed = self.config.sleep_level == 1  # level 2 drops the weights
         return to_generation(samples, self.policy.eos_token_ids, self.policy.tokenizer.pad_token_id, self.device)
 
     def pop_metrics(self) -> dict[str, float]:

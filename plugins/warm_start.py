@@ -48,7 +48,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from rlkit_plugins import summarize_task
+
+from . import summarize_task
 
 MARKER_FILE = "warm_start.json"
 PAD_ID = 0

@@ -3,13 +3,19 @@
 What a plugin author needs is importable from here: the interface of each kind (and `ComponentBase`, the
 hooks every component class may declare), the settings bases whose settings rlkit reads, `setting`
 and its validators for config classes, nested component tables, `hookimpl`, the errors a plugin
-raises and `building_at` for their places, and `surrogate` to register a policy-gradient surrogate.
+raises and `building_at` for their places, `surrogate` to register a policy-gradient surrogate,
+and the records a factory reads through its `BuildContext` (the `Recipe` and its tables).
+
+Besides this module a plugin may import three helper modules, as the built-in plugins do (and
+nothing else of `rlkit_core`; `tests/test_layout.py` holds the built-ins to it):
+`rlkit_core.functional` (the tensor math of advantages, rewards and losses), `rlkit_core.hf`
+(rules for transformers models and tokenizers) and `rlkit_core.testing` (the contract kit).
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
 from rlkit_core.config import at_least, between, greater_than, nested_component, nested_components, one_of, setting
-from rlkit_core.context import BuildContext, ComponentChoice, building_at
+from rlkit_core.context import BuildContext, building_at
 from rlkit_core.errors import Problem, RecipeError, RunError
 from rlkit_core.hookspecs import hookimpl
 from rlkit_core.interfaces import (
@@ -29,8 +35,23 @@ from rlkit_core.interfaces import (
     ValueHead,
 )
 from rlkit_core.launch import Launch
-from rlkit_core.settings import ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings
-from rlkit_core.surrogates import SurrogateTerms, surrogate
+from rlkit_core.memory import ModelShape
+from rlkit_core.progress import Progress
+from rlkit_core.randomness import sampling_seed, switch_off_dropout
+from rlkit_core.records import (
+    Component,
+    ComponentChoice,
+    ComponentLookup,
+    EvalConfig,
+    HealthConfig,
+    OptimConfig,
+    PPOConfig,
+    Recipe,
+    RunConfig,
+)
+from rlkit_core.sampling import StandardSampling
+from rlkit_core.settings import ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings, field_of
+from rlkit_core.surrogates import SURROGATES, SurrogateTerms, registered_surrogate, surrogate
 
 try:
     __version__ = version("rlkit")
@@ -38,11 +59,13 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 __all__ = [
-    "AdvantageEstimator", "BuildContext", "ComponentBase", "ComponentChoice", "Generation", "Generator", "KLController", "Launch",
-    "Loss", "LossInputs", "LossTerms", "ModelSettings", "PolicyOutput", "Policy", "PolicySettings", "Problem", "PromptLengthLimit",
-    "PromptSource", "RecipeError", "RewardSource", "RunError", "SamplingSettings", "SurrogateTerms", "Tracker", "ValueHead",
-    "__version__", "at_least", "between", "building_at", "greater_than", "hookimpl", "nested_component", "nested_components",
-    "one_of", "setting", "surrogate",
+    "AdvantageEstimator", "BuildContext", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "EvalConfig", "Generation",
+    "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs", "LossTerms", "ModelSettings", "ModelShape", "OptimConfig",
+    "PPOConfig", "PolicyOutput", "Policy", "PolicySettings", "Problem", "Progress", "PromptLengthLimit", "PromptSource", "Recipe",
+    "RecipeError", "RewardSource", "RunConfig", "RunError", "SURROGATES", "SamplingSettings", "StandardSampling", "SurrogateTerms",
+    "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "field_of", "greater_than", "hookimpl",
+    "nested_component", "nested_components", "one_of", "registered_surrogate", "sampling_seed", "setting", "surrogate",
+    "switch_off_dropout",
 ]
 
 

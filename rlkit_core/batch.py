@@ -24,6 +24,7 @@ def sequence_inputs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, respons
     """
     input_ids, attention_mask = prompt_ids, prompt_mask.long()
     if response_ids is not None:
+        assert response_mask is not None, "response_ids come with their response_mask"
         input_ids = torch.cat([prompt_ids, response_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)

@@ -41,7 +41,7 @@ def setting(default=attrs.NOTHING, *, help, validator=None, factory=None, kw_onl
 
 def nested_component(kind: str, *, help, extra: type | None = None, default=attrs.NOTHING, validator=None) -> Any:
     """A setting that holds one component table of `kind`: `[reward.judge]` with a `type` and that
-    component's settings. The recipe loader puts a `rlkit_core.recipe.document.ComponentChoice` here
+    component's settings. The recipe loader puts a `rlkit_core.ComponentChoice` here
     (annotate the field so); `default=None` makes the table optional."""
     metadata = {HELP: help, NESTED: Nested(kind, many=False, extra=extra)}
     return attrs.field(default=default, validator=validator, metadata=metadata)

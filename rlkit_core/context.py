@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
 
 from rlkit_core.errors import Problem, RecipeError
-from rlkit_core.interfaces import KINDS
+from rlkit_core.interfaces import KINDS, Policy
 from rlkit_core.launch import ONE_PROCESS, Launch
-
-if TYPE_CHECKING:
-    from rlkit_core.interfaces import Policy
-    from rlkit_core.recipe.document import Recipe
-    from rlkit_core.recipe.registry import Component, Registry
-
-
-@attrs.frozen
-class ComponentChoice:
-    """A checked component table (the recipe layer makes them; nested ones reach a factory): the registered component its
-    `type` names and its structured config."""
-
-    table: str  # where the table sits in the recipe: `reward`, or `reward.parts[1]` when nested
-    component: Component
-    config: Any
-    extra: Any = None  # for a nested table: its keys for the parent (see `rlkit_core.config.Nested.extra`)
+from rlkit_core.records import ComponentChoice, ComponentLookup, Recipe
 
 
 @attrs.define
@@ -36,7 +21,7 @@ class BuildContext:
     - `recipe`: the whole checked recipe the run trains. Read other tables for facts about the run
       (`recipe.run.steps` is its length in iterations, `recipe.ppo.batch_size` the rollouts per
       iteration); a component's own settings belong in its own config class.
-    - `registry`: every installed component (`recipe.registry`); `build(choice)` builds a nested
+    - `registry`: every installed component (`recipe.registry`, a `ComponentLookup`: `find`, `names`); `build(choice)` builds a nested
       component table, the `ComponentChoice` a `nested_component` setting holds.
     - `device`: where tensors go; `output_dir`: the run's folder (it may not exist yet); `seed`: `run.seed`.
     - `launch`: how the run is started (`rlkit_core.Launch`): `launch.processes` is the
@@ -59,7 +44,7 @@ class BuildContext:
     launch: Launch = ONE_PROCESS  # how the run is started; the trainer gives its own
 
     @property
-    def registry(self) -> Registry:
+    def registry(self) -> ComponentLookup | None:
         return self.recipe.registry
 
     @property

@@ -97,6 +97,9 @@ class Policy(ComponentBase):
     tokenizer: Any  # a transformers tokenizer with distinct pad and EOS tokens
     eos_token_ids: tuple[int, ...]  # every id that ends a response; the tokenizer's EOS first
     suppressed_token_ids: tuple[int, ...] = ()  # ids never emitted (a PAD rlkit added): masked out of every softmax
+    # the longest prompt + response the model takes, or None when it has no such limit or cannot
+    # tell: prompts are cut to fit it with the longest response (`data.max_prompt_tokens` checked against it)
+    context_length: int | None = None
     # flag rlkit reads from the class: True when `forward` and `reference_logits` take packed rows
     # (`ppo.pack_sequences`): attention_mask None, position_ids that restart at 0 where each of
     # several sequences in a row starts, attention kept within each; `start` is then 0
@@ -133,6 +136,11 @@ class Policy(ComponentBase):
     @abstractmethod
     def save_pretrained(self, path: str, merge_adapters: bool = True) -> None:
         """Write a plain transformers model directory (tokenizer included)."""
+
+    def shard_units(self) -> list[type]:
+        """The module classes of `model` that FSDP shards each as one unit (a transformer block);
+        empty: FSDP wraps the model whole."""
+        return []
 
     @staticmethod
     def shape(config):
@@ -180,7 +188,10 @@ class RewardSource(ComponentBase):
 class KLController(ComponentBase):
     """The KL coefficient β and how it moves between iterations."""
 
-    target: float | None = None  # the KL it steers towards, if any: the health checks compare the run's KL with it
+    # The KL per sequence it steers towards, or None when it steers towards none. The `kl_over_target`
+    # health check compares the run's KL with it, so a controller whose config has a `target`
+    # setting sets it (the contract kit checks `instance.target == config.target`).
+    target: float | None = None
 
     @property
     @abstractmethod
@@ -300,13 +311,21 @@ class Generator(ComponentBase):
     # flag rlkit reads from the class: True when the generator samples with the policy module itself
     # (inside the training engine), so that it runs under FSDP, where weights are sharded
     runs_under_fsdp: ClassVar[bool] = False
+    # flag rlkit reads from the class: True when the sampler runs in dtypes of its own (an engine
+    # outside the training process's modules), so that the loop calls it outside the run's autocast
+    runs_own_precision: ClassVar[bool] = False
 
     @abstractmethod
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, greedy: bool = False) -> Generation:
-        """`greedy`: the likeliest token at every step (for evaluation; its log-probs are not used)."""
+        """`greedy`: the likeliest token at every step (for evaluation; its log-probs are not used).
+
+        The loop calls it, after `sync_weights`, inside the policy's full-weights block (under FSDP
+        every process holds the whole model meanwhile) and under the run's autocast
+        (`run.mixed_precision`), unless the class sets `runs_own_precision`."""
 
     def sync_weights(self, policy: Policy) -> None:
-        """Bring the sampler's weights up to date with the policy; in-process samplers share them."""
+        """Bring the sampler's weights up to date with the policy; in-process samplers share them.
+        Called just before `generate`, in the same full-weights block (outside the autocast)."""
 
     def pop_metrics(self) -> dict[str, float]:
         """Figures since the last call (e.g. `time/weight_sync`), merged into the iteration's metrics;

@@ -79,7 +79,7 @@ def prepare_prompts(records: list[dict], tokenizer, limit: PromptLengthLimit | N
         if not length:
             empty += 1
             continue
-        if max_tokens and length > max_tokens:
+        if limit and max_tokens and length > max_tokens:
             if limit.truncate == "error":
                 raise RecipeError([f"$.data.max_prompt_tokens: record {index} has {length} prompt tokens, over the limit "
                                    f"of {max_tokens}; raise the limit, or set data.truncate = 'left' or 'skip'"])

@@ -13,6 +13,7 @@ from rlkit_core import hookimpl
 from rlkit_core.config import setting
 from rlkit_core.interfaces import KLController
 from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.testing import stand_ins
 from rlkit_core.testing.contracts import (
     AdvantageEstimatorContract,
     GeneratorContract,
@@ -230,3 +231,54 @@ def test_the_test_helpers_import_without_pytest():
     code = "import sys, rlkit_core.testing; assert 'pytest' not in sys.modules, 'pytest was imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@attrs.frozen
+class TargetedConfig:
+    target: float = setting(4.0, help="the KL to steer towards")
+
+
+class ForgetsItsTarget(KLController):
+    """Steers towards `config.target` but never says so: the health check would never fire."""
+
+    def __init__(self, config, context=None):
+        self.config = config
+
+    @property
+    def beta(self) -> float:
+        return 0.1
+
+    def update(self, kl, n_samples):
+        pass
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_the_kl_contract_holds_a_controller_to_its_configs_target():
+    contract, config = KLControllerContract(), TargetedConfig()
+    with pytest.raises(AssertionError, match="set self.target"):
+        contract.test_target_is_the_configs(ForgetsItsTarget(config), config)
+    kept = ForgetsItsTarget(config)
+    kept.target = config.target
+    contract.test_target_is_the_configs(kept, config)
+
+
+class TestTheKitsStandInPolicy(PolicyContract):
+    component = stand_ins.POLICY
+
+    @pytest.fixture
+    def component_config(self, tiny_model):
+        return {"model": str(tiny_model)}
+
+
+class TestTheKitsStandInPrompts(PromptSourceContract):
+    component = stand_ins.PROMPTS
+
+
+class TestTheKitsStandInReward(RewardContract):
+    component = stand_ins.REWARD
+
+
+class TestTheKitsStandInTracker(TrackerContract):
+    component = stand_ins.TRACKER

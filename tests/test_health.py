@@ -15,7 +15,7 @@ import torch
 
 from rlkit_core.errors import RecipeError
 from rlkit_core.recipe.document import parse_recipe
-from rlkit_core.recipe.schema import CHECKS, HealthConfig
+from rlkit_core.records import CHECKS, HealthConfig
 from rlkit_core.runtime.health import HealthMonitor, detect, group_zero_variance_share
 from rlkit_core.runtime.trainer import Trainer
 

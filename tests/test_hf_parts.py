@@ -57,3 +57,43 @@ def test_separate_critic_has_its_own_model(recipe_document, builtin_registry, ti
     assert metrics["train/value_loss"] > 0
     after = trainer.with_advantages(trainer.rollout(trainer.stream.batch(1))[0])
     assert torch.count_nonzero(after.values) > 0  # the critic learned something
+
+
+def test_the_hf_policy_declares_its_context_and_its_fsdp_units(tiny_model):
+    """What the trainer, vLLM and FSDP read through the Policy interface, not the model's config."""
+    from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
+    from transformers import AutoConfig
+
+    policy = HFPolicy(HFPolicyConfig(model=str(tiny_model)))
+    assert policy.context_length == AutoConfig.from_pretrained(tiny_model).n_positions
+    assert [unit.__name__ for unit in policy.shard_units()] == ["GPT2Block"]
+
+
+def test_a_configs_context_length_under_any_of_its_names():
+    import types
+
+    from rlkit_core.hf import context_length
+
+    assert context_length(types.SimpleNamespace(n_positions=1024)) == 1024
+    assert context_length(types.SimpleNamespace(seq_length=2048, max_position_embeddings=None)) == 2048
+    assert context_length(types.SimpleNamespace(max_sequence_length=512)) == 512
+    assert context_length(types.SimpleNamespace(hidden_size=64)) is None
+
+
+def test_a_policy_without_a_context_or_units_declares_none():
+    from rlkit_core import Policy
+
+    assert Policy.context_length is None and Policy.shard_units(object()) == []
+
+
+def test_fsdp_wraps_the_units_the_policy_declares():
+    """accelerate finds the classes to shard by name on the module it prepares."""
+    import types
+
+    from rlkit_core.runtime.distributed import TrainableModules
+
+    class Block(torch.nn.Module):
+        pass
+
+    policy = types.SimpleNamespace(model=torch.nn.Sequential(Block()), shard_units=lambda: [Block])
+    assert TrainableModules(policy, None)._no_split_modules == ["Block"]

@@ -1,13 +1,28 @@
 """The layout is the architecture: imports run one way, runtime → recipe → plugin API, and plugins
-import only the API. An import under `if TYPE_CHECKING:` runs for type checkers only and is allowed."""
+import only the API: `rlkit_core` itself and its declared helper modules, never another plugin. An
+import under `if TYPE_CHECKING:` runs for type checkers only and is allowed."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "rlkit_core"
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# the modules of `rlkit_core` a plugin may import besides `rlkit_core` itself (its docstring says so)
+HELPER_MODULES = ("rlkit_core.functional", "rlkit_core.hf", "rlkit_core.testing")
+# the built-in plugins, each an entry point of the `rlkit` group, and the modules of their own they import
+PLUGINS = {module.removeprefix("rlkit_plugins.") for module in
+           tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["rlkit"].values()}
+OWN_MODULES = {"summarize_task": "summarize", "warm_start": "summarize", "mlflow_tracker": "trackers"}
+EXAMPLE_PACKAGE = ROOT / "examples" / "rlkit-example-plugins" / "src" / "rlkit_example_plugins"
 
 # layer -> the layers its modules may import
 ALLOWED = {
@@ -54,11 +69,16 @@ def imported_modules(tree: ast.AST):
             continue
         if isinstance(node, ast.Import):
             yield from ((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 1:  # within the plugins' package
+            yield from ((f"rlkit_plugins.{name}", node.lineno) for name in
+                        ([node.module] if node.module else [alias.name for alias in node.names]))
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.module, node.lineno
             if node.module == "rlkit_core":  # `from rlkit_core import checkpoint` may name a module
                 yield from ((f"rlkit_core.{alias.name}", node.lineno) for alias in node.names
-                            if (CORE / alias.name).is_dir())
+                            if (CORE / alias.name).is_dir() or (CORE / f"{alias.name}.py").is_file())
+            if node.module == "rlkit_plugins":  # `from rlkit_plugins import summarize_task` names one
+                yield from ((f"rlkit_plugins.{alias.name}", node.lineno) for alias in node.names)
         stack.extend(ast.iter_child_nodes(node))
 
 
@@ -87,3 +107,45 @@ def test_the_checker_sees_a_wrong_way_import():
               "def later():\n    from rlkit_core.recipe.plan import build_plan\nfrom rlkit_core import runtime\n")
     assert wrong_way("api", source) == ["line 5: rlkit_core.recipe.plan (recipe)", "line 6: rlkit_core.runtime (runtime)"]
     assert wrong_way("runtime", source) == []
+
+
+def plugin_problems(source: str, plugin: str | None) -> list[str]:
+    """The imports of a plugin's module that reach past the API: a module of `rlkit_core` other than
+    the package and its helper modules, or another plugin's module (`plugin` None: any plugin's)."""
+    problems = []
+    for module, line in imported_modules(ast.parse(source)):
+        top, _, rest = module.partition(".")
+        if top == "rlkit_core" and module != "rlkit_core" and not module.startswith(tuple(f"{h}." for h in HELPER_MODULES) + HELPER_MODULES):
+            problems.append((line, f"line {line}: {module} (import it from rlkit_core, or use a helper module: {', '.join(HELPER_MODULES)})"))
+        elif top == "rlkit_plugins" and rest and OWN_MODULES.get(rest.split(".")[0], rest.split(".")[0]) != plugin:
+            problems.append((line, f"line {line}: {module} (another plugin's)"))
+    return [problem for _, problem in sorted(problems)]
+
+
+def test_every_plugin_module_is_a_plugin_or_one_of_its_own():
+    modules = {path.stem for path in (ROOT / "plugins").glob("*.py")} - {"__init__"}
+    assert modules == PLUGINS | set(OWN_MODULES) and set(OWN_MODULES.values()) <= PLUGINS
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "plugins").glob("*.py")), ids=lambda path: path.name)
+def test_plugins_import_only_the_api_and_their_own_modules(path):
+    wrong = plugin_problems(path.read_text(), OWN_MODULES.get(path.stem, path.stem))
+    assert not wrong, f"plugins/{path.name}: {wrong}"
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLE_PACKAGE.glob("*.py")), ids=lambda path: path.name)
+def test_the_example_plugins_import_only_the_api(path):
+    wrong = plugin_problems(path.read_text(), None)
+    assert not wrong, f"{path.relative_to(ROOT)}: {wrong}"
+
+
+def test_the_plugin_checker_sees_what_reaches_past_the_api():
+    source = ("from rlkit_core import Policy, hookimpl\nfrom rlkit_core.functional import gae\nfrom rlkit_core.hf import DTYPES\n"
+              "from rlkit_core.randomness import sampling_seed\nfrom rlkit_core import prompts\n"
+              "from . import summarize_task\nfrom .hf_policy import HFPolicy\n")
+    assert plugin_problems(source, "summarize") == [
+        "line 4: rlkit_core.randomness (import it from rlkit_core, or use a helper module: rlkit_core.functional, rlkit_core.hf, rlkit_core.testing)",
+        "line 5: rlkit_core.prompts (import it from rlkit_core, or use a helper module: rlkit_core.functional, rlkit_core.hf, rlkit_core.testing)",
+        "line 7: rlkit_plugins.hf_policy (another plugin's)"]
+    assert plugin_problems(source, "trackers")[-2:] == ["line 6: rlkit_plugins.summarize_task (another plugin's)",
+                                                        "line 7: rlkit_plugins.hf_policy (another plugin's)"]

@@ -14,7 +14,7 @@ from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import KLController, RewardSource
 from rlkit_core.recipe.document import ComponentChoice, parse_recipe, structure_table
 from rlkit_core.recipe.plugins import load_registry
-from rlkit_core.recipe.registry import Component
+from rlkit_core.records import Component
 
 
 @attrs.frozen

@@ -44,6 +44,14 @@ def test_hooks_tables_defaults_and_components_come_from_the_table():
     assert fields.kl.type is KIND_TABLE[4].interface and fields.value_head.type == KIND_TABLE[1].interface | None
 
 
+def test_components_written_out_are_the_table_of_kinds():
+    """`Components` is written out for type checkers; each field is its kind's interface, the
+    value head's optional (no critic), in the table's order."""
+    fields = attrs.fields(Components)
+    assert [(f.name, f.type) for f in fields] == [
+        (kind.table, kind.interface | None if kind.table == "value_head" else kind.interface) for kind in KIND_TABLE]
+
+
 def group_estimator(config, context):
     return GRPO(config, context)
 
@@ -153,7 +161,7 @@ def test_hooks_may_be_class_methods(recipe_document):
 def test_the_flags_the_registry_checks_are_the_interfaces_declared_booleans():
     flags = {kind.name: class_flags(kind.interface) for kind in KIND_TABLE}
     assert flags["advantage_estimator"] == ("needs_values", "needs_groups", "needs_baseline_scores")
-    assert flags["loss"] == ("needs_entropy_grad", "needs_logits", "takes_kl_penalty") and flags["generator"] == ("runs_under_fsdp",)
+    assert flags["loss"] == ("needs_entropy_grad", "needs_logits", "takes_kl_penalty") and flags["generator"] == ("runs_under_fsdp", "runs_own_precision")
     assert flags["policy"] == flags["value_head"] == ("packs_sequences",) and flags["reward"] == ()
 
 

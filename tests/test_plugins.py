@@ -9,7 +9,8 @@ import pytest
 from rlkit_core import hookimpl
 from rlkit_core.errors import PluginError, RecipeError
 from rlkit_core.recipe.plugins import load_registry
-from rlkit_core.recipe.registry import Component, Registry
+from rlkit_core.recipe.registry import Registry
+from rlkit_core.records import Component
 
 KINDS_WITH_BUILTINS = ["policy", "value_head", "reward", "kl_controller", "advantage_estimator", "loss", "generator", "prompt_source", "tracker"]
 

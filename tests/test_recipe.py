@@ -199,7 +199,7 @@ def test_every_schedule_the_recipe_accepts_builds_in_transformers():
     import torch
     from transformers import get_scheduler
 
-    from rlkit_core.recipe.schema import SCHEDULES
+    from rlkit_core.records import SCHEDULES
 
     for name in SCHEDULES:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -213,7 +213,7 @@ def test_every_schedule_the_recipe_accepts_builds_in_transformers():
 def test_problems_are_located_records(builtin_registry):
     from rlkit_core.errors import Problem
     from rlkit_core.recipe.document import structure_table
-    from rlkit_core.recipe.schema import RunConfig
+    from rlkit_core.records import RunConfig
 
     _, problems = structure_table({"stpes": 1}, RunConfig, "$.run")
     assert problems == [Problem("$.run.steps", "required key is missing"),

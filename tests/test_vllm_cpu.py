@@ -8,16 +8,18 @@ model of the module (an engine starts in about 5 s).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
-from rlkit_plugins.hf_generator import HFGenerator, SamplingConfig
+from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
 from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, installed_vllm
 
@@ -150,7 +152,7 @@ def test_same_first_token_distribution_as_the_hf_generator(policy, generator):
     generator.sync_weights(policy)
     torch.manual_seed(1)
     ours = generator.generate(prompt_ids, prompt_mask).response_ids[:, 0]
-    hf = HFGenerator(SamplingConfig(max_new_tokens=1, temperature=TEMPERATURE), _context(".", policy)).generate(
+    hf = HFGenerator(HFGeneratorConfig(max_new_tokens=1, temperature=TEMPERATURE), _context(".", policy)).generate(
         prompt_ids[:1].expand(draws, -1), prompt_mask[:1].expand(draws, -1)).response_ids[:, 0]
     with torch.no_grad():
         logits = policy.model(prompt_ids[:1], attention_mask=prompt_mask[:1]).logits[0, -1].float() / TEMPERATURE
@@ -199,16 +201,19 @@ def test_greedy_with_repeated_prompts_matches_transformers_greedy(policy, genera
     prompt_ids, prompt_mask = _prompts(policy, TEXTS)
     generator.sync_weights(policy)
     ours = generator.generate(prompt_ids, prompt_mask, greedy=True)
-    hf = HFGenerator(SamplingConfig(max_new_tokens=MAX_NEW), _context(".", policy)).generate(prompt_ids, prompt_mask, greedy=True)
+    hf = HFGenerator(HFGeneratorConfig(max_new_tokens=MAX_NEW), _context(".", policy)).generate(prompt_ids, prompt_mask, greedy=True)
     assert torch.equal(ours.response_ids, hf.response_ids) and torch.equal(ours.response_mask, hf.response_mask)
 
 
 def test_the_trainers_autocast_does_not_reach_the_engine(policy, generator):
-    """`mixed_precision = "bf16"` on a CPU: generation runs inside the trainer's autocast."""
+    """`mixed_precision = "bf16"` on a CPU: the trainer generates inside its autocast, unless the
+    generator runs its own precision (`runs_own_precision`, which vLLM sets)."""
+    from rlkit_core.runtime.trainer import Trainer
+
     prompt_ids, prompt_mask = _prompts(policy, TEXTS)
-    generator.sync_weights(policy)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = generator.generate(prompt_ids, prompt_mask)
+    trainer = types.SimpleNamespace(policy=policy, parts=types.SimpleNamespace(generator=generator), full_weights=contextlib.nullcontext,
+                                    accelerator=types.SimpleNamespace(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
+    [out] = Trainer._generate(trainer, [(prompt_ids, prompt_mask)], greedy=False)
     assert _max_gap(policy, prompt_ids, prompt_mask, out) < LOGPROB_TOLERANCE
 
 

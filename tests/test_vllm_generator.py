@@ -5,6 +5,7 @@ The engine itself is tested on a GPU by tests/test_vllm_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
@@ -13,7 +14,7 @@ import types
 import pytest
 import torch
 from rlkit_plugins import vllm_generator
-from rlkit_plugins.hf_generator import HFGenerator, SamplingConfig
+from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
 from rlkit_plugins.vllm_generator import (
     Sample,
     VLLMGenerator,
@@ -414,8 +415,8 @@ class StandInEngine:
         self.tied = {"lm_head.weight"} if base.config.tie_word_embeddings else set()
         shadow = types.SimpleNamespace(model=self.model, tokenizer=policy.tokenizer, eos_token_ids=policy.eos_token_ids,
                                        suppressed_token_ids=policy.suppressed_token_ids)
-        sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens,
-                                     temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+        sampling = HFGeneratorConfig(max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens,
+                                        temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
         self.sampler = HFGenerator(sampling, types.SimpleNamespace(policy=shadow))
         self.tokenizer = policy.tokenizer
         self.calls: list[str] = []
@@ -565,9 +566,17 @@ def test_the_trainers_random_streams_go_on_as_if_vllm_had_not_seeded_them():
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
 
 
+def generating_trainer(policy, generator):
+    """What `Trainer._generate` reads of a trainer, with the autocast of `mixed_precision = "bf16"` on a CPU."""
+    return types.SimpleNamespace(policy=policy, parts=types.SimpleNamespace(generator=generator), full_weights=contextlib.nullcontext,
+                                 accelerator=types.SimpleNamespace(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
+
+
 def test_the_engine_is_called_outside_the_trainers_autocast(tiny_model, tmp_path):
-    """The trainer generates inside its autocast (mixed_precision); on a GPU vLLM's layers would
-    run in the autocast dtype instead of the engine's own."""
+    """The trainer generates inside its autocast (mixed_precision) unless the generator runs its own
+    precision; on a GPU vLLM's layers would run in the autocast dtype instead of the engine's own."""
+    from rlkit_core.runtime.trainer import Trainer
+
     policy = _policy(tiny_model, tmp_path)
     generator = _generator(policy, tmp_path)
     engine, seen = generator.engine, []
@@ -577,11 +586,23 @@ def test_the_engine_is_called_outside_the_trainers_autocast(tiny_model, tmp_path
             return _call(*args, **kwargs)
         setattr(engine, name, recording)
     prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": "ab"}], "cpu")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        generator.sync_weights(policy)
-        generator.generate(prompt_ids, prompt_mask)
-        assert torch.is_autocast_enabled("cpu")
+    assert VLLMGenerator.runs_own_precision
+    Trainer._generate(generating_trainer(policy, generator), [(prompt_ids, prompt_mask)], greedy=False)
     assert seen == [False, False]
+
+
+def test_a_generator_without_its_own_precision_runs_under_the_trainers_autocast(tiny_model, tmp_path):
+    from rlkit_core.runtime.trainer import Trainer
+
+    policy = _policy(tiny_model, tmp_path)
+    generator = HFGenerator(HFGeneratorConfig(max_new_tokens=2), types.SimpleNamespace(policy=policy))
+    seen = []
+    generate = generator.generate
+    generator.generate = lambda *args, **kwargs: seen.append(torch.is_autocast_enabled("cpu")) or generate(*args, **kwargs)
+    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": "ab"}], "cpu")
+    assert not HFGenerator.runs_own_precision
+    Trainer._generate(generating_trainer(policy, generator), [(prompt_ids, prompt_mask)], greedy=False)
+    assert seen == [True]
 
 
 def test_greedy_sends_repeated_prompts_one_by_one(tiny_model, tmp_path):

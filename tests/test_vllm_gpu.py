@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlkit_plugins.hf_generator import HFGenerator, SamplingConfig
+from rlkit_plugins.hf_generator import HFGenerator, HFGeneratorConfig
 from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 from rlkit_plugins.vllm_generator import VLLMGenerator, VLLMGeneratorConfig, missing_here
 
@@ -73,7 +73,7 @@ def test_same_shapes_and_ends_as_the_hf_generator(policy, vllm_generator):
     prompt_ids, prompt_mask = _prompts(policy)
     vllm_generator.sync_weights(policy)
     ours = vllm_generator.generate(prompt_ids, prompt_mask)
-    hf = HFGenerator(SamplingConfig(max_new_tokens=MAX_NEW, temperature=1.0), _context(".", policy)).generate(prompt_ids, prompt_mask)
+    hf = HFGenerator(HFGeneratorConfig(max_new_tokens=MAX_NEW, temperature=1.0), _context(".", policy)).generate(prompt_ids, prompt_mask)
     for out in (ours, hf):
         assert out.response_ids.shape[0] == len(PROMPTS) and out.response_ids.shape[1] <= MAX_NEW
         assert out.response_ids.shape == out.response_mask.shape == out.logprobs.shape

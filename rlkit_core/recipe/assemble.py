@@ -1,20 +1,27 @@
 """Turning a checked recipe into live components, in the order their factories need them."""
 
-from __future__ import annotations
-
 import attrs
 
 from rlkit_core.context import BuildContext
-from rlkit_core.interfaces import KIND_TABLE
-from rlkit_core.recipe.document import Recipe
+from rlkit_core.interfaces import AdvantageEstimator, Generator, KLController, Loss, Policy, PromptSource, RewardSource, Tracker, ValueHead
+from rlkit_core.records import Recipe
 
-Components = attrs.make_class(
-    "Components",
-    {kind.table: attrs.field(type=kind.interface | None if kind.table == "value_head" else kind.interface) for kind in KIND_TABLE},
-    frozen=True,
-)
-Components.__doc__ = """The live components of a run, one field per recipe table (`rlkit_core.interfaces.KIND_TABLE`),
-typed with its kind's interface; `value_head` is None when the advantage estimator needs no critic."""
+
+@attrs.frozen
+class Components:
+    """The live components of a run, one field per recipe table (`rlkit_core.interfaces.KIND_TABLE`,
+    in its order; a test holds the two together), typed with its kind's interface; `value_head` is
+    None when the advantage estimator needs no critic."""
+
+    policy: Policy
+    value_head: ValueHead | None
+    generator: Generator
+    reward: RewardSource
+    kl: KLController
+    advantage: AdvantageEstimator
+    loss: Loss
+    data: PromptSource
+    tracker: Tracker
 
 
 def build_components(recipe: Recipe, context: BuildContext) -> Components:

@@ -15,28 +15,23 @@ import difflib
 import json
 import sys
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.errors import AttributeValidationNote, ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
 from rlkit_core.config import nested_spec
-from rlkit_core.context import ComponentChoice
 from rlkit_core.errors import Problem, RecipeError
 from rlkit_core.interfaces import KIND_OF_TABLE, NO_COMPONENT
 from rlkit_core.launch import ONE_PROCESS, Launch
 from rlkit_core.recipe.launch import launch_problems, sharding_problems
-from rlkit_core.recipe.registry import Component, Registry
+from rlkit_core.recipe.registry import Registry
 from rlkit_core.recipe.schema import (
     COMPONENT_TABLES,
     CORE_TABLES,
-    EvalConfig,
-    HealthConfig,
-    OptimConfig,
-    PPOConfig,
-    RunConfig,
     batch_arithmetic_problems,
     critic_problems,
     kl_penalty_problems,
@@ -45,28 +40,12 @@ from rlkit_core.recipe.schema import (
     packing_problems,
     schedule_problems,
 )
+from rlkit_core.records import Component, ComponentChoice, EvalConfig, Recipe
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
-    import tomli as tomllib
-
-
-@attrs.frozen
-class Recipe:
-    run: RunConfig
-    ppo: PPOConfig
-    optim: OptimConfig
-    components: dict[str, ComponentChoice]
-    document: dict[str, Any]  # the TOML document after overrides, as logged with the run
-    source: str | None = None
-    eval: EvalConfig = EvalConfig()
-    eval_metrics: tuple[Component, ...] = ()  # the reward components named by eval.metrics
-    registry: Registry | None = attrs.field(default=None, eq=False, repr=False)  # where the components were found
-    health: HealthConfig = HealthConfig()
-
-    def __getitem__(self, table: str) -> ComponentChoice:
-        return self.components[table]
+    import tomli as tomllib  # pyright: ignore[reportMissingImports] (a dependency on Python 3.10 only)
 
 
 def _strict(expected: type, words: str):
@@ -144,7 +123,7 @@ def _located(exc: BaseException, where: str, cls: type, also_known: tuple[str, .
         with_notes, without = exc.group_exceptions()
         problems = []
         for inner, note in with_notes:
-            step = f".{note.name}" if isinstance(exc, ClassValidationError) else f"[{note.index!r}]"
+            step = f".{note.name}" if isinstance(note, AttributeValidationNote) else f"[{note.index!r}]"
             problems += _located(inner, where + step, cls, also_known)
         for inner in without:
             problems += _located(inner, where, cls, also_known)
@@ -251,7 +230,7 @@ def toml_literal(value) -> str:
 
 def parse_recipe(document: dict, registry: Registry, source: str | None = None, launch: Launch = ONE_PROCESS) -> Recipe:
     """The checked recipe for `launch` (default: one process, no GPU), or a RecipeError with every problem located."""
-    problems: list[Problem] = []
+    problems: list[Problem | str] = []
     known_tables = [*CORE_TABLES, *COMPONENT_TABLES]
     for table in document:
         if table not in known_tables:
@@ -259,10 +238,11 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None, 
             suggestion = f"did you mean [{hint[0]}]?" if hint else f"known tables: {', '.join(known_tables)}"
             problems.append(Problem(f"$.{table}", f"unknown table; {suggestion}"))
 
-    core = {}
+    core: dict[str, Any] = {}  # each table's instance, or None when it has problems
     for table, cls in CORE_TABLES.items():
         core[table], found = structure_table(document.get(table, {}), cls, f"$.{table}")
         problems += found
+    run, ppo, optim = core["run"], core["ppo"], core["optim"]  # each checked below; a Recipe needs all three
     if core["ppo"] is not None:
         problems += batch_arithmetic_problems(core["ppo"], launch.processes) + kl_problems(core["ppo"])
     if core["optim"] is not None:
@@ -302,7 +282,7 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None, 
     problems += found
     if problems:
         raise RecipeError(problems, source)
-    return Recipe(core["run"], core["ppo"], core["optim"], components, document, source, core["eval"], eval_metrics,
+    return Recipe(run, ppo, optim, components, document, source, core["eval"], eval_metrics,
                   registry, core["health"])
 
 
@@ -315,7 +295,7 @@ def _default_critic(document: dict, registry: Registry) -> str | None:
     return NO_COMPONENT if estimator is not None and not estimator.factory.needs_values else COMPONENT_TABLES["value_head"][1]
 
 
-def _eval_metrics(config: EvalConfig | None, registry: Registry) -> tuple[tuple[Component, ...], list[str]]:
+def _eval_metrics(config: EvalConfig | None, registry: Registry) -> tuple[tuple[Component, ...], list[Problem | str]]:
     """The reward components `[eval] metrics` names; each is built with its default settings."""
     if config is None:
         return (), []
@@ -366,7 +346,7 @@ def read_component_table(data: Any, kind: str, table: str, registry: Registry, d
     return (None if problems else ComponentChoice(table, component, config, extra_values)), problems
 
 
-def load_recipe(path: str | Path, registry: Registry, overrides: list[str] = (), launch: Launch = ONE_PROCESS) -> Recipe:
+def load_recipe(path: str | Path, registry: Registry, overrides: Sequence[str] = (), launch: Launch = ONE_PROCESS) -> Recipe:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

@@ -65,9 +65,11 @@ def code_it_runs(recipe: Recipe) -> list[str]:
     `imports(config, where)`, e.g. the `python` reward's function), nested tables included.
     `rlkit check` imports none of the files."""
     from rlkit_core.recipe.plugins import BUILTIN_DISTRIBUTION
+    from rlkit_core.recipe.registry import Registry
 
     registry = recipe.registry
-    plugins = sorted({(c.plugin, c.distribution, c.version) for c in registry.all() if c.distribution != BUILTIN_DISTRIBUTION}) if registry else []
+    plugins = sorted({(c.plugin, c.distribution, c.version) for c in registry.all()
+                      if c.distribution != BUILTIN_DISTRIBUTION}) if isinstance(registry, Registry) else []
     lines = [f"plugin {name} ({dist} {version})" for name, dist, version in plugins] or ["no third-party plugins loaded"]
     for top in recipe.components.values():
         for choice in with_nested(top):

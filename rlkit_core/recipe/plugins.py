@@ -23,7 +23,8 @@ import pluggy
 from rlkit_core import hookspecs
 from rlkit_core.errors import BrokenPluginContract, PluginError
 from rlkit_core.interfaces import KIND_TABLE
-from rlkit_core.recipe.registry import Component, Registry
+from rlkit_core.recipe.registry import Registry
+from rlkit_core.records import Component
 
 ENTRY_POINT_GROUP = "rlkit"
 BUILTIN_DISTRIBUTION = "rlkit"

@@ -14,20 +14,10 @@ import attrs
 
 from rlkit_core.errors import BrokenPluginContract, PluginError, Problem, RecipeError
 from rlkit_core.interfaces import COMPONENT_HOOKS, KIND_TABLE, KINDS, NO_COMPONENT, Policy, class_flags
+from rlkit_core.records import Component
 from rlkit_core.settings import CoreSettings
 
 _KIND_NAMED = {kind.name: kind for kind in KIND_TABLE}
-
-
-@attrs.frozen
-class Component:
-    kind: str
-    name: str
-    factory: type  # the component's class, a subclass of its kind's interface
-    config_class: type
-    plugin: str  # entry-point name of the plugin that registered it
-    distribution: str
-    version: str
 
 
 class Registry:

@@ -17,6 +17,7 @@ from rlkit_core.errors import RecipeError, RlkitError
 from rlkit_core.launch import ONE_PROCESS, Launch
 from rlkit_core.recipe.document import Recipe, parse_recipe
 from rlkit_core.recipe.inventory import flatten
+from rlkit_core.recipe.registry import Registry
 from rlkit_core.recipe.schema import CORE_TABLES
 
 # settings that cannot change what a run trains; a table name covers all its keys
@@ -33,7 +34,7 @@ def recipe_changes(recorded: dict, recipe: Recipe, launch: Launch = ONE_PROCESS)
     no change when the default is the written value. `launch`: the one `recipe` was checked for."""
     before, now = flatten(recorded), flatten(recipe.document)
     try:
-        parsed = parse_recipe(recorded, recipe.registry, launch=launch) if recipe.registry is not None else None
+        parsed = parse_recipe(recorded, recipe.registry, launch=launch) if isinstance(recipe.registry, Registry) else None
     except RecipeError:  # a component the checkpoint names is no longer installed: compare as written
         parsed = None
     changes = []

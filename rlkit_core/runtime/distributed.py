@@ -87,9 +87,9 @@ class TrainableModules(torch.nn.Module):
         self.policy_model = policy.model
         critic = value_head.module() if value_head is not None else None
         self.critic = critic if critic is not None else torch.nn.ParameterList(value_head.parameters() if value_head else [])
-        # FSDP shards each transformer block as its own unit: accelerate finds the block classes
-        # by this name on the module it prepares.
-        self._no_split_modules = list(getattr(policy.model, "_no_split_modules", None) or [])
+        # FSDP shards each of the policy's units (`Policy.shard_units`) on its own: accelerate finds
+        # their classes by the names under this attribute on the module it prepares.
+        self._no_split_modules = [unit.__name__ for unit in policy.shard_units()]
 
     def forward(self, view, *args, **kwargs):
         """`view(*args, **kwargs)`, inside the wrapper's forward (and its autocast under mixed precision)."""

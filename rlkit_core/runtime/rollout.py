@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -54,10 +55,11 @@ def rollout(engine: Engine, components, records: list[dict], samples_per_prompt:
 def generate(engine: Engine, components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool) -> list[Generation]:
     """The generator's output for each (prompt ids, mask) chunk, from the current weights:
     read whole (FSDP gathers them in every process), synced once into an engine of its own
-    (vLLM last saw them before the last update), under the run's mixed precision."""
+    (vLLM last saw them before the last update), under the run's mixed precision unless the
+    generator runs its own (`Generator.runs_own_precision`)."""
     with engine.full_weights():
         components.generator.sync_weights(components.policy)
-        with engine.accelerator.autocast():
+        with contextlib.nullcontext() if type(components.generator).runs_own_precision else engine.autocast():
             return [components.generator.generate(ids, mask, greedy=greedy) for ids, mask in prompts]
 
 

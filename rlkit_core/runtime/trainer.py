@@ -86,9 +86,8 @@ class Trainer:
         hold-out set aside; then this process's own sampling stream is seeded."""
         recipe, policy = self.recipe, self.components.policy
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
-        context = getattr(getattr(policy.model, "config", None), "max_position_embeddings", None)
         generator = recipe["generator"].config
-        limit = within_context(limit, context, generator.response_limit, field_of(generator, "max_new_tokens"))
+        limit = within_context(limit, policy.context_length, generator.response_limit, field_of(generator, "max_new_tokens"))
         records, counts = prepare_prompts(self.components.data.load(), policy.tokenizer, limit)
         held_out, train = hold_out(records, recipe.eval.size, recipe.run.seed)
         if process:  # every process built the same components; now each samples its own

@@ -13,7 +13,9 @@ factory gets a `BuildContext` holding that recipe, the registry and the recipe's
 
 When the table needs a path or another fixture, override the `component_config` fixture instead
 of `config`; to put the component next to other parts or batch sizes, override `recipe_document`.
-The recipe's policy is a two-layer GPT-2 with the byte-level ByT5 tokenizer, written offline.
+The recipe's other parts are the kit's own stand-ins (`rlkit_core.testing.stand_ins`), so that the
+tests depend on no task's plugins; its policy is a two-layer GPT-2 with the byte-level ByT5
+tokenizer, written offline.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.interfaces import KIND_TABLE, KINDS, Generation, LossInputs, LossTerms, PolicyOutput
-from rlkit_core.recipe.document import Recipe, parse_recipe
+from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import load_registry
-from rlkit_core.testing import policy_inputs, rollout_batch, write_tiny_causal_lm
+from rlkit_core.records import Recipe
+from rlkit_core.testing import policy_inputs, rollout_batch, stand_ins, write_tiny_causal_lm
 
 __all__ = [
     "AdvantageEstimatorContract", "ComponentContract", "GeneratorContract", "KLControllerContract", "LossContract",
@@ -70,6 +73,7 @@ class ComponentContract:
 
     @pytest.fixture
     def registered(self, registry):
+        stand_ins.add_to(registry)  # the recipe's other tables (`recipe_document`)
         try:
             return registry.get(self.kind, self.component, f"{type(self).__name__}.component")
         except RecipeError as exc:
@@ -79,15 +83,16 @@ class ComponentContract:
 
     @pytest.fixture
     def recipe_document(self, registered, component_config, tiny_model, tmp_path) -> dict[str, Any]:
-        """The recipe a run of this component reads: its table, and small built-in parts in the
-        tables a recipe must have (two samples per prompt for an estimator that compares them)."""
+        """The recipe a run of this component reads: its table, and the kit's stand-ins (the policy
+        on the tiny model) in the other tables a recipe must have (two samples per prompt for an
+        estimator that compares them)."""
         document = {
             "run": {"steps": 10, "output_dir": str(tmp_path / "run")},
             "ppo": {"samples_per_prompt": 2 if self.kind == "advantage_estimator" and registered.factory.needs_groups else 1},
-            "policy": {"type": "hf", "model": str(tiny_model)},
-            "reward": {"type": "rouge"},
-            "data": {"type": "toy-summaries", "size": 16},
-            "tracker": {"type": "none"},
+            "policy": {"type": stand_ins.POLICY, "model": str(tiny_model)},
+            "reward": {"type": stand_ins.REWARD},
+            "data": {"type": stand_ins.PROMPTS, "size": 16},
+            "tracker": {"type": stand_ins.TRACKER},
         }
         document[TABLE_OF_KIND[self.kind]] = {"type": self.component, **component_config}
         return document
@@ -159,6 +164,15 @@ class KLControllerContract(ComponentContract):
             for kl in self.observed_kls:
                 instance.update(kl, 512 if round_ % 2 else 1)  # positional, as the loop calls it
                 assert math.isfinite(instance.beta) and instance.beta >= 0, f"β = {instance.beta} after update(kl={kl})"
+
+    def test_target_is_the_configs(self, instance, structured_config):
+        """The `kl_over_target` health check compares the run's KL with `instance.target`: a
+        controller whose config has a `target` setting must set it."""
+        if "target" in attrs.fields_dict(type(structured_config)):
+            assert instance.target == structured_config.target, (f"the config's target is {structured_config.target!r}, the "
+                                                                 f"controller's {instance.target!r}: set self.target in __init__")
+        else:
+            assert instance.target is None or math.isfinite(instance.target), f"target must be None or a finite float, got {instance.target!r}"
 
     def test_state_round_trips_and_resumes_identically(self, make):
         trained = make()

@@ -17,6 +17,7 @@ the same style always gives the same vocabulary.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,6 +84,7 @@ def write_tiny_model(path: Path, style: str = "byt5", classifier: bool = False, 
 
     tokenizer = ByT5Tokenizer() if style == "byt5" else build_bpe_tokenizer(style)
     eos, bos, pad = tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id
+    ids: dict[str, Any]  # the config's special ids (and the classifier's label count)
     if classifier:
         vocab, layers = len(tokenizer), 1
         ids = {"num_labels": 1, "pad_token_id": eos if pad is None else pad, "eos_token_id": eos}

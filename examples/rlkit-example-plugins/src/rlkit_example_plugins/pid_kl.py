@@ -43,6 +43,7 @@ def _clip(value: float, limit: float) -> float:
 class PIDKL(KLController):
     def __init__(self, config: PIDKLConfig, context=None):
         self.config = config
+        self.target = config.target  # the KL the run's `kl_over_target` health check compares with
         self._beta = config.beta
         self.integral = 0.0
         self.previous_error = 0.0

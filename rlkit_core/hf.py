@@ -1,5 +1,6 @@
-"""Tokenizer rules shared by the transformers-backed plugins: rlkit's PAD, and loading tokenizers
-for checks with located errors and no surprise downloads.
+"""Rules shared by the transformers-backed plugins (a helper module of the plugin API): rlkit's PAD,
+the weight dtypes by name, what a model's config says about its context and its FSDP units, and
+loading tokenizers for checks with located errors and no surprise downloads.
 
 `rlkit check` compares the tokenizers of the parts that must agree (policy and critic) and makes
 sure a reward model's tokenizer loads, before anything heavy starts. With `--offline` (the
@@ -14,10 +15,33 @@ import pickle
 import re
 from pathlib import Path
 
+import torch
+
 PAD_TOKEN = "<|rlkit_pad|>"  # the PAD rlkit adds to a tokenizer that has none of its own
 # What transformers raises for a model or tokenizer it cannot load; UnpicklingError: a .bin weights
 # file that holds more than tensors (it is read with weights_only=True, so nothing in it runs).
 LOAD_ERRORS = (OSError, ValueError, pickle.UnpicklingError)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # a `dtype` setting's words
+# where transformers' configs keep the longest sequence the model takes, by architecture
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length")
+
+
+def context_length(model_config) -> int | None:
+    """The longest prompt + response a model takes (`Policy.context_length`), from its config; None
+    when the config names none (a model with relative positions, say)."""
+    for field in CONTEXT_FIELDS:
+        value = getattr(model_config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def shard_units(model: torch.nn.Module) -> list[type]:
+    """The classes of `model`'s blocks that FSDP shards each as one unit (`Policy.shard_units`):
+    those transformers names in the model's `_no_split_modules`, in its order."""
+    names = list(getattr(model, "_no_split_modules", None) or [])
+    found = {type(module).__name__: type(module) for module in model.modules()}
+    return [found[name] for name in names if name in found]
 
 
 def settle_pad(tokenizer, eos_token_ids) -> bool:

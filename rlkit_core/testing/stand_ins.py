@@ -1,0 +1,145 @@
+"""The contract kit's own parts for the tables a recipe must have besides the one under test: a
+policy on a model directory (the tiny model the kit writes), a prompt source, a reward and a
+tracker, each as plain as its kind allows, so that a contract test depends on no task's plugins. The kit
+adds them to its registry (`add_to`) as the plugin `rlkit-contract-kit`."""
+
+from __future__ import annotations
+
+import copy
+
+import attrs
+import torch
+
+from rlkit_core import (
+    Component,
+    Policy,
+    PolicyOutput,
+    PolicySettings,
+    PromptSource,
+    RewardSource,
+    Tracker,
+    __version__,
+    setting,
+    switch_off_dropout,
+)
+from rlkit_core.hf import context_length, settle_pad, shard_units
+from rlkit_core.recipe.registry import Registry
+
+PLUGIN = "rlkit-contract-kit"
+POLICY, PROMPTS = "rlkit-contract-policy", "rlkit-contract-prompts"
+REWARD, TRACKER = "rlkit-contract-reward", "rlkit-contract-tracker"
+
+
+@attrs.frozen
+class StandInPolicyConfig(PolicySettings):
+    renamed = {"tokenizer": None, "dtype": None, "gradient_checkpointing": None, "trust_remote_code": None}
+
+    model: str = setting(help="a local transformers causal LM directory, with its tokenizer")
+
+
+class StandInPolicy(Policy):
+    """A transformers causal LM in float32, every weight trained, a frozen copy as its reference."""
+
+    def __init__(self, config: StandInPolicyConfig, context=None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer.padding_side = "left"
+        model = AutoModelForCausalLM.from_pretrained(config.model)
+        self.eos_token_ids = (self.tokenizer.eos_token_id,)
+        if settle_pad(self.tokenizer, self.eos_token_ids):
+            self.suppressed_token_ids = (self.tokenizer.pad_token_id,)
+            model.resize_token_embeddings(len(self.tokenizer))
+        model.config.pad_token_id = self.tokenizer.pad_token_id
+        switch_off_dropout(model)
+        self.context_length = context_length(model.config)
+        self._model = model.to(context.device) if context is not None else model
+        self._reference = copy.deepcopy(self._model).eval().requires_grad_(False)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    def shard_units(self) -> list[type]:
+        return shard_units(self._model)
+
+    def forward(self, input_ids, attention_mask, position_ids, start: int = 0) -> PolicyOutput:
+        out = self._model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                          output_hidden_states=True)
+        return PolicyOutput(logits=out.logits[:, start:], hidden=out.hidden_states[-1])
+
+    @torch.no_grad()
+    def reference_logits(self, input_ids, attention_mask, position_ids, start: int = 0) -> torch.Tensor:
+        return self._reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits[:, start:]
+
+    def parameters(self):
+        return list(self._model.parameters())
+
+    def state_dict(self):
+        return {name: p.detach().clone() for name, p in self._model.named_parameters()}
+
+    def load_state_dict(self, state) -> None:
+        with torch.no_grad():
+            for name, p in self._model.named_parameters():
+                p.copy_(state[name])
+
+    def save_pretrained(self, path: str, merge_adapters: bool = True) -> None:
+        self._model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+
+@attrs.frozen
+class StandInPromptsConfig:
+    size: int = setting(16, help="prompt records to make")
+
+
+class StandInPrompts(PromptSource):
+    """`size` short prompts, each with a `reference` column."""
+
+    def __init__(self, config: StandInPromptsConfig, context=None):
+        self.config = config
+
+    def load(self):
+        return [{"prompt": f"Item {index}:", "reference": f"item {index}"} for index in range(self.config.size)]
+
+
+@attrs.frozen
+class NoSettings:
+    """A stand-in that takes no settings."""
+
+
+class StandInReward(RewardSource):
+    """The length of each response in characters, over 100."""
+
+    def __init__(self, config: NoSettings, context=None):
+        self.config = config
+
+    def score(self, prompts, responses, **columns):
+        return [len(response) / 100 for response in responses]
+
+
+class StandInTracker(Tracker):
+    """Records nothing."""
+
+    def __init__(self, config: NoSettings, context=None):
+        self.config = config
+
+    def start(self, *, run_name, params, tags, resume_id):
+        return None
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def finish(self, status):
+        pass
+
+
+def add_to(registry: Registry) -> None:
+    """Register the stand-ins in `registry`, unless it has them already."""
+    for kind, name, factory, config_class in (("policy", POLICY, StandInPolicy, StandInPolicyConfig),
+                                               ("prompt_source", PROMPTS, StandInPrompts, StandInPromptsConfig),
+                                               ("reward", REWARD, StandInReward, NoSettings),
+                                               ("tracker", TRACKER, StandInTracker, NoSettings)):
+        if registry.find(kind, name) is None:
+            registry.add(Component(kind, name, factory, config_class, PLUGIN, "rlkit", __version__))
