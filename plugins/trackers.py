@@ -32,7 +32,7 @@ class NoTracker(Tracker):
 
 @hookimpl
 def register_trackers(register):
-    from rlkit_plugins.mlflow_tracker import MLflowConfig, MLflowTracker
+    from .mlflow_tracker import MLflowConfig, MLflowTracker
 
     register("none", NoTracker, NoTrackerConfig)
     register("mlflow", MLflowTracker, MLflowConfig)

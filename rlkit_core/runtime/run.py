@@ -19,6 +19,7 @@ from rlkit_core.launch import Launch
 from rlkit_core.progress import Progress
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.recipe.inventory import flatten, inventory_rows
+from rlkit_core.recipe.registry import Registry
 from rlkit_core.recipe.resume_check import check_resumed_recipe
 from rlkit_core.recipe.schema import kl_warnings
 from rlkit_core.runtime import checkpoint
@@ -407,7 +408,7 @@ def _finish_outputs(trainer: Trainer, outputs: RunOutputs, checkpointer: Checkpo
     model_dir = Path(recipe.run.output_dir) / "final_model"
     if processes.sharded:  # the model holds shards; the checkpoint holds the gathered weights
         shutil.rmtree(model_dir, ignore_errors=True)
-        assert recipe.registry is not None  # a recipe parsed for a run knows where its components came from
+        assert isinstance(recipe.registry, Registry)  # a recipe parsed for a run knows where its components came from
         export_checkpoint(str(final_checkpoint), str(model_dir), recipe.registry, merge_lora=True, launch=trainer.launch)
     else:
         trainer.components.policy.save_pretrained(str(model_dir), merge_adapters=True)
