@@ -208,12 +208,12 @@ def test_greedy_with_repeated_prompts_matches_transformers_greedy(policy, genera
 def test_the_trainers_autocast_does_not_reach_the_engine(policy, generator):
     """`mixed_precision = "bf16"` on a CPU: the trainer generates inside its autocast, unless the
     generator runs its own precision (`runs_own_precision`, which vLLM sets)."""
-    from rlkit_core.runtime.trainer import Trainer
+    from rlkit_core.runtime import rollout
 
     prompt_ids, prompt_mask = _prompts(policy, TEXTS)
-    trainer = types.SimpleNamespace(policy=policy, parts=types.SimpleNamespace(generator=generator), full_weights=contextlib.nullcontext,
-                                    accelerator=types.SimpleNamespace(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
-    [out] = Trainer._generate(trainer, [(prompt_ids, prompt_mask)], greedy=False)
+    engine = types.SimpleNamespace(full_weights=contextlib.nullcontext, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    components = types.SimpleNamespace(policy=policy, generator=generator)
+    [out] = rollout.generate(engine, components, [(prompt_ids, prompt_mask)], greedy=False)
     assert _max_gap(policy, prompt_ids, prompt_mask, out) < LOGPROB_TOLERANCE
 
 

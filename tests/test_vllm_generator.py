@@ -566,16 +566,17 @@ def test_the_trainers_random_streams_go_on_as_if_vllm_had_not_seeded_them():
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
 
 
-def generating_trainer(policy, generator):
-    """What `Trainer._generate` reads of a trainer, with the autocast of `mixed_precision = "bf16"` on a CPU."""
-    return types.SimpleNamespace(policy=policy, parts=types.SimpleNamespace(generator=generator), full_weights=contextlib.nullcontext,
-                                 accelerator=types.SimpleNamespace(autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
+def generating_stage(policy, generator):
+    """What the rollout stage's `generate` reads of the engine and the components, with the autocast
+    of `mixed_precision = "bf16"` on a CPU."""
+    engine = types.SimpleNamespace(full_weights=contextlib.nullcontext, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    return engine, types.SimpleNamespace(policy=policy, generator=generator)
 
 
 def test_the_engine_is_called_outside_the_trainers_autocast(tiny_model, tmp_path):
     """The trainer generates inside its autocast (mixed_precision) unless the generator runs its own
     precision; on a GPU vLLM's layers would run in the autocast dtype instead of the engine's own."""
-    from rlkit_core.runtime.trainer import Trainer
+    from rlkit_core.runtime import rollout
 
     policy = _policy(tiny_model, tmp_path)
     generator = _generator(policy, tmp_path)
@@ -587,12 +588,12 @@ def test_the_engine_is_called_outside_the_trainers_autocast(tiny_model, tmp_path
         setattr(engine, name, recording)
     prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": "ab"}], "cpu")
     assert VLLMGenerator.runs_own_precision
-    Trainer._generate(generating_trainer(policy, generator), [(prompt_ids, prompt_mask)], greedy=False)
+    rollout.generate(*generating_stage(policy, generator), [(prompt_ids, prompt_mask)], greedy=False)
     assert seen == [False, False]
 
 
 def test_a_generator_without_its_own_precision_runs_under_the_trainers_autocast(tiny_model, tmp_path):
-    from rlkit_core.runtime.trainer import Trainer
+    from rlkit_core.runtime import rollout
 
     policy = _policy(tiny_model, tmp_path)
     generator = HFGenerator(HFGeneratorConfig(max_new_tokens=2), types.SimpleNamespace(policy=policy))
@@ -601,7 +602,7 @@ def test_a_generator_without_its_own_precision_runs_under_the_trainers_autocast(
     generator.generate = lambda *args, **kwargs: seen.append(torch.is_autocast_enabled("cpu")) or generate(*args, **kwargs)
     prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": "ab"}], "cpu")
     assert not HFGenerator.runs_own_precision
-    Trainer._generate(generating_trainer(policy, generator), [(prompt_ids, prompt_mask)], greedy=False)
+    rollout.generate(*generating_stage(policy, generator), [(prompt_ids, prompt_mask)], greedy=False)
     assert seen == [True]
 
 
