@@ -258,7 +258,7 @@ class AdvantageEstimatorContract(ComponentContract):
         batch = rollout_batch(with_values=type(instance).needs_values)
         batch = batch.with_(advantages=None, returns=None)  # what the estimator is there to make
         advantages, returns = instance.estimate(batch)
-        counted = batch.response_mask.bool()
+        counted = batch.loss_mask.bool()
         for name, tensor in (("advantages", advantages), ("returns", returns)):
             assert tensor.shape == counted.shape and tensor.is_floating_point(), f"{name}: {tuple(tensor.shape)}"
             assert torch.isfinite(tensor[counted]).all(), f"{name} is not finite on counted tokens"
@@ -304,7 +304,7 @@ class LossContract(ComponentContract):
     def terms(self, instance, with_values=True, token_count=None):
         batch = rollout_batch(with_values=with_values)
         current = self.current(batch, with_values, with_logits=instance.needs_logits)
-        count = float(batch.response_mask.sum()) if token_count is None else token_count
+        count = float(batch.loss_mask.sum()) if token_count is None else token_count
         return instance(batch, current, count), current, batch
 
     @pytest.mark.parametrize("with_values", [True, False], ids=["critic", "critic-free"])
@@ -320,7 +320,7 @@ class LossContract(ComponentContract):
         assert float(terms.skip) in (0.0, 1.0), f"skip must be 0 or 1, got {float(terms.skip)}"
         assert all(v.requires_grad for v in terms.losses.values()), "every term in losses must carry gradient"
         terms.total().backward()
-        counted = batch.response_mask.bool()
+        counted = batch.loss_mask.bool()
         grad = current.logprobs.grad
         assert grad is not None and torch.isfinite(grad).all(), "the loss must reach the current log-probs"
         assert (grad[~counted] == 0).all(), "padding must get no gradient"
@@ -336,7 +336,7 @@ class LossContract(ComponentContract):
         batch = rollout_batch()
         current = self.current(batch, with_values=True, kl_coef=0.1 if type(instance).takes_kl_penalty else 0.0,
                                with_logits=instance.needs_logits)
-        count = float(batch.response_mask.sum())
+        count = float(batch.loss_mask.sum())
         whole = instance(batch, current, count)
         parts = [torch.tensor([0, 4]), torch.tensor([1, 2, 5]), torch.tensor([3])]
         tensors = {name: value for name, value in attrs.asdict(current, recurse=False).items() if isinstance(value, torch.Tensor)}
@@ -355,7 +355,7 @@ class LossContract(ComponentContract):
         if not type(instance).takes_kl_penalty:
             pytest.skip("this loss does not take the KL penalty (ppo.kl_penalty = 'loss' refuses it)")
         batch = rollout_batch()
-        count = float(batch.response_mask.sum())
+        count = float(batch.loss_mask.sum())
         with_kl = instance(batch, self.current(batch, with_values=True, kl_coef=0.5, with_logits=instance.needs_logits), count)
         without = instance(batch, self.current(batch, with_values=True, with_logits=instance.needs_logits), count)
         assert "kl" in with_kl.losses and with_kl.losses["kl"].requires_grad and torch.isfinite(with_kl.losses["kl"])
