@@ -144,7 +144,9 @@ class PPOClip(Loss):
             losses["entropy"] = -config.entropy_coef * masked_sum(entropy, mask) / divisor
         if current.kl_coef:
             assert minibatch.ref_logprobs is not None, "the loop fills it before the update"
-            kl = kl_per_token(current.logprobs, minibatch.ref_logprobs, current.kl_estimator)
+            # Δ = 0 where nothing counts: exp of garbage there would make its zero gradient nan
+            reference = minibatch.ref_logprobs.where(mask.bool(), current.logprobs.detach())
+            kl = kl_per_token(current.logprobs, reference, current.kl_estimator)
             losses["kl"] = current.kl_coef * masked_sum(kl if weights is None else weights * kl, mask) / divisor
 
         threshold = config.ratio_threshold or float("inf")

@@ -14,9 +14,12 @@ from rlkit_core.batch import RolloutBatch, sequence_inputs
 from rlkit_core.recipe.document import toml_literal
 from rlkit_core.testing.offline_models import write_tiny_model
 
-__all__ = ["RESPONSE_MASK", "policy_inputs", "recipe_toml", "rollout_batch", "write_tiny_causal_lm"]
+__all__ = ["EPISODE_LOSS_MASK", "RESPONSE_MASK", "policy_inputs", "recipe_toml", "rollout_batch", "write_tiny_causal_lm"]
 
 RESPONSE_MASK = [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+# within RESPONSE_MASK, with holes where an episode's environment tokens would lie: inside a
+# response, and at the end of the last one (an episode cut off during a tool's output)
+EPISODE_LOSS_MASK = [[1, 1, 0, 0, 1], [1, 0, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 1, 0], [1, 1, 1, 0, 0]]
 
 
 def rollout_batch(with_values: bool = True, seed: int = 0, loss_mask: torch.Tensor | None = None) -> RolloutBatch:
