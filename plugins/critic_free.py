@@ -60,7 +60,7 @@ class GroupRelative(CriticFree):
         """[B] rewards, [B] group ids -> [B] advantages."""
 
     def estimate(self, batch):
-        mask, rewards = batch.response_mask, batch.rewards
+        mask, rewards = batch.loss_mask, batch.rewards
         assert rewards is not None  # the loop adds the rewards before it estimates
         advantages = self.against_group(sequence_rewards(rewards, mask), batch.group_ids)
         return per_token(advantages, mask), discounted_returns(rewards, mask, 1.0)
@@ -96,7 +96,7 @@ class ReinforcePlusPlus(CriticFree):
     per prompt is enough; use `ppo.kl_penalty = "reward"` to get the KL into r."""
 
     def estimate(self, batch):
-        mask = batch.response_mask
+        mask = batch.loss_mask
         assert batch.rewards is not None  # the loop adds the rewards before it estimates
         returns = discounted_returns(batch.rewards, mask, self.config.gamma)
         return masked_whiten(returns, mask), returns
@@ -113,7 +113,7 @@ class ReMax(CriticFree):
     needs_baseline_scores = True
 
     def estimate(self, batch):
-        mask = batch.response_mask
+        mask = batch.loss_mask
         assert batch.rewards is not None and batch.baseline_scores is not None  # added by the loop (needs_baseline_scores)
         returns = discounted_returns(batch.rewards, mask, 1.0)
         return returns - per_token(batch.baseline_scores, mask), returns

@@ -22,9 +22,9 @@ class GAE(AdvantageEstimator):
 
     def estimate(self, batch):
         assert batch.rewards is not None and batch.values is not None  # the loop adds them before it estimates (needs_values)
-        advantages, returns = gae(batch.rewards, batch.values, batch.response_mask, self.config.gamma, self.config.lam)
+        advantages, returns = gae(batch.rewards, batch.values, batch.loss_mask, self.config.gamma, self.config.lam)
         if self.config.whiten:
-            advantages = masked_whiten(advantages, batch.response_mask)
+            advantages = masked_whiten(advantages, batch.loss_mask)
         return advantages, returns
 
 

@@ -105,15 +105,15 @@ class PPOClip(Loss):
 
     def aggregation(self, minibatch, token_count):
         """(per-token weights or None, divisor): every loss term is Σ_counted w·x / divisor."""
-        weights = aggregation_weights(minibatch.response_mask, self.config.aggregation, self.norm)
+        weights = aggregation_weights(minibatch.loss_mask, self.config.aggregation, self.norm)
         divisor = token_count if weights is None else self.responses_per_step
         if self.config.mask_truncated:
-            kept = minibatch.ended.float().unsqueeze(1).expand(minibatch.response_mask.shape)
+            kept = minibatch.ended.float().unsqueeze(1).expand(minibatch.loss_mask.shape)
             weights = kept if weights is None else weights * kept
         return weights, divisor
 
     def __call__(self, minibatch, current, token_count):
-        config, mask = self.config, minibatch.response_mask
+        config, mask = self.config, minibatch.loss_mask
         old_logprobs, advantages = minibatch.old_logprobs, minibatch.advantages
         assert old_logprobs is not None and advantages is not None, "the loop fills both before the update"
         weights, divisor = self.aggregation(minibatch, token_count)
@@ -144,7 +144,9 @@ class PPOClip(Loss):
             losses["entropy"] = -config.entropy_coef * masked_sum(entropy, mask) / divisor
         if current.kl_coef:
             assert minibatch.ref_logprobs is not None, "the loop fills it before the update"
-            kl = kl_per_token(current.logprobs, minibatch.ref_logprobs, current.kl_estimator)
+            # Δ = 0 where nothing counts: exp of garbage there would make its zero gradient nan
+            reference = minibatch.ref_logprobs.where(mask.bool(), current.logprobs.detach())
+            kl = kl_per_token(current.logprobs, reference, current.kl_estimator)
             losses["kl"] = current.kl_coef * masked_sum(kl if weights is None else weights * kl, mask) / divisor
 
         threshold = config.ratio_threshold or float("inf")

@@ -3,6 +3,12 @@
 Shapes: B rollouts, P prompt positions (left-padded), R response positions (right-padded).
 Each stage reads the fields it needs and returns a copy with the fields it made
 (`batch.with_(advantages=...)`); nothing is written back into an earlier stage's fields.
+
+Two masks, kept apart: `response_mask` says where a response lies (what the policy attends to,
+how wide a trimmed batch is, where packing places it); `loss_mask` says which of those tokens count
+(losses and their token counts, rewards, advantages, KL and every per-token mean). A single-turn
+rollout counts every response token, so the two are equal; an episode that splices environment
+tokens into its response region keeps them in `response_mask` and out of `loss_mask`.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ class RolloutBatch:
     prompt_ids: torch.Tensor  # [B, P] long, left-padded
     prompt_mask: torch.Tensor  # [B, P] 1 on real prompt tokens
     response_ids: torch.Tensor  # [B, R] long, padded after the first EOS
-    response_mask: torch.Tensor  # [B, R] 1 on counted tokens: up to and including the first EOS
+    response_mask: torch.Tensor  # [B, R] layout: 1 where the response lies, up to and including the first EOS
+    loss_mask: torch.Tensor  # [B, R] 1 on the tokens that count for training (sampled by the policy); ⊆ response_mask
     sampled_logprobs: torch.Tensor  # [B, R] log π_sampler of each sampled token
     responses: list[str] | None = None  # B decoded responses, cut at the first EOS
     ended: torch.Tensor | None = None  # [B] bool: the response contains an EOS
@@ -109,6 +116,6 @@ class RolloutBatch:
 
 
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
-RESPONSE_FIELDS = ("response_ids", "response_mask", "sampled_logprobs", "old_logprobs", "ref_logprobs", "values", "kl",
-                   "rewards", "advantages", "returns")  # [B, R]: every field cut by `trimmed` at the last response column
+RESPONSE_FIELDS = ("response_ids", "response_mask", "loss_mask", "sampled_logprobs", "old_logprobs", "ref_logprobs", "values",
+                   "kl", "rewards", "advantages", "returns")  # [B, R]: every field cut by `trimmed` at the last response column
 

@@ -1,8 +1,9 @@
 """The PPO math as pure torch functions: no state, no model, no config.
 
 Shapes follow `rlkit_core.batch`: B rollouts, R response positions, V vocabulary entries.
-`mask` is [B, R] (any dtype; nonzero = counted): 1 on response tokens up to and including the
-first EOS, contiguous from position 0. Values at mask == 0 positions may be garbage (even inf or
+`mask` is [B, R] (any dtype; nonzero = counted): the batch's `loss_mask`, 1 on the response tokens
+that count. A single-turn response counts every token up to and including the first EOS; an
+episode's may have holes where environment tokens lie. Values at mask == 0 positions may be garbage (even inf or
 nan): functions that take a mask select with `torch.where` instead of multiplying by it, so
 garbage reaches neither a result nor a gradient. The math follows docs/ppo_reference.md.
 """
@@ -141,8 +142,10 @@ def gae(
 
     δ_t = r_t + γ V_{t+1} - V_t, with V = 0 after the last counted token (the episode ends at EOS
     or truncation); A_t = δ_t + γλ A_{t+1}; returns = A + V, before any whitening, as value targets.
-    Padded values are replaced by 0 (the V after the last token) and the advantage is reset to 0 on
-    padding, so padded rewards and values cannot leak in; both outputs are zero on padding.
+    t + 1 is the next *counted* position: positions outside the mask (padding, or environment
+    tokens inside an episode) carry no reward and no value and the recursion steps over them, so
+    the result on the counted positions is GAE over the response with those positions deleted.
+    Both outputs are zero outside the mask, and what it holds there cannot leak in.
     No gradient: advantages and returns are targets. Loops backwards over R (short), vectorised over B.
     """
     counted = mask.bool()
@@ -152,9 +155,10 @@ def gae(
     advantages = []
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = torch.where(counted[:, t], delta + gamma * lam * next_advantage, 0.0)
-        next_value = values[:, t]
-        advantages.append(next_advantage)
+        advantage = delta + gamma * lam * next_advantage
+        next_advantage = torch.where(counted[:, t], advantage, next_advantage)  # an uncounted position passes both on
+        next_value = torch.where(counted[:, t], values[:, t], next_value)
+        advantages.append(torch.where(counted[:, t], advantage, 0.0))
     advantages = torch.stack(advantages[::-1], dim=1)
     return advantages, advantages + values
 
@@ -360,7 +364,8 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl
     token, plus the sequence's score at its last counted token (the EOS when there is one).
     `kl_coef` 0: the KL penalty is not in the reward (it is in the loss, or off)."""
     rewards = -kl_coef * kl if kl_coef else torch.zeros_like(kl)
-    last = mask.sum(dim=1).long() - 1
+    positions = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
+    last = torch.where(mask.bool(), positions, -1).max(dim=1).values  # -1: the last column, where nothing counts
     rewards[torch.arange(len(scores), device=scores.device), last] += scores
     return rewards
 

@@ -218,7 +218,7 @@ class AdvantageEstimator(ComponentBase):
 
     @abstractmethod
     def estimate(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(advantages [B, R], returns [B, R]); zero on positions outside `batch.response_mask`."""
+        """(advantages [B, R], returns [B, R]); zero on positions outside `batch.loss_mask`."""
 
 
 @attrs.frozen

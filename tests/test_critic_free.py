@@ -43,7 +43,7 @@ def scored(rewards, mask, group_ids, baseline_scores=None) -> RolloutBatch:
     mask = torch.tensor(mask)
     batch = rollout_batch(with_values=False).select(torch.arange(len(mask)) % 6)
     rewards = torch.where(mask.bool(), torch.tensor(rewards), NAN)
-    return batch.with_(rewards=rewards, response_mask=mask, group_ids=torch.tensor(group_ids),
+    return batch.with_(rewards=rewards, response_mask=mask, loss_mask=mask, group_ids=torch.tensor(group_ids),
                        baseline_scores=None if baseline_scores is None else torch.tensor(baseline_scores))
 
 
@@ -191,7 +191,7 @@ def test_ppo_clip_aggregates_by_hand(recipe_document, builtin_registry, mode, ex
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
     old = torch.tensor([[-1.0, -2.0, -0.5, NAN], [-1.5, NAN, NAN, NAN]])
     batch = rollout_batch(with_values=False).select(torch.tensor([0, 1])).with_(
-        response_mask=mask, old_logprobs=old, sampled_logprobs=old, advantages=torch.tensor([[1.0] * 4, [2.0] * 4]))
+        response_mask=mask, loss_mask=mask, old_logprobs=old, sampled_logprobs=old, advantages=torch.tensor([[1.0] * 4, [2.0] * 4]))
     current = LossInputs(logprobs=old.clone(), values=None, entropy=torch.ones(2, 4))
     terms = loss(batch, current, token_count=4.0)
     assert float(terms.losses["policy"]) == approx(expected)

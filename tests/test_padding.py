@@ -23,6 +23,7 @@ def hand_batch() -> RolloutBatch:
         prompts=["ab", "abc"], columns={"letter": ["x", "y"]}, group_ids=torch.tensor([0, 1]),
         prompt_ids=torch.tensor([[0, 0, 5, 6], [0, 5, 6, 7]]), prompt_mask=torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]]),
         response_ids=torch.tensor([[8, 1, 0, 0], [1, 0, 0, 0]]), response_mask=torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]]),
+        loss_mask=torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]]),
         sampled_logprobs=torch.tensor([[-1.0, -2.0, 0.0, 0.0], [-3.0, 0.0, 0.0, 0.0]]),
     )
 
@@ -61,6 +62,7 @@ def test_packed_rows_lay_the_real_tokens_end_to_end_with_positions_that_restart(
         prompts=["ab", "abc", "a"], columns={}, group_ids=torch.tensor([0, 1, 2]),
         prompt_ids=torch.tensor([[0, 5, 6], [5, 6, 7], [0, 0, 9]]), prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]]),
         response_ids=torch.tensor([[8, 1], [1, 0], [3, 0]]), response_mask=torch.tensor([[1, 1], [1, 0], [1, 0]]),
+        loss_mask=torch.tensor([[1, 1], [1, 0], [1, 0]]),
         sampled_logprobs=torch.zeros(3, 2),
     )
     rows = PackedRows(batch, [2, 3, 1], [2, 1, 1])
@@ -113,7 +115,7 @@ def ragged(batch: RolloutBatch, pad: int, seed: int = 0) -> RolloutBatch:
     return batch.with_(
         prompt_ids=torch.cat([extra + pad, batch.prompt_ids], dim=1), prompt_mask=torch.cat([extra, batch.prompt_mask], dim=1),
         response_ids=torch.cat([torch.where(mask.bool(), batch.response_ids, pad), extra + pad], dim=1),
-        response_mask=torch.cat([mask, extra], dim=1),
+        response_mask=torch.cat([mask, extra], dim=1), loss_mask=torch.cat([mask, extra], dim=1),
         sampled_logprobs=torch.cat([batch.sampled_logprobs * mask, extra.float()], dim=1),
     )
 

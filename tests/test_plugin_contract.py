@@ -206,7 +206,7 @@ class MeanLogprobLoss(Loss):
         pass
 
     def __call__(self, minibatch, current, token_count):
-        return LossTerms(losses={"policy": -(current.logprobs * minibatch.response_mask).sum() / token_count})
+        return LossTerms(losses={"policy": -(current.logprobs * minibatch.loss_mask).sum() / token_count})
 
 
 def test_kl_in_the_loss_needs_a_loss_that_takes_it(recipe_document):

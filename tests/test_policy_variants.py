@@ -157,7 +157,7 @@ def test_mask_truncated_leaves_responses_without_eos_out_of_the_loss(recipe_docu
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     old = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.5, -1.0, -1.0, -1.0]])
     batch = rollout_batch(with_values=False).select(torch.tensor([0, 1])).with_(
-        response_mask=mask, old_logprobs=old, sampled_logprobs=old, ended=torch.tensor([True, False]),
+        response_mask=mask, loss_mask=mask, old_logprobs=old, sampled_logprobs=old, ended=torch.tensor([True, False]),
         advantages=torch.tensor([[1.0] * 4, [2.0] * 4]))
     terms = loss(batch, LossInputs(logprobs=old.clone(), values=None, entropy=torch.ones(2, 4)), token_count=7.0)
     # ratio 1: -A per token; only the first response (3 tokens, A = 1) counts, over all 7 tokens: -3/7
@@ -176,7 +176,7 @@ def test_sequence_level_masked_importance_weights_in_the_loss(recipe_document, b
     # π_old/π_sampler: row 0 1.5 · 0.5 · 2 = 1.5 (kept); row 1 4 · 1 · 1 · 1 = 4 > 2 (masked to 0)
     sampled = old - torch.tensor([[math.log(1.5), math.log(0.5), math.log(2.0), 0.0], [math.log(4.0), 0.0, 0.0, 0.0]])
     batch = rollout_batch(with_values=False).select(torch.tensor([0, 1])).with_(
-        response_mask=mask, old_logprobs=old, sampled_logprobs=sampled, advantages=torch.tensor([[1.0] * 4, [2.0] * 4]))
+        response_mask=mask, loss_mask=mask, old_logprobs=old, sampled_logprobs=sampled, advantages=torch.tensor([[1.0] * 4, [2.0] * 4]))
     terms = loss(batch, LossInputs(logprobs=old.clone(), values=None, entropy=torch.ones(2, 4)), token_count=7.0)
     # ratio 1, so each token's term is -A·w: row 0 3 · (-1 · 1.5) = -4.5, row 1 0; over 7 tokens
     assert float(terms.losses["policy"]) == approx(-4.5 / 7)

@@ -40,7 +40,7 @@ def build_loss(document, registry, **config):
 
 def example_batch():
     return rollout_batch(with_values=False).select(torch.tensor([0, 1])).with_(
-        response_mask=MASK, old_logprobs=OLD, sampled_logprobs=OLD, advantages=ADVANTAGES)
+        response_mask=MASK, loss_mask=MASK, old_logprobs=OLD, sampled_logprobs=OLD, advantages=ADVANTAGES)
 
 
 def test_cispo_by_hand():

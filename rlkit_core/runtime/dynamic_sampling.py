@@ -32,7 +32,7 @@ def concatenated(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
         return batches[0]
     first = batches[0]
     fields = {}
-    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "sampled_logprobs"):
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "loss_mask", "sampled_logprobs"):
         parts = [getattr(b, name) for b in batches]
         width = max(p.shape[1] for p in parts)
         pad = pad_token_id if name.endswith("_ids") else 0
@@ -71,7 +71,7 @@ class DynamicSampler:
             batch, timing = rollout(engine, self.components, records, self.k, self.max_prompt_tokens)
             for name, value in timing.items():
                 metrics[name] = metrics.get(name, 0.0) + value if name.startswith("time/") else value
-            lengths = batch.response_mask.sum(dim=1)
+            lengths = batch.loss_mask.sum(dim=1)
             assert batch.scores is not None and batch.ended is not None  # a rollout is scored
             constant = constant_groups(shaped(self.recipe, batch.scores, batch.ended, lengths), batch.group_ids)
             starts = torch.arange(0, len(batch), self.k, device=batch.group_ids.device)

@@ -69,13 +69,13 @@ class Evaluator:
                 assert batch.scores is not None and batch.ended is not None  # a rollout is scored
                 values = {
                     "eval/score": batch.scores,
-                    "eval/length": batch.response_mask.sum(dim=1).float(),
+                    "eval/length": batch.loss_mask.sum(dim=1).float(),
                     "eval/eos_rate": batch.ended.float(),
                 }
                 if not self.config.greedy:  # a KL estimate needs tokens sampled from π
                     compared = compare_to_reference(engine, components, recipe, batch)
                     assert compared.kl is not None
-                    values["eval/kl"] = masked_sum(compared.kl, compared.response_mask, dim=1)
+                    values["eval/kl"] = masked_sum(compared.kl, compared.loss_mask, dim=1)
                 for name, reward in self.metrics.items():
                     values[f"eval/{name}"] = torch.tensor(_metric_scores(name, reward, batch))
                 for name, per_response in values.items():

@@ -39,14 +39,14 @@ def rollout(engine: Engine, components, records: list[dict], samples_per_prompt:
     started = time.perf_counter()
     [generation] = generate(engine, components, [(prompt_ids, prompt_mask)], greedy)
     generated = time.perf_counter()
-    mask = generation.response_mask
+    mask = generation.response_mask  # single turn: every response token was sampled, so all of them count
     ended = torch.isin(generation.response_ids, torch.tensor(components.policy.eos_token_ids, device=device)).any(dim=1)
     responses = tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
     scores = score(engine.processes, components, prompts, responses, columns)
     scored = time.perf_counter()
     batch = RolloutBatch(
         prompts=prompts, columns=columns, group_ids=group_ids, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-        response_ids=generation.response_ids, response_mask=mask, sampled_logprobs=generation.logprobs,
+        response_ids=generation.response_ids, response_mask=mask, loss_mask=mask, sampled_logprobs=generation.logprobs,
         responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=device),
     )
     return batch, {"time/generate": generated - started, "time/score": scored - generated, **components.generator.pop_metrics()}
@@ -102,7 +102,7 @@ def greedy_baseline(engine: Engine, components, recipe: Recipe, records: list[di
     (ReMax's baseline), given to every sample of that prompt."""
     greedy, timing = rollout(engine, components, records, 1, max_prompt_tokens, greedy=True)
     assert greedy.scores is not None and greedy.ended is not None  # a rollout is scored
-    baseline = shaped(recipe, greedy.scores, greedy.ended, greedy.response_mask.sum(dim=1)).repeat_interleave(recipe.ppo.samples_per_prompt)
+    baseline = shaped(recipe, greedy.scores, greedy.ended, greedy.loss_mask.sum(dim=1)).repeat_interleave(recipe.ppo.samples_per_prompt)
     return batch.with_(baseline_scores=baseline), {"time/baseline": timing["time/generate"] + timing["time/score"]}
 
 

@@ -28,7 +28,7 @@ def with_advantages(engine: Engine, components, recipe: Recipe, batch: RolloutBa
     processes = engine.processes
     batch = compare_to_reference(engine, components, recipe, batch, observe)
     assert batch.scores is not None and batch.ended is not None and batch.kl is not None  # scored, then compared
-    mask = batch.response_mask
+    mask = batch.loss_mask
     kl_coef = components.kl.beta if recipe.ppo.kl_penalty == "reward" else 0.0
     rewards = token_rewards(shaped(recipe, batch.scores, batch.ended, mask.sum(dim=1)), batch.kl, mask, kl_coef)
     batch = batch.with_(rewards=rewards)
@@ -71,6 +71,6 @@ def _compare_in_chunks(engine: Engine, components, recipe: Recipe, batch: Rollou
             observe("forward", chunk, rows)
     original_order = torch.cat(chunks).argsort()  # the chunks hold the rows sorted by length
     fields = {name: torch.cat([padded_to(output, width) for output in values])[original_order] for name, values in outputs.items()}
-    mask = batch.response_mask
+    mask = batch.loss_mask
     fields["kl"] = torch.where(mask.bool(), fields["kl"], torch.zeros_like(fields["kl"]))
     return batch.with_(**fields)

@@ -152,7 +152,7 @@ class Trainer:
 
         batch = engine.processes.gather_batch(batch, components.policy.tokenizer.pad_token_id)  # the metrics are global
         assert batch.kl is not None and batch.scores is not None and batch.ended is not None and batch.old_logprobs is not None
-        mask = batch.response_mask
+        mask = batch.loss_mask
         kl_per_sequence = masked_sum(batch.kl, mask, dim=1)
         kl_now = float(kl_per_sequence.mean())
         beta = components.kl.beta
@@ -170,7 +170,7 @@ class Trainer:
             "time/forward": train_started - forward_started,
             "time/train": finished - train_started,
             "time/iteration": finished - started,
-            "time/tokens_per_second": float(mask.sum()) / (finished - started),
+            "time/tokens_per_second": float(batch.response_mask.sum()) / (finished - started),  # every response position forwarded
         })
         if batch.values is not None and batch.returns is not None:
             metrics.update(critic_metrics(batch.values, batch.returns, mask))

@@ -47,7 +47,7 @@ def update(engine: Engine, components, recipe: Recipe, batch: RolloutBatch, stat
     engine.trainable.train()  # gradient checkpointing acts in training mode only; dropout is off
     for _ in range(ppo.epochs):
         for index in torch.randperm(len(batch), generator=shuffler).to(engine.device).split(per_process):
-            token_count = engine.processes.sum(batch.response_mask[index].sum()).clamp(min=1)
+            token_count = engine.processes.sum(batch.loss_mask[index].sum()).clamp(min=1)
             engine.optimizer.zero_grad(set_to_none=True)
             step_terms = StepTerms({}, {})
             for micro, rows in micro_batches(engine, recipe, batch, index, lengths, observe):
@@ -145,7 +145,7 @@ def _micro_step(engine: Engine, components, recipe: Recipe, micro: RolloutBatch,
     ppo = recipe.ppo
     with engine.autocast():  # accelerate's prepared module autocasts by itself, except under FSDP
         logprobs, values, entropy, logits = engine.trainable(response_view, components, micro, rows, grad=True)
-    mask = micro.response_mask
+    mask = micro.loss_mask
     kl_coef = components.kl.beta if ppo.kl_penalty == "loss" else 0.0
     current = LossInputs(logprobs=logprobs, values=values, entropy=entropy, kl_coef=kl_coef, kl_estimator=ppo.kl_estimator,
                          logits=logits)

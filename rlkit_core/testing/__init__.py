@@ -14,17 +14,24 @@ from rlkit_core.batch import RolloutBatch, sequence_inputs
 from rlkit_core.recipe.document import toml_literal
 from rlkit_core.testing.offline_models import write_tiny_model
 
-__all__ = ["RESPONSE_MASK", "policy_inputs", "recipe_toml", "rollout_batch", "write_tiny_causal_lm"]
+__all__ = ["EPISODE_LOSS_MASK", "RESPONSE_MASK", "policy_inputs", "recipe_toml", "rollout_batch", "write_tiny_causal_lm"]
 
 RESPONSE_MASK = [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+# within RESPONSE_MASK, with holes where an episode's environment tokens would lie: inside a
+# response, and at the end of the last one (an episode cut off during a tool's output)
+EPISODE_LOSS_MASK = [[1, 1, 0, 0, 1], [1, 0, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 1, 0], [1, 1, 1, 0, 0]]
 
 
-def rollout_batch(with_values: bool = True, seed: int = 0) -> RolloutBatch:
+def rollout_batch(with_values: bool = True, seed: int = 0, loss_mask: torch.Tensor | None = None) -> RolloutBatch:
     """A scored batch as the loop hands it to the advantage estimator: 6 rollouts in 3 groups of 2,
-    5 response positions, responses of 1 to 5 tokens. Padding holds NaN, as garbage may: a
-    component must select counted positions (see `rlkit_core.functional`), not multiply by the mask."""
+    5 response positions, responses of 1 to 5 tokens. Every response token counts, unless
+    `loss_mask` (within `RESPONSE_MASK`) says which do, as an episode's would. Positions that do not
+    count hold NaN, as garbage may: a component must select counted positions (see
+    `rlkit_core.functional`), not multiply by the mask."""
     generator = torch.Generator().manual_seed(seed)
-    mask = torch.tensor(RESPONSE_MASK)
+    response_mask = torch.tensor(RESPONSE_MASK)
+    mask = response_mask if loss_mask is None else loss_mask
+    assert not (mask.bool() & ~response_mask.bool()).any(), "a loss mask lies within the response mask"
     batch_size, width = mask.shape
 
     def per_token(scale=1.0, shift=0.0):
@@ -38,7 +45,8 @@ def rollout_batch(with_values: bool = True, seed: int = 0) -> RolloutBatch:
         prompt_ids=torch.randint(3, 100, (batch_size, 3), generator=generator),
         prompt_mask=torch.ones(batch_size, 3, dtype=torch.long),
         response_ids=torch.randint(3, 100, (batch_size, width), generator=generator),
-        response_mask=mask,
+        response_mask=response_mask,
+        loss_mask=mask,
         sampled_logprobs=per_token(0.5, -2.0),
         responses=[f"response {i}" for i in range(batch_size)],
         ended=torch.tensor([False, True, True, True, True, False]),

@@ -38,7 +38,7 @@ from rlkit_core.interfaces import KIND_TABLE, KINDS, Generation, LossInputs, Los
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.records import Recipe
-from rlkit_core.testing import policy_inputs, rollout_batch, stand_ins, write_tiny_causal_lm
+from rlkit_core.testing import EPISODE_LOSS_MASK, policy_inputs, rollout_batch, stand_ins, write_tiny_causal_lm
 
 __all__ = [
     "AdvantageEstimatorContract", "ComponentContract", "GeneratorContract", "KLControllerContract", "LossContract",
@@ -258,11 +258,21 @@ class AdvantageEstimatorContract(ComponentContract):
         batch = rollout_batch(with_values=type(instance).needs_values)
         batch = batch.with_(advantages=None, returns=None)  # what the estimator is there to make
         advantages, returns = instance.estimate(batch)
-        counted = batch.response_mask.bool()
+        counted = batch.loss_mask.bool()
         for name, tensor in (("advantages", advantages), ("returns", returns)):
             assert tensor.shape == counted.shape and tensor.is_floating_point(), f"{name}: {tuple(tensor.shape)}"
             assert torch.isfinite(tensor[counted]).all(), f"{name} is not finite on counted tokens"
             assert (tensor[~counted] == 0).all(), f"{name} must be 0 on padding"
+
+    def test_zero_where_the_loss_mask_has_holes(self, instance):
+        """Tokens an episode's environment put into a response are not the policy's: they get no
+        advantage and no return, and what they hold (NaN here) reaches no counted token."""
+        batch = rollout_batch(with_values=type(instance).needs_values, loss_mask=torch.tensor(EPISODE_LOSS_MASK))
+        advantages, returns = instance.estimate(batch.with_(advantages=None, returns=None))
+        counted = batch.loss_mask.bool()
+        for name, tensor in (("advantages", advantages), ("returns", returns)):
+            assert torch.isfinite(tensor[counted]).all(), f"{name} is not finite on counted tokens"
+            assert (tensor[~counted] == 0).all(), f"{name} must be 0 where batch.loss_mask is 0; read it, not batch.response_mask"
 
     def test_the_order_of_the_rollouts_does_not_matter(self, instance):
         """Groups are found by `group_ids`, not by position: the loop may gather rollouts in any order."""
@@ -304,7 +314,7 @@ class LossContract(ComponentContract):
     def terms(self, instance, with_values=True, token_count=None):
         batch = rollout_batch(with_values=with_values)
         current = self.current(batch, with_values, with_logits=instance.needs_logits)
-        count = float(batch.response_mask.sum()) if token_count is None else token_count
+        count = float(batch.loss_mask.sum()) if token_count is None else token_count
         return instance(batch, current, count), current, batch
 
     @pytest.mark.parametrize("with_values", [True, False], ids=["critic", "critic-free"])
@@ -320,11 +330,22 @@ class LossContract(ComponentContract):
         assert float(terms.skip) in (0.0, 1.0), f"skip must be 0 or 1, got {float(terms.skip)}"
         assert all(v.requires_grad for v in terms.losses.values()), "every term in losses must carry gradient"
         terms.total().backward()
-        counted = batch.response_mask.bool()
+        counted = batch.loss_mask.bool()
         grad = current.logprobs.grad
         assert grad is not None and torch.isfinite(grad).all(), "the loss must reach the current log-probs"
         assert (grad[~counted] == 0).all(), "padding must get no gradient"
         assert grad[counted].abs().sum() > 0, "the loss must depend on the counted tokens' log-probs"
+
+    def test_positions_outside_the_loss_mask_get_no_gradient(self, instance):
+        """An episode's environment tokens lie inside the response but are not the policy's: NaN there
+        (`rollout_batch`) must reach neither a term nor the gradient."""
+        batch = rollout_batch(loss_mask=torch.tensor(EPISODE_LOSS_MASK))
+        current = self.current(batch, with_values=True, with_logits=instance.needs_logits)
+        terms = instance(batch, current, float(batch.loss_mask.sum()))
+        assert all(torch.isfinite(value) for value in terms.losses.values()), "a loss term is not finite"
+        terms.total().backward()
+        grad, counted = current.logprobs.grad, batch.loss_mask.bool()
+        assert grad is not None and (grad[~counted] == 0).all(), "positions outside batch.loss_mask must get no gradient"
 
     def test_the_loop_can_log_every_term_under_its_name(self, instance):
         terms, _, _ = self.terms(instance)
@@ -336,7 +357,7 @@ class LossContract(ComponentContract):
         batch = rollout_batch()
         current = self.current(batch, with_values=True, kl_coef=0.1 if type(instance).takes_kl_penalty else 0.0,
                                with_logits=instance.needs_logits)
-        count = float(batch.response_mask.sum())
+        count = float(batch.loss_mask.sum())
         whole = instance(batch, current, count)
         parts = [torch.tensor([0, 4]), torch.tensor([1, 2, 5]), torch.tensor([3])]
         tensors = {name: value for name, value in attrs.asdict(current, recurse=False).items() if isinstance(value, torch.Tensor)}
@@ -355,7 +376,7 @@ class LossContract(ComponentContract):
         if not type(instance).takes_kl_penalty:
             pytest.skip("this loss does not take the KL penalty (ppo.kl_penalty = 'loss' refuses it)")
         batch = rollout_batch()
-        count = float(batch.response_mask.sum())
+        count = float(batch.loss_mask.sum())
         with_kl = instance(batch, self.current(batch, with_values=True, kl_coef=0.5, with_logits=instance.needs_logits), count)
         without = instance(batch, self.current(batch, with_values=True, with_logits=instance.needs_logits), count)
         assert "kl" in with_kl.losses and with_kl.losses["kl"].requires_grad and torch.isfinite(with_kl.losses["kl"])

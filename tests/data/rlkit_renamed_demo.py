@@ -79,7 +79,7 @@ class Centred(AdvantageEstimator):
     def estimate(self, batch):
         groups = batch.group_ids
         means = torch.zeros(int(groups.max()) + 1).index_reduce_(0, groups, batch.scores, "mean", include_self=False)
-        advantages = self.scale * (batch.scores - means[groups]).unsqueeze(1) * batch.response_mask
+        advantages = self.scale * (batch.scores - means[groups]).unsqueeze(1) * batch.loss_mask
         return advantages, advantages
 
 
