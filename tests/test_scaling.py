@@ -20,7 +20,7 @@ import fsdp_on_cpu
 import pytest
 import torch
 
-from rlkit_core.errors import RlkitError
+from rlkit_core.errors import RlkitError, RunError
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime import checkpoint
 from rlkit_core.runtime.run import run_recipe
@@ -381,3 +381,16 @@ def test_generation_in_chunks_pads_every_chunk_to_the_longest(recipe_document, b
     assert out.response_ids.tolist() == [[7, pad, pad], [7, pad, pad], [7, 7, 7], [7, 7, 7]]
     assert out.response_mask.tolist() == [[1, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]]
     assert out.logprobs.tolist() == [[-0.5, 0, 0], [-0.5, 0, 0], [-0.5] * 3, [-0.5] * 3]
+
+
+def test_an_fsdp_without_the_state_rlkit_reads_is_refused_by_name():
+    """FSDP2's per-unit parameter groups are private torch state; a torch that moved them is refused
+    with a message naming the version, not with an AttributeError from deep inside a run."""
+    from rlkit_core.runtime.distributed import _reshards_after_forward
+
+    class MovedState:
+        def _get_fsdp_state(self):
+            return object()
+
+    with pytest.raises(RunError, match=r"torch .*FSDP2 no longer keeps"):
+        _reshards_after_forward(MovedState())

@@ -215,8 +215,14 @@ def _nothing() -> None:
 
 def _reshards_after_forward(unit) -> bool:
     """Whether an FSDP unit frees its gathered weights after each forward pass (accelerate sets
-    this per unit; torch keeps it only inside the unit's parameter groups)."""
-    return any(group.post_forward_mesh_info is not None for group in unit._get_fsdp_state()._fsdp_param_groups)
+    this per unit; torch keeps it only inside the unit's parameter groups, private state that
+    torch 2.4 to 2.14 have: a torch without it is refused by name rather than with a traceback)."""
+    try:
+        groups = unit._get_fsdp_state()._fsdp_param_groups
+        return any(group.post_forward_mesh_info is not None for group in groups)
+    except AttributeError as exc:
+        raise RunError(f"torch {torch.__version__}'s FSDP2 no longer keeps the per-unit state rlkit reads to gather the weights "
+                       f"whole ({exc}); use a torch in pyproject.toml's range") from None
 
 
 def engine_problem(accelerator, launch: Launch) -> str | None:
