@@ -2,10 +2,11 @@
 of benchmarks/README.md ("Learning that climbs and stays up").
 
     python benchmarks/robustness.py --task summarize --seeds 5 --set run.threads=1 --history runs/after
-    python benchmarks/curves.py before=runs/before after=runs/after --plot benchmarks/learning_curves.png
+    python benchmarks/curves.py before=runs/before@6 after=runs/after@5 --plot benchmarks/learning_curves.png
 
-Each argument is LABEL=PATH, PATH a folder of `--history` files (one jsonl per seed) or of run
-folders holding metrics.jsonl. For every run it prints one markdown row: the held-out score at
+Each argument is LABEL=PATH@TARGET, PATH a folder of `--history` files (one jsonl per seed) or of
+run folders holding metrics.jsonl, TARGET the KL controller's target those runs had (without it,
+`--target`). For every run it prints one markdown row: the held-out score at
 each evaluation, the KL to the reference and β every 10 iterations, and the figures the targets
 read: the share of iterations from 20 on whose KL lies within 0.5–1.5× the target, the highest
 mean KL over 5 iterations in a row, the held-out gain, and the training score's last 10% of
@@ -77,16 +78,20 @@ def plot(groups: dict[str, dict[str, list[dict]]], out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("groups", nargs="+", metavar="LABEL=PATH")
-    parser.add_argument("--target", type=float, default=6.0, help="the KL controller's target (the default recipe's: 6)")
+    parser.add_argument("groups", nargs="+", metavar="LABEL=PATH[@TARGET]")
+    parser.add_argument("--target", type=float, default=6.0, help="the KL target of a group that names none")
     parser.add_argument("--plot", type=Path, help="write the KL, β and held-out curves of every run here (PNG)")
     args = parser.parse_args()
-    groups = {label: runs_in(Path(path)) for label, path in (g.split("=", 1) for g in args.groups)}
+    groups, targets = {}, {}
+    for group in args.groups:
+        label, where = group.split("=", 1)
+        path, _, target = where.partition("@")
+        groups[label], targets[label] = runs_in(Path(path)), float(target) if target else args.target
     print("| code | run | held-out at each evaluation | gain | training score, last 10% / first 10% | KL in 0.5–1.5× target "
           "(it. ≥ 20) | highest 5-iteration mean KL | KL at it. 1, 10, 20, … | β at it. 1, 10, 20, … |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, runs in groups.items():
-        print(table(label, runs, args.target))
+        print(table(label, runs, targets[label]))
     if args.plot:
         plot(groups, args.plot)
 

@@ -88,7 +88,7 @@ def test_curves_figures_by_hand(tmp_path, capsys, monkeypatch):
     run = tmp_path / "runs" / "seed0"
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(sys, "argv", ["curves.py", f"after={tmp_path / 'runs'}", "--plot", str(tmp_path / "curves.png")])
+    monkeypatch.setattr(sys, "argv", ["curves.py", f"after={tmp_path / 'runs'}@6", "--plot", str(tmp_path / "curves.png")])
     curves.main()
     assert "| after | seed0 | 1.000 → 1.300 | +30.0% | +100.0% | 45% | 12.0 |" in capsys.readouterr().out
     assert (tmp_path / "curves.png").stat().st_size > 0
