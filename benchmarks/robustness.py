@@ -12,12 +12,12 @@ Each task runs through rlkit's public surface (a recipe, `run_recipe`):
 - `control`: a task whose optimum is known. A tiny random GPT-2 (byte-level) writes 8 bytes after a
   random string; the reward is the share of them that are lowercase letters, so 1.0 is the best any
   policy can do; no KL penalty, so that 1.0 is also the objective's optimum. 60 iterations.
-- `warm-lowercase`, `warm-target`: the same tiny GPT-2 fine-tuned for a moment on responses right at
-  about half their bytes (lowercase letters; the fixed string "pqrstuvw", its other bytes drawn
-  from the same letters), then PPO with the
-  settings of TRL's classic example (minibatch 25, 4 epochs, lr 3e-4, no KL, GAE λ 0.95, value
-  clip 0.2, vf_coef 1.2; batch 50, half its 100, for a 2-core CPU). Optimum 1.0. 30 iterations.
-Figure of the last three: the mean training score over the last max(5, 10%) iterations.
+- `warm-lowercase`, `warm-target`, `warm-long`: the same tiny GPT-2 fine-tuned for a moment on
+  responses right at about half their bytes (8 lowercase letters; the fixed string "pqrstuvw";
+  the 16-byte "pqrstuvwxyzklmno"; the wrong bytes of the last two drawn from their own string),
+  then PPO with the settings of TRL's classic example (batch 100, minibatch 25, 4 epochs, lr 3e-4,
+  no KL, GAE λ 0.95, value clip 0.2, vf_coef 1.2). Optimum 1.0. 30 iterations.
+Figure of the last four: the mean training score over the last max(5, 10%) iterations.
 
 One JSON line per task: per-seed figures, mean, median, worst, and seconds per run. A seed that
 collapses (learns, then falls and stays down) shows as a worst far below the median. `--history`
@@ -85,6 +85,7 @@ def control_document(seed: int, folder: Path, steps: int) -> dict:
 # half the time (the same warm start for every seed), then PPO with the peer's own settings.
 LETTERS = "abcdfghij"  # the prompts' letters
 TARGET = "pqrstuvw"  # warm-target's one right response, none of the prompts' letters
+LONG_TARGET = "pqrstuvwxyzklmno"  # warm-long's, 16 bytes
 WARM_REWARDS = {
     # every one of the 8 response bytes a lowercase letter; the warm start writes half of them so
     "warm-lowercase": """
@@ -96,9 +97,14 @@ def score(prompts, responses):
 def score(prompts, responses):
     return [sum(a == b for a, b in zip("pqrstuvw", r[:8])) / 8 for r in responses]
 """,
+    # 16 bytes: the response is LONG_TARGET, byte for byte
+    "warm-long": """
+def score(prompts, responses):
+    return [sum(a == b for a, b in zip("pqrstuvwxyzklmno", r[:16])) / 16 for r in responses]
+""",
 }
 PEER_SETTINGS = {  # TRL classic's own example settings, as the issue measured them
-    "ppo": {"batch_size": 50, "minibatch_size": 25, "epochs": 4},  # the issue's batch 100 halved for a 2-core CPU
+    "ppo": {"batch_size": 100, "minibatch_size": 25, "epochs": 4},
     "optim": {"learning_rate": 3e-4},
     "kl": {"type": "fixed", "beta": 0.0},
     "advantage": {"type": "gae", "gamma": 1.0, "lam": 0.95},
@@ -111,6 +117,8 @@ def warm_response(task: str, prompt: str, rng: random.Random) -> str:
     """A supervised response that is right at about half of its 8 bytes."""
     if task == "warm-lowercase":
         return "".join(rng.choice(LETTERS) if rng.random() < 0.5 else rng.choice("ABCDEFGH0123") for _ in range(8))
+    if task == "warm-long":
+        return "".join(c if rng.random() < 0.5 else rng.choice(LONG_TARGET) for c in LONG_TARGET)
     return "".join(c if rng.random() < 0.5 else rng.choice(TARGET) for c in TARGET)
 
 
@@ -175,7 +183,7 @@ def warm_document(task: str):
             "run": {"steps": steps, "seed": seed, "output_dir": str(folder / "run")},
             **PEER_SETTINGS,
             "policy": {"type": "hf", "model": str(model)},
-            "generator": {"max_new_tokens": 8},
+            "generator": {"max_new_tokens": 16 if task == "warm-long" else 8},
             "reward": {"type": "python", "function": f"{reward}:score"},
             "data": {"type": "jsonl", "path": str(prompts)},
             "tracker": {"type": "none"},
@@ -184,7 +192,8 @@ def warm_document(task: str):
 
 
 TASKS = {"summarize": (summarize_document, 0), "control": (control_document, 60),  # 0: the recipe's own
-         "warm-lowercase": (warm_document("warm-lowercase"), 30), "warm-target": (warm_document("warm-target"), 30)}
+         "warm-lowercase": (warm_document("warm-lowercase"), 30), "warm-target": (warm_document("warm-target"), 30),
+         "warm-long": (warm_document("warm-long"), 30)}
 
 
 def figures(task: str, history: list[dict]) -> dict[str, float]:

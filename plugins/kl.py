@@ -14,7 +14,10 @@ class FixedKLConfig:
 class AdaptiveKLConfig:
     beta: float = setting(0.05, help="initial KL coefficient β", validator=greater_than(0))
     target: float = setting(6.0, help="target KL in nats: mean over the batch of the per-sequence SUM of per-token KL", validator=greater_than(0))
-    horizon: float = setting(10000.0, help="samples over which β moves by the clipped proportional error", validator=greater_than(0))
+    horizon: float = setting(
+        500.0, help="samples over which β moves by the clipped proportional error: 500 lets it move 2.6% an iteration of 64 rollouts, "
+                    "where 10000 (Ziegler et al.'s, TRL's) moves it at most 21% in 150 such iterations, in effect a fixed β",
+        validator=greater_than(0))
 
 
 class FixedKL(KLController):

@@ -38,8 +38,9 @@ class HealthConfig:
         0.05, help="warn when train/entropy falls below this share of the first iteration's: the policy samples almost deterministically; 0: off",
         validator=between(0.0, 1.0))
     kl_over_target: float = setting(
-        10.0,
-        help="warn when kl/ref exceeds this many times the KL controller's target (controllers with a target only; the default recipe peaks at 5); 0: off",
+        2.0,
+        help="warn when kl/ref, averaged over the last 5 iterations, exceeds this many times the KL controller's target (controllers with a "
+             "target only): a controlled run stays within 1.5 times it; 0: off",
         validator=at_least(0))
     zero_gradients: bool = setting(
         True, help="warn when an iteration's gradient norm is exactly zero although its steps were finite: the loss does not depend on the weights")

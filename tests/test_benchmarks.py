@@ -69,6 +69,31 @@ def test_robustness_runs_a_warm_started_task_over_two_seeds(tmp_path, monkeypatc
     assert robustness.peer_settings(robustness.TASKS["warm-target"][0](0, tmp_path / "files", 2))["vf_coef"] == 1.2
 
 
+def test_curves_figures_by_hand(tmp_path, capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("curves", BENCH.parent / "curves.py")
+    curves = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(curves)
+    # 30 iterations: KL 6 except 12 at iterations 20..24 and 1 at 25; score 1 for 1..3, 2 for 28..30, 1.5 between
+    rows = [{"iteration": 0, "eval/score": 1.0}]
+    for i in range(1, 31):
+        kl = 12.0 if 20 <= i <= 24 else 1.0 if i == 25 else 6.0
+        rows.append({"iteration": i, "score/mean": 1.0 if i <= 3 else 2.0 if i >= 28 else 1.5, "kl/ref": kl, "kl/beta": 0.05})
+    rows.append({"iteration": 30, "eval/score": 1.3})
+    f = curves.figures(rows, target=6.0)
+    assert f["evaluations"] == [1.0, 1.3] and abs(f["gain"] - 0.3) < 1e-12
+    assert f["last_over_first"] == 1.0  # the last 3 iterations (10%) at 2 against the first 3 at 1
+    assert f["in_band"] == 5 / 11  # iterations 20..30: 12 five times and 1 once lie outside 3..9
+    assert f["kl_window_max"] == 12.0  # iterations 20..24
+    assert f["kl"] == [6.0, 6.0, 12.0, 6.0] and len(f["beta"]) == 4  # iterations 1, 10, 20, 30
+    run = tmp_path / "runs" / "seed0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(sys, "argv", ["curves.py", f"after={tmp_path / 'runs'}@6", "--plot", str(tmp_path / "curves.png")])
+    curves.main()
+    assert "| after | seed0 | 1.000 → 1.300 | +30.0% | +100.0% | 45% | 12.0 |" in capsys.readouterr().out
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+
 def test_the_ragged_shape_stops_at_the_models_own_eos_and_counts_padding(capsys, monkeypatch, tmp_path):
     import argparse
 

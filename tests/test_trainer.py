@@ -187,3 +187,16 @@ def test_gradient_norm_is_logged_before_clipping_with_the_share_clipped(recipe_d
     assert metrics["train/grad_norm"] > 1e-3 and metrics["train/grad_norm_max"] >= metrics["train/grad_norm"]
     assert metrics["train/grad_clipped"] == clipped
     assert {"advantage/raw_mean", "advantage/raw_std", "value/mean", "return/mean"} <= set(metrics)
+
+
+def test_step_stats_read_means_the_largest_norm_and_the_last_epochs_approx_kl():
+    from rlkit_core.runtime.update import StepStats
+
+    stats = StepStats()
+    for approx_kl, norm in [(0.0, 1.0), (0.01, 3.0), (0.02, 2.0), (0.04, 1.0)]:  # 2 epochs of 2 steps
+        stats.add("train/approx_kl", torch.tensor(approx_kl))
+        stats.add("train/grad_norm", torch.tensor(norm))
+        stats.steps += 1
+    metrics = stats.read(torch.device("cpu"), epochs=2)
+    assert metrics["train/approx_kl"] == pytest.approx(0.0175) and metrics["train/grad_norm"] == pytest.approx(1.75)
+    assert metrics["train/grad_norm_max"] == 3.0 and metrics["train/approx_kl_last_epoch"] == pytest.approx(0.03)

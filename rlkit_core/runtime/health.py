@@ -23,6 +23,7 @@ from rlkit_core.errors import RunError
 from rlkit_core.recipe.schema import HealthConfig
 
 TINY = 1e-12  # a standard deviation or gradient norm this small is zero (float rounding of equal numbers)
+KL_WINDOW = 5  # iterations whose mean kl/ref kl_over_target reads: one noisy batch is not a runaway
 
 
 @attrs.frozen
@@ -75,11 +76,13 @@ def detect(config: HealthConfig, history: list[dict], group_share: float | None 
         found.append(Finding("entropy_collapse", entropy, f"train/entropy = {entropy:.4g}, down from {first:.4g} in the first "
                              "iteration: the policy samples almost one response; lower optim.learning_rate, raise the KL "
                              "penalty, or add loss.entropy_coef"))
-    kl = now.get("kl/ref")
+    recent_kl = [row["kl/ref"] for row in history[-KL_WINDOW:] if "kl/ref" in row]
+    kl = sum(recent_kl) / len(recent_kl) if recent_kl else None
     if config.kl_over_target and kl is not None and kl_target and kl > config.kl_over_target * kl_target:
-        found.append(Finding("kl_over_target", kl, f"kl/ref = {kl:.4g} nats, {kl / kl_target:.1f} times the KL controller's "
-                             f"target of {kl_target:g}: the policy runs away from the reference faster than β (kl/beta) "
-                             "catches up; lower optim.learning_rate or start from a larger kl.beta"))
+        found.append(Finding("kl_over_target", kl, f"kl/ref = {kl:.4g} nats on average over the last {len(recent_kl)} iterations, "
+                             f"{kl / kl_target:.1f} times the KL controller's target of {kl_target:g}: the policy runs away from "
+                             "the reference faster than β (kl/beta) catches up; lower optim.learning_rate, start from a larger "
+                             "kl.beta or shorten kl.horizon"))
     norm = now.get("train/grad_norm")
     if config.zero_gradients and norm is not None and math.isfinite(norm) and norm <= TINY and now.get("train/nonfinite", 0) < 1:
         found.append(Finding("zero_gradients", norm, "train/grad_norm = 0 with finite steps: the loss does not depend on the "

@@ -163,6 +163,8 @@ class Trainer:
             "score/std": float(batch.scores.std()) if len(batch) > 1 else 0.0,
             "kl/ref": kl_now,
             "kl/ref_per_token": float(masked_mean(batch.kl, mask)),
+            "kl/ref_median": float(kl_per_sequence.median()),  # far below kl/ref: a few responses hold most of the KL
+            "kl/ref_max": float(kl_per_sequence.max()),
             "kl/beta": beta,
             "response/length": float(mask.sum(dim=1).float().mean()),
             "response/eos_rate": float(batch.ended.float().mean()),

@@ -64,7 +64,7 @@ def update(engine: Engine, components, recipe: Recipe, batch: RolloutBatch, stat
             stats.add("train/nonfinite", torch.tensor(float(nonfinite)))
             stats.steps += 1
     engine.trainable.eval()
-    metrics = stats.read(engine.device)
+    metrics = stats.read(engine.device, ppo.epochs)
     metrics["train/lr"] = engine.learning_rate
     return UpdateResult(metrics, nonfinite_in_a_row)
 
@@ -98,12 +98,16 @@ class StepStats:
     def add(self, name: str, value: torch.Tensor) -> None:
         self.per_step[name].append(value)
 
-    def read(self, device: torch.device) -> dict[str, float]:
-        """The mean of each over the steps, and the largest gradient norm."""
+    def read(self, device: torch.device, epochs: int = 1) -> dict[str, float]:
+        """The mean of each over the steps, the largest gradient norm, and the approx KL of the
+        last of `epochs` epochs alone (how far the policy has moved from the rollout's by then)."""
         read = iter(torch.stack([v.to(device, torch.float64) for values in self.per_step.values() for v in values]).tolist())
         steps = {name: [next(read) for _ in values] for name, values in self.per_step.items()}
         metrics = {name: sum(values) / self.steps for name, values in steps.items()}
         metrics["train/grad_norm_max"] = max(steps["train/grad_norm"])
+        if "train/approx_kl" in steps:
+            last_epoch = steps["train/approx_kl"][-(self.steps // epochs):]
+            metrics["train/approx_kl_last_epoch"] = sum(last_epoch) / len(last_epoch)
         return metrics
 
 
