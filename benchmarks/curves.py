@@ -20,6 +20,8 @@ import json
 import statistics
 from pathlib import Path
 
+from rlkit_core.runtime.report import tenth_means
+
 EVERY = 10  # iterations between the curve points of the table
 
 
@@ -33,15 +35,13 @@ def runs_in(path: Path) -> dict[str, list[dict]]:
 def figures(rows: list[dict], target: float) -> dict:
     trained = [r for r in rows if "score/mean" in r]
     evaluations = [r["eval/score"] for r in rows if "eval/score" in r]
-    tenth = max(1, len(trained) // 10)
-    first = statistics.fmean(r["score/mean"] for r in trained[:tenth])
-    last = statistics.fmean(r["score/mean"] for r in trained[-tenth:])
+    first, last = tenth_means(trained, "score/mean")
     late = [r["kl/ref"] for r in trained if r["iteration"] >= 20]
+    points = [r for r in trained if r["iteration"] == 1 or r["iteration"] % EVERY == 0]
     windows = [statistics.fmean(late[i:i + 5]) for i in range(len(late) - 4)]
     return {"evaluations": evaluations, "in_band": sum(0.5 * target <= k <= 1.5 * target for k in late) / len(late),
             "kl_window_max": max(windows), "gain": evaluations[-1] / evaluations[0] - 1, "last_over_first": last / first - 1,
-            "kl": [r["kl/ref"] for r in trained if r["iteration"] == 1 or r["iteration"] % EVERY == 0],
-            "beta": [r["kl/beta"] for r in trained if r["iteration"] == 1 or r["iteration"] % EVERY == 0]}
+            "kl": [r["kl/ref"] for r in points], "beta": [r["kl/beta"] for r in points]}
 
 
 def table(label: str, runs: dict[str, list[dict]], target: float) -> str:
