@@ -15,7 +15,7 @@ import torch
 from rlkit_core.functional import gae
 from rlkit_core.interfaces import Generation, Generator
 from rlkit_core.messages import Reset, Step
-from rlkit_core.runtime.episodes import Episode, EnvironmentFault, Sample, call_within, episodes_batch
+from rlkit_core.runtime.episodes import EnvironmentFault, Episode, Sample, call_within, episodes_batch
 from rlkit_core.testing.offline_models import write_tiny_model
 from tests.test_loss_mask import changed_outside_the_loss_mask, loss_and_gradients
 from tests.test_trainer import make_trainer

@@ -352,10 +352,9 @@ def test_episodes_run_on_vllm_with_one_push_per_rollout(recipe_document, byte_mo
     and the sampler's log-probs are the learner's at every sampled token."""
     import shutil
 
+    from rlkit_core.recipe.plugins import load_registry
     from tests.test_episodes import ends_turns_early, episode_document
     from tests.test_trainer import make_trainer
-
-    from rlkit_core.recipe.plugins import load_registry
 
     ending = ends_turns_early(shutil.copytree(byte_model, tmp_path / "ending"))  # heads of 32: vLLM's CPU attention has no 16
     document = episode_document(recipe_document, ending)
