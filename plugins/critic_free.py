@@ -62,7 +62,15 @@ class GroupRelative(CriticFree):
     def estimate(self, batch):
         mask, rewards = batch.loss_mask, batch.rewards
         assert rewards is not None  # the loop adds the rewards before it estimates
-        advantages = self.against_group(sequence_rewards(rewards, mask), batch.group_ids)
+        totals, groups = sequence_rewards(rewards, mask), batch.group_ids
+        # an episode kept out of training (a fault: no counted token) is no member of its group, and a
+        # sample left alone in its group has nothing to be measured against
+        trained = mask.any(dim=1)
+        _, index, counts = torch.unique(torch.where(trained, groups, groups.min() - 1), return_inverse=True, return_counts=True)
+        members = trained & (counts[index] > 1)
+        advantages = torch.zeros_like(totals)
+        if members.any():
+            advantages[members] = self.against_group(totals[members], groups[members])
         return per_token(advantages, mask), discounted_returns(rewards, mask, 1.0)
 
 

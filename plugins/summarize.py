@@ -140,6 +140,13 @@ class WarmStartPolicy(Policy):
     call on to it."""
 
     packs_sequences = True  # as the `hf` policy it passes its calls on to
+    corpus = "summaries"  # what the warm start is supervised on (`warm_start.build_warm_start`)
+
+    @staticmethod
+    def folder_name(config) -> str:
+        """The cache folder of the build these settings make."""
+        return (f"summarizer-l{config.n_layer}-d{config.n_embd}-h{config.n_head}-s{config.sft_steps}-f{config.sft_filler_share:g}"
+                f"-seed{config.seed}")
 
     def __init__(self, config: WarmStartConfig, context):
         from .warm_start import build_warm_start
@@ -149,14 +156,14 @@ class WarmStartPolicy(Policy):
             raise RecipeError([f"{where}.n_head: {config.n_head} does not divide n_embd={config.n_embd}"])
         loader = context.registry.find("policy", "hf") if context.registry is not None else None
         if loader is None:
-            raise RecipeError([f"{where}.type: warm-start-summarizer loads its model with the 'hf' policy, which is not installed"])
-        folder = Path(config.cache_dir) / (
-            f"summarizer-l{config.n_layer}-d{config.n_embd}-h{config.n_head}-s{config.sft_steps}-f{config.sft_filler_share:g}-seed{config.seed}")
+            raise RecipeError([f"{where}.type: {type(self).__name__} loads its model with the 'hf' policy, which is not installed"])
+        folder = Path(config.cache_dir) / self.folder_name(config)
         if not (folder / "warm_start.json").exists():
-            print(f"rlkit: building the warm-start summarizer in {folder} (once; later runs reuse it)", file=sys.stderr, flush=True)
+            print(f"rlkit: building the warm-start policy in {folder} (once; later runs reuse it)", file=sys.stderr, flush=True)
         path = build_warm_start(folder, n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
                                 sft_steps=config.sft_steps, batch_size=config.sft_batch_size, lr=config.sft_learning_rate,
-                                seed=config.seed, filler_share=config.sft_filler_share, progress=Progress(config.sft_steps, label="warm-start step"))
+                                seed=config.seed, filler_share=config.sft_filler_share, corpus=self.corpus,
+                                progress=Progress(config.sft_steps, label="warm-start step"))
         loaded = context.build(ComponentChoice(where.removeprefix("$."), loader, loader.config_class(model=str(path), dtype=config.dtype)))
         self._loaded: Policy = loaded
         self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids

@@ -69,9 +69,9 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _sft_examples(tokenizer, records: Sequence[dict], filler_share: float, rng: random.Random) -> list[tuple[list[int], int]]:
-    """(prompt ids + summary ids + EOS, number of prompt tokens) for each record; a `filler_share`
-    of the summaries go on with one filler sentence of the document."""
+def _sft_examples(tokenizer, records: Sequence[dict], filler_share: float, rng: random.Random) -> list[tuple[list[int], list[bool]]]:
+    """(prompt ids + summary ids + EOS, which of them the loss counts: the summary and EOS) for each
+    record; a `filler_share` of the summaries go on with one filler sentence of the document."""
     examples = []
     for record in records:
         prompt = _encode(tokenizer, record["prompt"])
@@ -80,22 +80,30 @@ def _sft_examples(tokenizer, records: Sequence[dict], filler_share: float, rng: 
             summary += " " + rng.choice(summarize_task.filler_sentences(record))
         target = _encode(tokenizer, summary) + [EOS_ID]
         ids = prompt + target
-        if len(ids) > N_POSITIONS:
-            raise ValueError(f"example of {len(ids)} tokens exceeds n_positions={N_POSITIONS}")
-        examples.append((ids, len(prompt)))
+        examples.append((ids, [False] * len(prompt) + [True] * len(target)))
     return examples
 
 
-def _collate_right_padded(batch: Sequence[tuple[list[int], int]]):
+def _collate_right_padded(batch: Sequence[tuple[list[int], list[bool]]]):
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    for row, (ids, n_prompt) in enumerate(batch):
+    for row, (ids, counted) in enumerate(batch):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
-        labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        labels[row, : len(ids)] = torch.where(torch.tensor(counted), torch.tensor(ids), -100)
     return input_ids, attention_mask, labels
+
+
+def _examples(corpus: str, tokenizer, size: int, seed: int, filler_share: float) -> list[tuple[list[int], list[bool]]]:
+    """The supervised examples of `corpus`: "summaries" (the default recipe's) or "guess-number"
+    (the multi-turn recipe's games, `guess_number.sft_examples`)."""
+    if corpus == "guess-number":
+        from . import guess_number
+
+        return guess_number.sft_examples(tokenizer, size, seed)
+    return _sft_examples(tokenizer, summarize_task.make_corpus(size, seed), filler_share, random.Random(f"filler/{seed}"))
 
 
 def _settings(**kwargs) -> dict:
@@ -121,6 +129,7 @@ def build_warm_start(
     seed: int = 0,
     corpus_size: int = 20000,
     filler_share: float = 0.0,
+    corpus: str = "summaries",
     progress=None,
 ) -> Path:
     """Build (or reuse) the warm-start policy at ``out_dir``; return its path.
@@ -141,6 +150,8 @@ def build_warm_start(
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, sft_steps=sft_steps,
         batch_size=batch_size, lr=lr, seed=seed, corpus_size=corpus_size, filler_share=filler_share,
     )
+    if corpus != "summaries":  # the summarizer's settings as they were, so that its builds are reused
+        settings["corpus"] = corpus
     out.parent.mkdir(parents=True, exist_ok=True)
     # Its own random stream: a run that builds the warm start must continue with the same draws
     # (critic initialisation, sampling) as a later run that finds it cached.
@@ -173,8 +184,9 @@ def _build(out: Path, settings: dict, progress) -> Path:
         bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
     )
     model = GPT2LMHeadModel(config)
-    examples = _sft_examples(tokenizer, summarize_task.make_corpus(corpus_size, seed), filler_share,
-                             random.Random(f"filler/{seed}"))
+    examples = _examples(settings.get("corpus", "summaries"), tokenizer, corpus_size, seed, filler_share)
+    if any(len(ids) > N_POSITIONS for ids, _ in examples):
+        raise ValueError(f"an example exceeds n_positions={N_POSITIONS}")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, sft_steps // 10)

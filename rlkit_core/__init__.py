@@ -4,7 +4,9 @@ What a plugin author needs is importable from here: the interface of each kind (
 hooks every component class may declare), the settings bases whose settings rlkit reads, `setting`
 and its validators for config classes, nested component tables, `hookimpl`, the errors a plugin
 raises and `building_at` for their places, `surrogate` to register a policy-gradient surrogate,
-and the records a factory reads through its `BuildContext` (the `Recipe` and its tables).
+and the records a factory reads through its `BuildContext` (the `Recipe` and its tables). An
+environment speaks the messages of `Reply`, `Reset` and `Step`; `ToolEnvironment` and `tool` make
+typed methods its tools.
 
 Besides this module a plugin may import three helper modules, as the built-in plugins do (and
 nothing else of `rlkit_core`; `tests/test_layout.py` holds the built-ins to it):
@@ -14,13 +16,16 @@ nothing else of `rlkit_core`; `tests/test_layout.py` holds the built-ins to it):
 
 from importlib.metadata import PackageNotFoundError, version
 
+from rlkit_core.chat_format import ChatFormat, chat_format_for
 from rlkit_core.config import at_least, between, greater_than, nested_component, nested_components, one_of, setting
 from rlkit_core.context import BuildContext, building_at
+from rlkit_core.episode_limits import StandardEpisode
 from rlkit_core.errors import Problem, RecipeError, RunError
 from rlkit_core.hookspecs import hookimpl
 from rlkit_core.interfaces import (
     AdvantageEstimator,
     ComponentBase,
+    Environment,
     Generation,
     Generator,
     KLController,
@@ -36,6 +41,7 @@ from rlkit_core.interfaces import (
 )
 from rlkit_core.launch import Launch
 from rlkit_core.memory import ModelShape
+from rlkit_core.messages import Reply, Reset, Step, ToolCall
 from rlkit_core.progress import Progress
 from rlkit_core.randomness import sampling_seed, switch_off_dropout
 from rlkit_core.records import (
@@ -50,8 +56,9 @@ from rlkit_core.records import (
     RunConfig,
 )
 from rlkit_core.sampling import StandardSampling
-from rlkit_core.settings import ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings, field_of
+from rlkit_core.settings import EpisodeSettings, ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings, field_of
 from rlkit_core.surrogates import SURROGATES, SurrogateTerms, registered_surrogate, surrogate
+from rlkit_core.tools import ToolEnvironment, tool, tool_schema
 
 try:
     __version__ = version("rlkit")
@@ -59,13 +66,14 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 __all__ = [
-    "AdvantageEstimator", "BuildContext", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "EvalConfig", "Generation",
-    "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs", "LossTerms", "ModelSettings", "ModelShape", "OptimConfig",
-    "PPOConfig", "PolicyOutput", "Policy", "PolicySettings", "Problem", "Progress", "PromptLengthLimit", "PromptSource", "Recipe",
-    "RecipeError", "RewardSource", "RunConfig", "RunError", "SURROGATES", "SamplingSettings", "StandardSampling", "SurrogateTerms",
-    "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "field_of", "greater_than", "hookimpl",
+    "AdvantageEstimator", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Environment",
+    "EpisodeSettings", "EvalConfig", "Generation", "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs",
+    "LossTerms", "ModelSettings", "ModelShape", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput", "PolicySettings", "Problem",
+    "Progress", "PromptLengthLimit", "PromptSource", "Recipe", "RecipeError", "Reply", "Reset", "RewardSource", "RunConfig", "RunError",
+    "SURROGATES", "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "SurrogateTerms", "ToolCall", "ToolEnvironment",
+    "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "field_of", "greater_than", "hookimpl",
     "nested_component", "nested_components", "one_of", "registered_surrogate", "sampling_seed", "setting", "surrogate",
-    "switch_off_dropout",
+    "switch_off_dropout", "tool", "tool_schema",
 ]
 
 

@@ -50,7 +50,8 @@ class RolloutBatch:
     sampled_logprobs: torch.Tensor  # [B, R] log π_sampler of each sampled token
     responses: list[str] | None = None  # B decoded responses, cut at the first EOS
     ended: torch.Tensor | None = None  # [B] bool: the response contains an EOS
-    scores: torch.Tensor | None = None  # [B] float: the reward source's score
+    scores: torch.Tensor | None = None  # [B] float: the reward source's score (an episode's: its environment's rewards too)
+    turn_rewards: torch.Tensor | None = None  # [B, R] an episode's per-turn rewards at each turn's last sampled token, 0 elsewhere
     baseline_scores: torch.Tensor | None = None  # [B] float: the shaped score of a greedy response to the same prompt (ReMax)
     old_logprobs: torch.Tensor | None = None  # [B, R] log π_old with the training code path
     ref_logprobs: torch.Tensor | None = None  # [B, R] log π_ref
@@ -116,6 +117,6 @@ class RolloutBatch:
 
 
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
-RESPONSE_FIELDS = ("response_ids", "response_mask", "loss_mask", "sampled_logprobs", "old_logprobs", "ref_logprobs", "values",
+RESPONSE_FIELDS = ("response_ids", "response_mask", "loss_mask", "sampled_logprobs", "turn_rewards", "old_logprobs", "ref_logprobs", "values",
                    "kl", "rewards", "advantages", "returns")  # [B, R]: every field cut by `trimmed` at the last response column
 

@@ -50,6 +50,11 @@ def register_losses(register):
 
 
 @hookspec
+def register_environments(register):
+    """Register multi-turn environments (`rlkit_core.interfaces.Environment`)."""
+
+
+@hookspec
 def register_prompt_sources(register):
     """Register prompt sources (`rlkit_core.interfaces.PromptSource`)."""
 

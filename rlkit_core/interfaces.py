@@ -22,7 +22,8 @@ import attrs
 import torch
 
 from rlkit_core.batch import RolloutBatch
-from rlkit_core.settings import PolicySettings, SamplingSettings
+from rlkit_core.messages import Reply, Reset, Step
+from rlkit_core.settings import EpisodeSettings, PolicySettings, SamplingSettings
 
 
 @attrs.frozen
@@ -374,6 +375,30 @@ class Tracker(ComponentBase):
         """Close the run; `status` is "FINISHED", "FAILED" or "KILLED"."""
 
 
+class Environment(ComponentBase):
+    """What the model talks to over the turns of an episode (a game, a tool, a user simulator).
+
+    It speaks messages (`rlkit_core.messages`), never token ids: the core renders them, keeps what
+    the model sampled as sampled, and enforces the episode's bounds (`EpisodeSettings`: turns,
+    tokens, timeouts), so no environment can break the token accounting. One instance serves many
+    episodes at once; each episode's own state is what `reset` returns."""
+
+    def tools(self) -> list[dict[str, Any]]:
+        """The tools the model may call, as JSON schemas (`{"type": "function", "function": {...}}`),
+        which the chat template shows the model; none by default (`rlkit_core.tools.ToolEnvironment`
+        derives them from typed methods)."""
+        return []
+
+    @abstractmethod
+    def reset(self, record: dict[str, Any], seed: int) -> Reset:
+        """Start an episode for a prompt record (its `prompt` and other columns); `seed` is the
+        episode's own, so a replayed episode starts alike."""
+
+    @abstractmethod
+    def step(self, state: Any, reply: Reply) -> Step:
+        """The environment's answer to the model's turn `reply` in the episode whose state is `state`."""
+
+
 @attrs.frozen
 class Kind:
     """One kind of component, in the three names a user meets it by."""
@@ -396,10 +421,12 @@ KIND_TABLE = (
     Kind("policy", "policy", Policy, "register_policies", None, PolicySettings),
     Kind("value_head", "value_head", ValueHead, "register_value_heads", "shared", optional=True),  # "none" when the estimator needs no values
     Kind("generator", "generator", Generator, "register_generators", "hf", SamplingSettings),
-    Kind("reward", "reward", RewardSource, "register_rewards", None),
+    # "none" only beside an environment, whose own rewards then train
+    Kind("reward", "reward", RewardSource, "register_rewards", None, optional=True),
     Kind("kl_controller", "kl", KLController, "register_kl_controllers", "adaptive"),
     Kind("advantage_estimator", "advantage", AdvantageEstimator, "register_advantage_estimators", "gae"),
     Kind("loss", "loss", Loss, "register_losses", "ppo-clip"),
+    Kind("environment", "environment", Environment, "register_environments", "none", EpisodeSettings, optional=True),
     Kind("prompt_source", "data", PromptSource, "register_prompt_sources", None),
     Kind("tracker", "tracker", Tracker, "register_trackers", "mlflow"),
 )

@@ -24,7 +24,7 @@ import attrs
 
 from rlkit_core.prompts import PromptLengthLimit
 
-__all__ = ["CoreSettings", "ModelSettings", "PolicySettings", "PromptLengthLimit", "SamplingSettings"]
+__all__ = ["CoreSettings", "EpisodeSettings", "ModelSettings", "PolicySettings", "PromptLengthLimit", "SamplingSettings"]
 
 
 @attrs.frozen
@@ -114,6 +114,42 @@ class PolicySettings(ModelSettings):
     def checkpoints_activations(self) -> bool:
         """Whether the training forward pass recomputes activations (the memory estimate)."""
         return self._value("gradient_checkpointing")
+
+
+@attrs.frozen
+class EpisodeSettings(CoreSettings):
+    """An environment's settings that rlkit reads: the bounds of an episode, which the core's
+    episode runner enforces (the environment never sees a token), and how turns are rendered."""
+
+    reads: ClassVar[Mapping[str, Any]] = {"max_turns": 1, "max_episode_tokens": 0, "step_timeout_s": 0.0,
+                                          "episode_timeout_s": 0.0, "chat_format": "auto"}
+
+    @property
+    def turn_limit(self) -> int:
+        """The most turns the model takes in an episode."""
+        return self._value("max_turns")
+
+    @property
+    def episode_token_limit(self) -> int:
+        """The most tokens after the first prompt (sampled and environment alike; 0: the generator's
+        response limit times the turns). Every turn may sample at most what is left of it."""
+        return self._value("max_episode_tokens")
+
+    @property
+    def step_timeout(self) -> float:
+        """Seconds an environment's `reset` or `step` may take (0: no limit)."""
+        return self._value("step_timeout_s")
+
+    @property
+    def episode_timeout(self) -> float:
+        """Seconds an episode may take from its reset, checked between turns (0: no limit)."""
+        return self._value("episode_timeout_s")
+
+    @property
+    def format_name(self) -> str:
+        """How messages become tokens: "template" (the tokenizer's chat template), "plain" (text
+        lines, for models without one) or "auto" (the template when the tokenizer has one)."""
+        return self._value("chat_format")
 
 
 def field_of(config, setting: str) -> str:

@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ppo.py"
 
 
@@ -117,3 +119,18 @@ def test_the_ragged_shape_stops_at_the_models_own_eos_and_counts_padding(capsys,
     assert padding["forward"]["before"] > 0.3  # about half of a padded batch
     for phase in ("forward", "train"):
         assert padding[phase]["after"] < padding[phase]["before"], phase
+
+
+def test_the_episodes_benchmark_times_turns_against_one_long_turn(recipe_document, builtin_registry, tmp_path):
+    from tests.test_episodes import ending_model, episode_document
+    from tests.test_trainer import make_trainer
+
+    spec = importlib.util.spec_from_file_location("episodes_bench", BENCH.with_name("episodes.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    trainer = make_trainer(episode_document(recipe_document, ending_model(tmp_path / "ending")), builtin_registry)
+    figures = module.turns_against_one(trainer, repeats=1)
+    assert figures["sampled_tokens"] > 0 and figures["rendered_tokens"] > 0 and figures["episode_token_budget"] == 120
+    assert figures["one_turn_tokens"] >= figures["sampled_tokens"] / len(trainer.stream.batch(0))
+    assert figures["ratio"] == pytest.approx(figures["episodes_seconds"] / figures["one_turn_seconds"], rel=0.02)  # of unrounded seconds
+    assert trainer.components.generator.config.max_new_tokens == 6  # the generator's settings are put back

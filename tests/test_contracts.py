@@ -1,21 +1,25 @@
 """The built-in components pass the same contract tests that `rlkit_core.testing.contracts` offers plugin
 authors: every component that can be built offline."""
 
+import inspect
 import json
+import random
 import subprocess
 import sys
 import types
 
 import attrs
 import pytest
+from rlkit_plugins.environments import counter_tasks, word_problems
 
-from rlkit_core import hookimpl
+from rlkit_core import Environment, Reset, Step, hookimpl
 from rlkit_core.config import setting
 from rlkit_core.interfaces import KLController
 from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.testing import stand_ins
 from rlkit_core.testing.contracts import (
     AdvantageEstimatorContract,
+    EnvironmentContract,
     GeneratorContract,
     KLControllerContract,
     LossContract,
@@ -178,6 +182,27 @@ class TestWarmStartSummarizer(PolicyContract):
         return {"cache_dir": str(cache), "n_layer": 1, "n_embd": 16, "n_head": 2, "sft_steps": 2, "sft_batch_size": 4}
 
 
+class TestGuessNumber(EnvironmentContract):
+    component = "guess-number"
+    records = [{"prompt": "Guess my number, 1-16.", "secret": secret} for secret in (1, 9, 16)]
+
+
+class TestGuessNumberWithOneTurn(EnvironmentContract):
+    component = "guess-number"
+    config = {"max_turns": 1, "low": 3, "high": 5, "turn_cost": 0.0}
+    records = [{"prompt": "Guess my number, 3-5.", "secret": secret} for secret in (3, 5)]
+
+
+class TestCounter(EnvironmentContract):
+    component = "counter"
+    records = counter_tasks(3, seed=0)
+
+
+class TestCalculator(EnvironmentContract):
+    component = "calculator"
+    records = word_problems(3, seed=0)
+
+
 # --- the contract tests build as a run does ------------------------------------------------------
 
 
@@ -282,3 +307,143 @@ class TestTheKitsStandInReward(RewardContract):
 
 class TestTheKitsStandInTracker(TrackerContract):
     component = stand_ins.TRACKER
+
+
+# --- the environment contract fails each environment that breaks a promise -----------------------
+
+
+@attrs.define
+class Talk:
+    record: dict
+    turns: int = 0
+
+
+class Echo(Environment):
+    """Counts the turns back to the model and ends after three: keeps every promise."""
+
+    def __init__(self, config=None, context=None):
+        self.config = config
+
+    def reset(self, record, seed):
+        return Reset([{"role": "user", "content": record["prompt"]}], Talk(record))
+
+    def step(self, state, reply):
+        state.turns += 1
+        return Step(messages=[{"role": "user", "content": f"turn {state.turns}"}], reward=0.0, done=state.turns == 3,
+                    info={"turns": state.turns})
+
+
+class BareSchemas(Echo):
+    def tools(self):
+        return [{"name": "look", "parameters": {"type": "object", "properties": {}}}]
+
+
+class CountedSchemas(Echo):
+    calls = 0
+
+    def tools(self):
+        self.calls += 1
+        return [{"type": "function", "function": {"name": "look", "description": f"call {self.calls}"}}]
+
+
+class MarksItsRecord(Echo):
+    def reset(self, record, seed):
+        record["seen"] = True
+        return super().reset(record, seed)
+
+
+class SaysNothing(Echo):
+    def reset(self, record, seed):
+        return Reset([], Talk(record))
+
+
+class IgnoresTheSeed(Echo):
+    def reset(self, record, seed):
+        return Reset([{"role": "user", "content": f"{record['prompt']} {random.random()}"}], Talk(record))
+
+
+class RaisesOnBadMarkup(Echo):
+    def step(self, state, reply):
+        if reply.parse_error:
+            raise ValueError(reply.parse_error)
+        return super().step(state, reply)
+
+
+class SaysItIsDone(Echo):
+    def step(self, state, reply):
+        return Step(status="done", done=True)
+
+
+class PaysNaN(Echo):
+    def step(self, state, reply):
+        return Step(reward=float("nan"), done=True)
+
+
+class ReportsAWord(Echo):
+    def step(self, state, reply):
+        return Step(done=True, info={"mood": "good"})
+
+
+class BreaksInTurnThree(Echo):
+    def step(self, state, reply):
+        if reply.turn == 3:
+            raise RuntimeError("lost track")
+        return super().step(state, reply)
+
+
+class CountsOnItself(Echo):
+    turns = 0
+
+    def step(self, state, reply):
+        self.turns += 1
+        return Step(messages=[{"role": "user", "content": f"turn {self.turns}"}], done=self.turns == 3)
+
+
+class SharesOneState(Echo):
+    def __init__(self, config=None, context=None):
+        self.talk = Talk({})
+
+    def reset(self, record, seed):
+        self.talk.record, self.talk.turns = record, 0
+        return Reset([{"role": "user", "content": record["prompt"]}], self.talk)
+
+
+ECHO_RECORDS = [{"prompt": "one"}, {"prompt": "two"}]
+
+
+def environment_check(check: str, environment: type) -> None:
+    """One check of `EnvironmentContract` on `environment`, given the fixtures it asks for."""
+    method = getattr(EnvironmentContract(), check)
+    given = {"instance": environment(), "make": environment, "environment_records": [dict(r) for r in ECHO_RECORDS],
+             "structured_config": types.SimpleNamespace(turn_limit=4)}
+    method(**{name: given[name] for name in inspect.signature(method).parameters})
+
+
+ENVIRONMENT_CHECKS = [name for name in vars(EnvironmentContract) if name.startswith("test_")]
+
+
+@pytest.mark.parametrize("check", ENVIRONMENT_CHECKS)
+def test_the_environment_contract_passes_an_environment_that_keeps_every_promise(check):
+    environment_check(check, Echo)
+
+
+BROKEN_ENVIRONMENTS = [
+    (BareSchemas, "test_tools_are_function_schemas", r"tools\(\)\[0\] must be \{'type': 'function'"),
+    (CountedSchemas, "test_tools_are_function_schemas", "differs between two calls"),
+    (MarksItsRecord, "test_reset_opens_every_record_and_leaves_it_as_it_was", "reset\\(\\) changed its record"),
+    (SaysNothing, "test_reset_opens_every_record_and_leaves_it_as_it_was", "no opening messages"),
+    (IgnoresTheSeed, "test_the_same_seed_opens_alike", "two resets with seed 1234 opened differently"),
+    (RaisesOnBadMarkup, "test_every_reply_gets_a_valid_step", "'unreadable tool call' reply .* raised ValueError"),
+    (SaysItIsDone, "test_every_reply_gets_a_valid_step", "status 'done'; an environment says 'ok' or 'error'"),
+    (PaysNaN, "test_every_reply_gets_a_valid_step", "reward must be a finite number or None, got nan"),
+    (ReportsAWord, "test_every_reply_gets_a_valid_step", r"info\['mood'\] = 'good'"),
+    (BreaksInTurnThree, "test_a_fixed_reply_for_max_turns_ends_or_stays_valid", "in turn 3 raised RuntimeError: lost track"),
+    (CountsOnItself, "test_one_instance_serves_interleaved_episodes", "episode A got other steps beside another episode than alone"),
+    (SharesOneState, "test_one_instance_serves_interleaved_episodes", "resetting episode B changed episode A's state"),
+]
+
+
+@pytest.mark.parametrize("environment, check, message", BROKEN_ENVIRONMENTS, ids=[case[0].__name__ for case in BROKEN_ENVIRONMENTS])
+def test_the_environment_contract_fails_an_environment_that_breaks_a_promise(environment, check, message):
+    with pytest.raises(AssertionError, match=message):
+        environment_check(check, environment)

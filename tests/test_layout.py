@@ -21,7 +21,8 @@ HELPER_MODULES = ("rlkit_core.functional", "rlkit_core.hf", "rlkit_core.testing"
 # the built-in plugins, each an entry point of the `rlkit` group, and the modules of their own they import
 PLUGINS = {module.removeprefix("rlkit_plugins.") for module in
            tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["rlkit"].values()}
-OWN_MODULES = {"summarize_task": "summarize", "warm_start": "summarize", "mlflow_tracker": "trackers"}
+# (guess_number is a plugin of its own whose policy is the summarizer's warm start, supervised on its games)
+OWN_MODULES = {"summarize_task": "summarize", "warm_start": "summarize", "guess_number": "summarize", "mlflow_tracker": "trackers"}
 EXAMPLE_PACKAGE = ROOT / "examples" / "rlkit-example-plugins" / "src" / "rlkit_example_plugins"
 
 # layer -> the layers its modules may import

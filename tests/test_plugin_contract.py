@@ -45,11 +45,12 @@ def test_hooks_tables_defaults_and_components_come_from_the_table():
 
 
 def test_components_written_out_are_the_table_of_kinds():
-    """`Components` is written out for type checkers; each field is its kind's interface, the
-    value head's optional (no critic), in the table's order."""
+    """`Components` is written out for type checkers; each field is its kind's interface, an
+    optional kind's None too (no critic, no environment, no reward beside an environment), in the
+    table's order."""
     fields = attrs.fields(Components)
     assert [(f.name, f.type) for f in fields] == [
-        (kind.table, kind.interface | None if kind.table == "value_head" else kind.interface) for kind in KIND_TABLE]
+        (kind.table, kind.interface | None if kind.optional else kind.interface) for kind in KIND_TABLE]
 
 
 def group_estimator(config, context):

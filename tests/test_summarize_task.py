@@ -175,7 +175,7 @@ def test_supervised_summaries_go_on_with_filler_at_the_share_asked():
     def summaries(share):
         examples = ws._sft_examples(tokenizer, records, share, random.Random(0))
         assert all(ids[-1] == ws.EOS_ID for ids, _ in examples)
-        return [tokenizer.decode(ids[n_prompt:-1]) for ids, n_prompt in examples]
+        return [tokenizer.decode([i for i, counted in zip(ids[:-1], counts) if counted]) for ids, counts in examples]
 
     assert summaries(0.0) == [r["reference"] for r in records]
     for text, r in zip(summaries(1.0), records):
@@ -346,3 +346,18 @@ def test_default_recipe_shrunk_runs_on_its_careless_warm_start(tmp_path):
     [built] = (tmp_path / "cache").glob("summarizer-*")
     assert built.name == "summarizer-l1-d16-h2-s2-f0.75-seed0"
     assert json.loads((built / ws.MARKER_FILE).read_text())["settings"]["filler_share"] == 0.75
+
+
+def test_the_guessers_games_count_only_the_guesses_and_their_end_tokens():
+    from rlkit_plugins import guess_number
+
+    tokenizer = ws._tokenizer()
+    examples = guess_number.sft_examples(tokenizer, 200, seed=0)
+    for ids, counted in examples:
+        assert len(ids) == len(counted) <= ws.N_POSITIONS and not counted[0]
+        text = tokenizer.decode([i for i, c in zip(ids, counted) if c and i != ws.EOS_ID])
+        assert text.isdigit()  # the guesses alone
+        assert sum(c and i == ws.EOS_ID for i, c in zip(ids, counted)) == sum(i == ws.EOS_ID for i in ids)  # every end token counts
+    # the environment's answers are in the stream as the episodes render them
+    first = tokenizer.decode(examples[0][0])
+    assert first.startswith("Guess my number, 1-16.\n") and ("higher: " in first or "lower: " in first or first.count("</s>") == 1)

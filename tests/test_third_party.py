@@ -104,7 +104,9 @@ def example_recipe(example, recipe_document, write_recipe) -> str:
 
 def test_plugins_lists_the_example_with_its_distribution_and_version(example):
     rows = {(row["kind"], row["name"]): row for row in plugins_json()["components"]}
-    for key, plugin in [(("kl_controller", "pid"), "example-pid-kl"), (("reward", "weighted-sum"), "example-weighted-sum")]:
+    for key, plugin in [(("kl_controller", "pid"), "example-pid-kl"), (("reward", "weighted-sum"), "example-weighted-sum"),
+                        (("environment", "unit-converter"), "example-unit-converter"),
+                        (("prompt_source", "conversion-tasks"), "example-unit-converter")]:
         row = rows[key]
         assert (row["plugin"], row["distribution"], row["version"]) == (plugin, "rlkit-example-plugins", "0.1.0")
         assert row["fields"] and all(field["help"] for field in row["fields"])
@@ -117,6 +119,26 @@ def test_a_recipe_uses_both_by_name(example_recipe, recipe_document):
     metrics = [json.loads(line) for line in Path(recipe_document["run"]["output_dir"], "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [1, 2]
     assert metrics[0]["kl/beta"] == 0.05 and metrics[1]["kl/beta"] < 0.05  # KL far below target 1: pid lowered β
+
+
+def test_a_recipe_trains_on_the_examples_environment_without_a_reward(example, recipe_document, write_recipe, tmp_path):
+    """Its tool environment and tasks by name, the environment's rewards alone training, through the real command. The
+    tiny model is made to end its turns early (`ending_model`), so that episodes reach the environment's answer."""
+    from tests.test_episodes import ending_model
+
+    recipe_document["policy"]["model"] = str(ending_model(tmp_path / "ending-gpt2"))
+    del recipe_document["reward"]
+    recipe_document["run"]["steps"] = 1
+    recipe_document["ppo"].update(batch_size=8, minibatch_size=4, epochs=1)
+    recipe_document["environment"] = {"type": "unit-converter", "max_turns": 2}
+    recipe_document["data"] = {"type": "conversion-tasks", "size": 16}
+    run = rlkit("run", write_recipe(recipe_document), "--quiet")
+    assert run.returncode == 0, run.stderr
+    [metrics] = [json.loads(line) for line in Path(recipe_document["run"]["output_dir"], "metrics.jsonl").read_text().splitlines()]
+    assert metrics["iteration"] == 1 and 1 <= metrics["env/turns"] <= 2
+    statuses = sum(metrics[f"env/status_{status}"] for status in ("ok", "cut_off", "overflow", "timeout", "error"))
+    assert statuses == pytest.approx(1.0) and metrics["env/status_error"] == 0.0 and metrics["env/status_ok"] > 0
+    assert {"env/solved", "env/converted", "env/reward"} <= set(metrics), sorted(name for name in metrics if name.startswith("env/"))
 
 
 def test_rlkit_check_names_where_each_component_comes_from(example_recipe, monkeypatch, capsys):
@@ -146,8 +168,9 @@ def test_rlkit_plugins_none_hides_the_example(example_recipe, monkeypatch, capsy
     problems = capsys.readouterr().err
     assert "$.kl.type: unknown kl_controller 'pid'; registered: adaptive, fixed" in problems
     assert "$.reward.type: unknown reward 'weighted-sum'; registered: exact-summary, fact-copied, http, openai-judge, python, reward-model, rouge" in problems
-    assert ("installed but filtered out by RLKIT_PLUGINS: example-pid-kl (rlkit-example-plugins 0.1.0), example-weighted-sum "
-            "(rlkit-example-plugins 0.1.0); if 'weighted-sum' comes from one of them, add its name to RLKIT_PLUGINS") in problems
+    assert ("installed but filtered out by RLKIT_PLUGINS: example-pid-kl (rlkit-example-plugins 0.1.0), example-unit-converter "
+            "(rlkit-example-plugins 0.1.0), example-weighted-sum (rlkit-example-plugins 0.1.0); if 'weighted-sum' comes from one "
+            "of them, add its name to RLKIT_PLUGINS") in problems
 
 
 def test_rlkit_plugins_selects_plugins_by_name(example):

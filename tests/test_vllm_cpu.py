@@ -344,3 +344,30 @@ def test_two_processes_under_torchrun_each_run_an_engine_of_their_own(recipe_doc
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [row for row in rows if "score/mean" in row]
     assert len(rows) == 2 and all(row["check/logprob_gap"] < LOGPROB_TOLERANCE and row["time/weight_sync"] > 0 for row in rows)
+
+
+def test_episodes_run_on_vllm_with_one_push_per_rollout(recipe_document, byte_model, tmp_path):
+    """A multi-turn rollout with the vllm generator: every turn continues each episode's stream, the
+    weights are pushed (and the prefix cache reset) once before the first turn, not at every turn,
+    and the sampler's log-probs are the learner's at every sampled token."""
+    import shutil
+
+    from rlkit_core.recipe.plugins import load_registry
+    from tests.test_episodes import ends_turns_early, episode_document
+    from tests.test_trainer import make_trainer
+
+    ending = ends_turns_early(shutil.copytree(byte_model, tmp_path / "ending"))  # heads of 32: vLLM's CPU attention has no 16
+    document = episode_document(recipe_document, ending)
+    document["run"]["device"] = "cpu"
+    document["generator"] = {"type": "vllm", "max_new_tokens": 6, "gpu_memory_fraction": 0.02}
+    trainer = make_trainer(document, load_registry(environ={"RLKIT_PLUGINS": "none"}))
+    engine = trainer.components.generator.engine
+    resets, reset = [], engine.reset_prefix_cache
+    engine.reset_prefix_cache = lambda: resets.append(1) or reset()
+    batch, metrics = trainer.rollout(trainer.stream.batch(0))
+    assert metrics["env/turns"] > 2 and len(resets) == 1
+    compared = trainer.compare_to_reference(batch)
+    sampled = batch.response_mask.bool() & ~torch.isnan(batch.sampled_logprobs)
+    assert float((compared.old_logprobs - batch.sampled_logprobs)[sampled].abs().max()) < LOGPROB_TOLERANCE
+    trainer.rollout(trainer.stream.batch(1))
+    assert len(resets) == 2  # the next rollout pushes again

@@ -59,7 +59,12 @@ def reference_markdown() -> str:
         out += [f"### `[{table['table']}]`\n", settings_table(table["fields"])]
     rows = builtin_rows()
     for kind in KIND_TABLE:
-        default = f"default type `{kind.default}`" if kind.default else "required"
+        if kind.default:
+            default = f"default type `{kind.default}`"
+        elif kind.optional:  # the reward: `none` beside an environment, whose own rewards then train
+            default = "required, or `none` beside an `[environment]`"
+        else:
+            default = "required"
         words = kind.name.replace("_", " ").replace("kl ", "KL ")
         out.append(f"## `[{kind.table}]`: {words} ({default})\n")
         for row in (r for r in rows if r["kind"] == kind.name):

@@ -3,23 +3,36 @@
 import attrs
 
 from rlkit_core.context import BuildContext
-from rlkit_core.interfaces import AdvantageEstimator, Generator, KLController, Loss, Policy, PromptSource, RewardSource, Tracker, ValueHead
+from rlkit_core.interfaces import (
+    AdvantageEstimator,
+    Environment,
+    Generator,
+    KLController,
+    Loss,
+    Policy,
+    PromptSource,
+    RewardSource,
+    Tracker,
+    ValueHead,
+)
 from rlkit_core.records import Recipe
 
 
 @attrs.frozen
 class Components:
     """The live components of a run, one field per recipe table (`rlkit_core.interfaces.KIND_TABLE`,
-    in its order; a test holds the two together), typed with its kind's interface; `value_head` is
-    None when the advantage estimator needs no critic."""
+    in its order; a test holds the two together), typed with its kind's interface. An optional
+    kind's field is None with `type = "none"`: `value_head` when the advantage estimator needs no
+    critic, `environment` in a single-turn recipe, `reward` when the environment's rewards alone train."""
 
     policy: Policy
     value_head: ValueHead | None
     generator: Generator
-    reward: RewardSource
+    reward: RewardSource | None
     kl: KLController
     advantage: AdvantageEstimator
     loss: Loss
+    environment: Environment | None
     data: PromptSource
     tracker: Tracker
 
@@ -29,14 +42,16 @@ def build_components(recipe: Recipe, context: BuildContext) -> Components:
     context.policy = policy
     advantage = context.build(recipe["advantage"])
     critic = recipe.components.get("value_head")  # none with `value_head.type = "none"`
+    optional = {table: context.build(recipe[table]) if table in recipe.components else None for table in ("reward", "environment")}
     return Components(
         policy=policy,
         value_head=context.build(critic) if critic is not None else None,
         generator=context.build(recipe["generator"]),
-        reward=context.build(recipe["reward"]),
+        reward=optional["reward"],
         kl=context.build(recipe["kl"]),
         advantage=advantage,
         loss=context.build(recipe["loss"]),
+        environment=optional["environment"],
         data=context.build(recipe["data"]),
         tracker=context.build(recipe["tracker"]),
     )

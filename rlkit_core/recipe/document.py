@@ -253,6 +253,8 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None, 
         data = document.get(table)
         if table == "value_head" and data is None:
             default_type = _default_critic(document, registry)
+        if table == "reward" and data is None and _has_environment(document):
+            default_type = NO_COMPONENT  # the environment's rewards alone
         if KIND_OF_TABLE[table].optional and (data.get("type") if isinstance(data, dict) else default_type) == NO_COMPONENT:
             nothing.add(table)
             problems += [Problem(f"$.{table}.{key}", f"unknown key; type = {NO_COMPONENT!r} builds no {kind}, so it takes no settings")
@@ -266,6 +268,9 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None, 
                                                         registry, default_type)
         problems += found
 
+    if "reward" in nothing and not _has_environment(document):
+        problems.append(Problem("$.reward.type", f"{NO_COMPONENT!r} scores nothing in a recipe without an [environment] (whose "
+                                                 "rewards would train); name a reward"))
     if core["ppo"] is not None and components.get("advantage") is not None and ("value_head" in components or "value_head" in nothing):
         problems += critic_problems(core["ppo"], components["advantage"], components.get("value_head"))
     if core["run"] is not None and components.get("policy") is not None:
@@ -284,6 +289,12 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None, 
         raise RecipeError(problems, source)
     return Recipe(run, ppo, optim, components, document, source, core["eval"], eval_metrics,
                   registry, core["health"])
+
+
+def _has_environment(document: dict) -> bool:
+    """Whether the recipe names an environment (a multi-turn recipe)."""
+    table = document.get("environment")
+    return isinstance(table, dict) and table.get("type", NO_COMPONENT) != NO_COMPONENT
 
 
 def _default_critic(document: dict, registry: Registry) -> str | None:
@@ -331,7 +342,7 @@ def read_component_table(data: Any, kind: str, table: str, registry: Registry, d
         return None, [Problem(f"{where}.type", f"expected a string, got {name!r}")]
     component = registry.find(kind, name)
     if component is None:
-        return None, [registry.unknown_problem(kind, name, f"{where}.type")]
+        return None, [registry.unknown_problem(kind, name, f"{where}.type", offer_none=extra is None)]
     extra_values, problems, extra_keys = None, [], ()
     if extra is not None:
         extra_keys = tuple(f.name for f in attrs.fields(extra))

@@ -10,7 +10,7 @@ from rlkit_core.memory import describe as describe_memory
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.recipe.inventory import inventory_rows, with_nested
 from rlkit_core.recipe.schema import kl_warnings, output_dir_problems
-from rlkit_core.settings import ModelSettings, field_of
+from rlkit_core.settings import ModelSettings, PolicySettings, field_of
 
 
 def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False, launch: Launch = ONE_PROCESS) -> str:
@@ -37,6 +37,8 @@ def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False,
     memory = memory_estimate(recipe, prompt_tokens, launch)
     if memory:
         lines += ["", f"memory (prompts of {prompt_tokens} tokens; rlkit check --prompt-tokens N):", *[f"  {line}" for line in memory]]
+    if "environment" in recipe.components:
+        lines += ["", "episodes:", *[f"  {line}" for line in episode_plan(recipe)]]
     lines += ["", "code this recipe runs (besides rlkit's own):", *[f"  {line}" for line in code_it_runs(recipe)]]
     problems, notes = preflight(recipe)
     found, said = service_probes(recipe, probe)
@@ -131,6 +133,35 @@ def _per_process(recipe: Recipe, launch: Launch) -> list[str]:
         f"  precision           mixed_precision = {recipe.run.mixed_precision!r}",
         f"  engine              {ENGINES[launch.sharded] if processes > 1 else 'one process'}",
     ]
+
+
+def episode_plan(recipe: Recipe) -> list[str]:
+    """An episode's bounds, and the audit of how the policy's chat template renders turns (which
+    decides whether an episode stays one training sample), when the policy names a local tokenizer."""
+    from rlkit_core.chat_format import audit
+    from rlkit_core.hf import is_local
+
+    settings = recipe["environment"].config
+    budget = settings.episode_token_limit or f"{recipe['generator'].config.response_limit} × {settings.turn_limit}"
+    lines = [f"turns               at most {settings.turn_limit}, tokens after the first prompt at most {budget}",
+             f"timeouts            {settings.step_timeout or 'none'} s a step, {settings.episode_timeout or 'none'} s an episode"]
+    name = recipe["policy"].config.tokenizer_name if isinstance(recipe["policy"].config, PolicySettings) else ""
+    if not name or not is_local(name):
+        return [*lines, "chat format         audited when the policy is built (it names no local tokenizer); "
+                        "the run prints the audit"]
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    try:
+        generation = GenerationConfig.from_pretrained(name).eos_token_id
+    except OSError:  # no generation config: the tokenizer's end token alone
+        generation = None
+    ends = [tokenizer.eos_token_id, *(generation if isinstance(generation, list) else [generation])]
+    try:
+        report = audit(tokenizer, tuple(dict.fromkeys(e for e in ends if e is not None)), settings.format_name)
+    except ValueError as exc:
+        raise RecipeError([f"$.environment.chat_format: {exc}"], recipe.source) from None
+    return [*lines, *report.lines()]
 
 
 def model_size(recipe: Recipe) -> list[str]:

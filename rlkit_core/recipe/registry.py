@@ -66,10 +66,11 @@ class Registry:
             raise RecipeError([self.unknown_problem(kind, name, where)])
         return component
 
-    def unknown_problem(self, kind: str, name: str, where: str) -> Problem:
+    def unknown_problem(self, kind: str, name: str, where: str, offer_none: bool = True) -> Problem:
+        """`offer_none`: the place may say `type = "none"` (a recipe's own table, not a nested one)."""
         known = self.names(kind)
         message = f"unknown {kind} {name!r}; registered: {', '.join(known) or '(none)'}"
-        if _KIND_NAMED[kind].optional:
+        if _KIND_NAMED[kind].optional and offer_none:
             message += f"; or {NO_COMPONENT!r} for no {kind}"
             known = [*known, NO_COMPONENT]
         close = difflib.get_close_matches(name, known, n=1)

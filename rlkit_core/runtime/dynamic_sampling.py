@@ -68,7 +68,7 @@ class DynamicSampler:
         def lacking() -> int:
             return quota - sum(len(b) for b in kept) // self.k
         while True:
-            batch, timing = rollout(engine, self.components, records, self.k, self.max_prompt_tokens)
+            batch, timing = rollout(engine, self.components, self.recipe, records, self.k, self.max_prompt_tokens)
             for name, value in timing.items():
                 metrics[name] = metrics.get(name, 0.0) + value if name.startswith("time/") else value
             lengths = batch.loss_mask.sum(dim=1)

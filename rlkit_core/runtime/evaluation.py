@@ -57,15 +57,20 @@ class Evaluator:
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
         """Means over the held-out records: `eval/score` (the run's reward), `eval/<metric>` for each
-        extra metric, `eval/length`, `eval/eos_rate`, and `eval/kl` when responses are sampled."""
+        extra metric, `eval/length`, `eval/eos_rate`, and `eval/kl` when responses are sampled; in
+        a multi-turn recipe also each `env/<name>` of the episodes as `eval/<name>` (`eval/won`)."""
         recipe, engine, components = self.recipe, self.engine, self.components
         device = engine.device
-        sums, count = {}, 0
+        sums, count, episode_sums, episodes = {}, 0, {}, 0
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(evaluation_seed(recipe.run.seed))
             for start in range(0, len(self.records), recipe.ppo.batch_size):
                 chunk = self.records[start:start + recipe.ppo.batch_size]
-                batch, _ = rollout(engine, components, chunk, 1, self.max_prompt_tokens, greedy=self.config.greedy)
+                batch, stage = rollout(engine, components, recipe, chunk, 1, self.max_prompt_tokens, greedy=self.config.greedy)
+                for name, value in stage.items():  # an episode's outcomes (`env/won`), as means over the chunk's episodes
+                    if name.startswith("env/"):
+                        episode_sums[name] = episode_sums.get(name, 0.0) + value * len(chunk)
+                episodes += len(chunk)
                 assert batch.scores is not None and batch.ended is not None  # a rollout is scored
                 values = {
                     "eval/score": batch.scores,
@@ -81,7 +86,8 @@ class Evaluator:
                 for name, per_response in values.items():
                     sums[name] = sums.get(name, 0.0) + float(per_response.sum())
                 count += len(batch)
-        return {name: total / count for name, total in sums.items()}
+        outcomes = {f"eval/{name.removeprefix('env/')}": total / episodes for name, total in episode_sums.items()}
+        return {**{name: total / count for name, total in sums.items()}, **outcomes}
 
 
 def _metric_scores(name: str, reward, batch) -> list[float]:

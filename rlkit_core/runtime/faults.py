@@ -75,6 +75,8 @@ class BadReward(RunError):
 
 def reward_name(recipe) -> str:
     """The reward as the recipe names it: `reward "python" (function = "my.py:score")`."""
+    if "reward" not in recipe.components:  # `reward.type = "none"`: the environment's rewards alone
+        return f'environment "{recipe["environment"].component.name}"'
     table = dict(recipe.document.get("reward", {}))
     kind = table.pop("type", recipe["reward"].component.name)
     settings = ", ".join(f"{key} = {json.dumps(value, default=str)}" for key, value in table.items())

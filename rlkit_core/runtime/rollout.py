@@ -16,6 +16,7 @@ from rlkit_core.prompts import encode_prompts
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import Processes
 from rlkit_core.runtime.engine import Engine
+from rlkit_core.runtime.episodes import episode_rollout
 from rlkit_core.runtime.faults import BadReward, checked_scores, failure_text
 
 
@@ -25,10 +26,13 @@ def record_columns(records: list[dict]) -> dict[str, list]:
     return {key: [r.get(key) for r in records] for key in keys}
 
 
-def rollout(engine: Engine, components, records: list[dict], samples_per_prompt: int, max_prompt_tokens: int,
+def rollout(engine: Engine, components, recipe: Recipe, records: list[dict], samples_per_prompt: int, max_prompt_tokens: int,
             greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
     """`samples_per_prompt` responses to each record, scored; and the stage's timings and the
-    generator's metrics. Prompts are cut to `max_prompt_tokens` (0: not cut)."""
+    generator's metrics. Prompts are cut to `max_prompt_tokens` (0: not cut). A recipe with an
+    environment plays episodes instead (`rlkit_core.runtime.episodes`)."""
+    if components.environment is not None:
+        return episode_rollout(engine, components, recipe, records, samples_per_prompt, greedy)
     k, device, tokenizer = samples_per_prompt, engine.device, components.policy.tokenizer
     records = [r for r in records for _ in range(k)]
     prompts = [r["prompt"] for r in records]
@@ -52,13 +56,16 @@ def rollout(engine: Engine, components, records: list[dict], samples_per_prompt:
     return batch, {"time/generate": generated - started, "time/score": scored - generated, **components.generator.pop_metrics()}
 
 
-def generate(engine: Engine, components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool) -> list[Generation]:
+def generate(engine: Engine, components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool,
+             sync: bool = True) -> list[Generation]:
     """The generator's output for each (prompt ids, mask) chunk, from the current weights:
     read whole (FSDP gathers them in every process), synced once into an engine of its own
     (vLLM last saw them before the last update), under the run's mixed precision unless the
-    generator runs its own (`Generator.runs_own_precision`)."""
+    generator runs its own (`Generator.runs_own_precision`). `sync` False: the generator already
+    has these weights (an episode's later turns), so its prefix cache is kept."""
     with engine.full_weights():
-        components.generator.sync_weights(components.policy)
+        if sync:
+            components.generator.sync_weights(components.policy)
         with contextlib.nullcontext() if type(components.generator).runs_own_precision else engine.autocast():
             return [components.generator.generate(ids, mask, greedy=greedy) for ids, mask in prompts]
 
@@ -100,17 +107,28 @@ def greedy_baseline(engine: Engine, components, recipe: Recipe, records: list[di
                     max_prompt_tokens: int) -> tuple[RolloutBatch, dict[str, float]]:
     """`batch` with `baseline_scores`: the shaped score of the greedy response to each of `records`
     (ReMax's baseline), given to every sample of that prompt."""
-    greedy, timing = rollout(engine, components, records, 1, max_prompt_tokens, greedy=True)
+    greedy, timing = rollout(engine, components, recipe, records, 1, max_prompt_tokens, greedy=True)
     assert greedy.scores is not None and greedy.ended is not None  # a rollout is scored
     baseline = shaped(recipe, greedy.scores, greedy.ended, greedy.loss_mask.sum(dim=1)).repeat_interleave(recipe.ppo.samples_per_prompt)
     return batch.with_(baseline_scores=baseline), {"time/baseline": timing["time/generate"] + timing["time/score"]}
 
 
-def sample_responses(engine: Engine, components, records: list[dict], batch_size: int, max_prompt_tokens: int,
+def _one_per_episode(batch: RolloutBatch) -> list[str]:
+    """The transcript of each episode of `batch` once (a split episode has several rows)."""
+    assert batch.responses is not None  # a rollout decodes its responses
+    return list(dict(zip(batch.group_ids.tolist(), batch.responses)).values())
+
+
+def sample_responses(engine: Engine, components, recipe: Recipe, records: list[dict], batch_size: int, max_prompt_tokens: int,
                      greedy: bool = False) -> list[str]:
     """Responses of the current weights to `records`, `batch_size` at a time, without touching the
     training random stream (for before/after reports)."""
     device, tokenizer = engine.device, components.policy.tokenizer
+    if components.environment is not None:  # the episodes' transcripts, a batch at a time
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            batches = [rollout(engine, components, recipe, records[start:start + batch_size], 1, max_prompt_tokens, greedy)[0]
+                       for start in range(0, len(records), batch_size)]
+        return [response for b in batches for response in _one_per_episode(b)]
     prompts = [encode_prompts(tokenizer, records[start:start + batch_size], device, max_prompt_tokens)
                for start in range(0, len(records), batch_size)]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -24,6 +24,7 @@ from rlkit_core.recipe.resume_check import check_resumed_recipe
 from rlkit_core.recipe.schema import kl_warnings
 from rlkit_core.runtime import checkpoint
 from rlkit_core.runtime.engine import Engine
+from rlkit_core.runtime.episodes import chat_audit
 from rlkit_core.runtime.evaluation import Evaluator
 from rlkit_core.runtime.export import export_checkpoint
 from rlkit_core.runtime.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, checked_scores, failure_text, reward_name, save_bad_batch
@@ -104,6 +105,9 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
             print(f"rlkit run: warning: {warning}", file=sys.stderr)
         if note:
             print(f"rlkit run: {note}", file=sys.stderr)
+        if components.environment is not None:  # how turns become tokens, as `rlkit check` audits it
+            for line in chat_audit(recipe, components.policy).lines():
+                print(f"rlkit run: episodes: {line}", file=sys.stderr)
         if changes:
             print(f"rlkit run: warning: resuming {start} with {len(changes)} changed setting(s) (--allow-changes): "
                   + "; ".join(changes), file=sys.stderr)
@@ -381,6 +385,8 @@ def _samples_before(trainer: Trainer) -> list[dict]:
 def _scored(recipe: Recipe, components, records: list[dict], samples: list[dict]) -> list[dict]:
     """`samples` with the reward's score of the response before and after training. The run has
     finished by now, so a reward failing here only leaves the samples unscored."""
+    if components.reward is None:  # the environment's rewards alone: they belong to whole episodes, not to these texts
+        return samples
     both = records + records
     responses = [s["before"] for s in samples] + [s["after"] for s in samples]
     try:

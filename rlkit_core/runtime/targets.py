@@ -30,7 +30,12 @@ def with_advantages(engine: Engine, components, recipe: Recipe, batch: RolloutBa
     assert batch.scores is not None and batch.ended is not None and batch.kl is not None  # scored, then compared
     mask = batch.loss_mask
     kl_coef = components.kl.beta if recipe.ppo.kl_penalty == "reward" else 0.0
-    rewards = token_rewards(shaped(recipe, batch.scores, batch.ended, mask.sum(dim=1)), batch.kl, mask, kl_coef)
+    scores = shaped(recipe, batch.scores, batch.ended, mask.sum(dim=1))
+    if batch.turn_rewards is None:
+        rewards = token_rewards(scores, batch.kl, mask, kl_coef)
+    else:  # an episode's: each turn's reward where it was given, the rest of its score at its end
+        turns = torch.where(mask.bool(), batch.turn_rewards, torch.zeros_like(batch.turn_rewards))
+        rewards = token_rewards(scores - turns.sum(dim=1), batch.kl, mask, kl_coef) + turns
     batch = batch.with_(rewards=rewards)
     advantages, returns = components.advantage.estimate(processes.gather_batch(batch, components.policy.tokenizer.pad_token_id))
     return batch.with_(advantages=processes.local_rows(advantages, rewards),

@@ -102,7 +102,7 @@ class Trainer:
     # --- the stages, with this run's parts ---------------------------------------------------
     def rollout(self, records: list[dict], samples_per_prompt: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample `samples_per_prompt` (default: the recipe's) responses for each record and score them."""
-        return rollout.rollout(self.engine, self.components, records, samples_per_prompt or self.recipe.ppo.samples_per_prompt,
+        return rollout.rollout(self.engine, self.components, self.recipe, records, samples_per_prompt or self.recipe.ppo.samples_per_prompt,
                                self.prompts.max_tokens, greedy)
 
     def greedy_baseline(self, records: list[dict], batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
@@ -126,7 +126,7 @@ class Trainer:
     def sample_responses(self, records: list[dict], greedy: bool = False) -> list[str]:
         """Responses of the current weights to `records`, a batch at a time, without touching the
         training random stream (for before/after reports)."""
-        return rollout.sample_responses(self.engine, self.components, records, self.recipe.ppo.batch_size, self.prompts.max_tokens, greedy)
+        return rollout.sample_responses(self.engine, self.components, self.recipe, records, self.recipe.ppo.batch_size, self.prompts.max_tokens, greedy)
 
     # --- one whole iteration -------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -151,31 +151,35 @@ class Trainer:
         finished = time.perf_counter()
 
         batch = engine.processes.gather_batch(batch, components.policy.tokenizer.pad_token_id)  # the metrics are global
-        assert batch.kl is not None and batch.scores is not None and batch.ended is not None and batch.old_logprobs is not None
-        mask = batch.loss_mask
-        kl_per_sequence = masked_sum(batch.kl, mask, dim=1)
+        # the rollouts that train: an episode kept out of training (a fault) has no counted token
+        trained = batch.loss_mask.any(dim=1)
+        batch_trained = batch.select(trained.nonzero().squeeze(1)) if trained.any() and not trained.all() else batch
+        assert batch_trained.kl is not None  # compared with the reference before the update
+        mask = batch_trained.loss_mask
+        kl_per_sequence = masked_sum(batch_trained.kl, mask, dim=1)
         kl_now = float(kl_per_sequence.mean())
         beta = components.kl.beta
-        components.kl.update(kl_now, len(batch))
+        components.kl.update(kl_now, len(batch_trained))
+        assert batch_trained.scores is not None and batch_trained.ended is not None and batch_trained.old_logprobs is not None
         self.state = self.state.trained(updated.nonfinite_in_a_row)
         metrics.update({
-            "score/mean": float(batch.scores.mean()),
-            "score/std": float(batch.scores.std()) if len(batch) > 1 else 0.0,
+            "score/mean": float(batch_trained.scores.mean()),
+            "score/std": float(batch_trained.scores.std()) if len(batch_trained) > 1 else 0.0,
             "kl/ref": kl_now,
-            "kl/ref_per_token": float(masked_mean(batch.kl, mask)),
+            "kl/ref_per_token": float(masked_mean(batch_trained.kl, mask)),
             "kl/ref_median": float(kl_per_sequence.median()),  # far below kl/ref: a few responses hold most of the KL
             "kl/ref_max": float(kl_per_sequence.max()),
             "kl/beta": beta,
             "response/length": float(mask.sum(dim=1).float().mean()),
-            "response/eos_rate": float(batch.ended.float().mean()),
-            "check/logprob_gap": float(masked_mean((batch.old_logprobs - batch.sampled_logprobs).abs(), mask)),
+            "response/eos_rate": float(batch_trained.ended.float().mean()),
+            "check/logprob_gap": float(masked_mean((batch_trained.old_logprobs - batch_trained.sampled_logprobs).abs(), mask)),
             "time/forward": train_started - forward_started,
             "time/train": finished - train_started,
             "time/iteration": finished - started,
             "time/tokens_per_second": float(batch.response_mask.sum()) / (finished - started),  # every response position forwarded
         })
-        if batch.values is not None and batch.returns is not None:
-            metrics.update(critic_metrics(batch.values, batch.returns, mask))
+        if batch_trained.values is not None and batch_trained.returns is not None:
+            metrics.update(critic_metrics(batch_trained.values, batch_trained.returns, mask))
         return Iteration(metrics, batch)
 
     def skip_iteration(self) -> None:

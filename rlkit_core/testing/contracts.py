@@ -15,11 +15,14 @@ When the table needs a path or another fixture, override the `component_config` 
 of `config`; to put the component next to other parts or batch sizes, override `recipe_document`.
 The recipe's other parts are the kit's own stand-ins (`rlkit_core.testing.stand_ins`), so that the
 tests depend on no task's plugins; its policy is a two-layer GPT-2 with the byte-level ByT5
-tokenizer, written offline.
+tokenizer, written offline. An environment (`EnvironmentContract`) is played without a model: its
+episodes are opened on the class's `records` and answered with fixed replies, read as the core
+reads a model's turn.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -30,19 +33,21 @@ import pytest
 import torch
 
 from rlkit_core.batch import RolloutBatch, sequence_inputs
+from rlkit_core.chat_format import parse_tool_calls
 from rlkit_core.config import fields_help
 from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.interfaces import KIND_TABLE, KINDS, Generation, LossInputs, LossTerms, PolicyOutput
+from rlkit_core.messages import Reply, Reset, Step
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.records import Recipe
 from rlkit_core.testing import EPISODE_LOSS_MASK, policy_inputs, rollout_batch, stand_ins, write_tiny_causal_lm
 
 __all__ = [
-    "AdvantageEstimatorContract", "ComponentContract", "GeneratorContract", "KLControllerContract", "LossContract",
-    "PolicyContract", "PromptSourceContract", "RewardContract", "TrackerContract", "ValueHeadContract",
+    "AdvantageEstimatorContract", "ComponentContract", "EnvironmentContract", "GeneratorContract", "KLControllerContract",
+    "LossContract", "PolicyContract", "PromptSourceContract", "RewardContract", "TrackerContract", "ValueHeadContract", "read_reply",
 ]
 
 TABLE_OF_KIND = {kind.name: kind.table for kind in KIND_TABLE}
@@ -541,3 +546,208 @@ class GeneratorContract(ComponentContract):
         counted = out.response_mask.bool()
         gap = (recomputed - out.logprobs)[counted].abs().max()
         assert gap <= self.logprob_tolerance, f"sampled log-probs differ from π/T by up to {gap:.2e}"
+
+
+# --- episode kinds -----------------------------------------------------------------------------
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def read_reply(text: str, turn: int = 1) -> Reply:
+    """`text` as the core reads a model's turn: its tool calls parsed, or why they could not be."""
+    calls, error = parse_tool_calls(text)
+    return Reply(text=text, turn=turn, tool_calls=calls, parse_error=error)
+
+
+def message_problems(messages: Any, what: str) -> list[str]:
+    """Why `messages` are not what the core renders: a list of dicts, each with a role and str content."""
+    if not isinstance(messages, list):
+        return [f"{what}: messages must be a list, got {type(messages).__name__}"]
+    problems = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            problems.append(f"{what}: messages[{index}] is a {type(message).__name__}, not a dict")
+        elif not isinstance(message.get("content"), str):
+            problems.append(f"{what}: messages[{index}] has no str 'content' ({message!r})")
+        elif message.get("role") not in ROLES:
+            problems.append(f"{what}: messages[{index}] has role {message.get('role')!r}, not one of {', '.join(ROLES)}")
+    return problems
+
+
+def step_problems(step: Any, what: str) -> list[str]:
+    """Why `step` breaks what the episode runner relies on, or [] (the runner ends an episode that
+    breaks it with status "error", and reads `info` into `env/<name>` means when it ends)."""
+    if not isinstance(step, Step):
+        return [f"{what} returned {type(step).__name__}, not a rlkit_core.Step"]
+    problems = message_problems(step.messages, what)
+    if step.status not in ("ok", "error"):
+        problems.append(f"{what}: status {step.status!r}; an environment says 'ok' or 'error' (the runner sets the others)")
+    if not isinstance(step.done, bool):
+        problems.append(f"{what}: done must be a bool, got {step.done!r}")
+    if step.reward is not None:
+        try:
+            finite = math.isfinite(float(step.reward))
+        except (TypeError, ValueError):
+            finite = False
+        if not finite or isinstance(step.reward, bool):
+            problems.append(f"{what}: reward must be a finite number or None, got {step.reward!r}")
+    if not isinstance(step.info, dict):
+        return [*problems, f"{what}: info must be a dict of names to numbers, got {type(step.info).__name__}"]
+    for name, value in step.info.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not isinstance(name, str) or not math.isfinite(number):
+            problems.append(f"{what}: info[{name!r}] = {value!r}; info maps str names to finite numbers (averaged into env/<name>)")
+    return problems
+
+
+def snapshots(states: dict[str, Any]) -> dict[str, Any]:
+    """Copies of the episodes' states that compare equal to them; a state that cannot be copied, or
+    has no equality of its own, is left out (the interleaving check then compares its steps alone)."""
+    kept = {}
+    for name, state in states.items():
+        try:
+            copied = copy.deepcopy(state)
+            if bool(copied == state):
+                kept[name] = copied
+        except Exception:  # an uncopyable or incomparable state is checked by its steps
+            continue
+    return kept
+
+
+def assert_unchanged(states: dict[str, Any], before: dict[str, Any], what: str) -> None:
+    for name, snapshot in before.items():
+        assert states[name] == snapshot, (f"{what} changed episode {name}'s state; keep each episode's state in what reset "
+                                          "returns, nothing of it on self or shared between episodes")
+
+
+class EnvironmentContract(ComponentContract):
+    """Tools as JSON schemas of functions; `reset` opens every record with messages, alike for the
+    same seed, and leaves the record as it was; `step` answers any reply (plain text, an unreadable
+    tool call, a call of a tool that does not exist) with a valid `Step` and never raises, turn
+    after turn up to `max_turns`; and one instance plays interleaved episodes, each on its own state.
+
+    `records` are the prompt records the checks open episodes with: give ones with the columns
+    your environment reads (or override the `environment_records` fixture). Set `deterministic`
+    False for an environment whose answers vary for the same seed (a sampled user simulator): the
+    interleaving check then compares states only, not the steps an episode gets alone."""
+
+    kind = "environment"
+    records: ClassVar[list[dict[str, Any]]] = [{"prompt": f"Item {index}:", "reference": f"item {index}"} for index in range(3)]
+    # the model's turns the checks reply with, by name: raw text, read as the core reads it (`read_reply`)
+    replies: ClassVar[dict[str, str]] = {
+        "plain": "7",
+        "empty": "",
+        "unreadable tool call": '<tool_call>{"name": "add", "arguments": {"amount": 1}',
+        "unknown tool": '<tool_call>{"name": "rlkit_contract_no_such_tool", "arguments": {}}</tool_call>',
+    }
+    # the replies, turn by turn, of the two interleaved episodes: calls first, which keep a tool environment going
+    interleaved: ClassVar[tuple[str, ...]] = ("unknown tool", "unreadable tool call", "plain")
+    deterministic: ClassVar[bool] = True
+
+    @pytest.fixture
+    def environment_records(self) -> list[dict[str, Any]]:
+        return copy.deepcopy(list(self.records))
+
+    def reset(self, instance, record: dict[str, Any], seed: int) -> Reset:
+        try:
+            opening = instance.reset(record, seed)
+        except Exception as exc:
+            raise AssertionError(f"reset({record!r}, seed={seed}) raised {type(exc).__name__}: {exc}; give the contract "
+                                 "`records` with the columns your environment reads") from exc
+        problems = ([f"reset() returned {type(opening).__name__}, not a rlkit_core.Reset"] if not isinstance(opening, Reset)
+                    else message_problems(opening.messages, "reset()"))
+        assert not problems, "; ".join(problems)
+        assert opening.messages, f"reset({record!r}) returned no opening messages: the model needs something to answer"
+        return opening
+
+    def step(self, instance, state: Any, name: str, turn: int = 1) -> Step:
+        reply = read_reply(self.replies[name], turn)
+        what = f"step() on the {name!r} reply {reply.text!r} in turn {turn}"
+        try:
+            answer = instance.step(state, reply)
+        except Exception as exc:
+            raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}; answer a reply the environment cannot use with a "
+                                 "message saying so (or status 'error'), never an exception") from exc
+        problems = step_problems(answer, what)
+        assert not problems, "; ".join(problems)
+        return answer
+
+    def test_tools_are_function_schemas(self, instance):
+        tools = instance.tools()
+        assert isinstance(tools, list), f"tools() must return a list, got {type(tools).__name__}"
+        names = []
+        for index, schema in enumerate(tools):
+            function = schema.get("function") if isinstance(schema, dict) else None
+            assert isinstance(schema, dict) and schema.get("type") == "function" and isinstance(function, dict), (
+                f"tools()[{index}] must be {{'type': 'function', 'function': {{...}}}}, got {schema!r}")
+            assert isinstance(function.get("name"), str) and function["name"], f"tools()[{index}] has no function name: {schema!r}"
+            assert isinstance(function.get("description", ""), str), f"tool {function['name']!r}: description must be a str"
+            parameters = function.get("parameters", {"type": "object"})
+            assert isinstance(parameters, dict) and parameters.get("type") == "object", (
+                f"tool {function['name']!r}: parameters must be a JSON schema of type 'object', got {parameters!r}")
+            names.append(function["name"])
+        assert len(set(names)) == len(names), f"tools() names a tool twice: {names}"
+        assert json.loads(json.dumps(tools)) == tools, "tools() must be plain JSON (chat templates render it)"
+        assert instance.tools() == tools, "tools() differs between two calls; the runner reads it once per rollout"
+
+    def test_reset_opens_every_record_and_leaves_it_as_it_was(self, instance, environment_records):
+        assert environment_records, "the contract needs at least one record"
+        for seed, record in enumerate(environment_records):
+            before = copy.deepcopy(record)
+            self.reset(instance, record, seed)
+            assert record == before, f"reset() changed its record ({before!r} became {record!r}); the loop reads its columns later"
+
+    def test_the_same_seed_opens_alike(self, instance, make, environment_records):
+        record = environment_records[0]
+        first = self.reset(instance, copy.deepcopy(record), 1234).messages
+        again = self.reset(instance, copy.deepcopy(record), 1234).messages
+        fresh = self.reset(make(), copy.deepcopy(record), 1234).messages
+        assert again == first, f"two resets with seed 1234 opened differently: {first!r}, then {again!r}; draw from the seed given"
+        assert fresh == first, f"a new instance opened the same record and seed differently: {first!r}, then {fresh!r}"
+
+    def test_every_reply_gets_a_valid_step(self, instance, environment_records):
+        for name in self.replies:
+            for seed, record in enumerate(environment_records):
+                self.step(instance, self.reset(instance, record, seed).state, name)
+
+    def test_a_fixed_reply_for_max_turns_ends_or_stays_valid(self, instance, structured_config, environment_records):
+        """The runner steps an episode until it is done, fails or reaches its turn limit."""
+        for name in self.replies:
+            state = self.reset(instance, environment_records[0], 0).state
+            for turn in range(1, structured_config.turn_limit + 1):
+                answer = self.step(instance, state, name, turn)
+                if answer.done or answer.status == "error":
+                    break
+
+    def play(self, instance, episodes: dict[str, tuple[dict[str, Any], int]], order: list[str]) -> dict[str, list[Step]]:
+        """Episodes reset in turn, then stepped in `order` (names, each as often as it takes
+        turns) with the `interleaved` replies, until each is done; checks after each reset and
+        step that the other episodes' states are as they were. Returns each episode's steps."""
+        states: dict[str, Any] = {}
+        steps: dict[str, list[Step]] = {name: [] for name in episodes}
+        for name, (record, seed) in episodes.items():
+            before = snapshots(states)
+            states[name] = self.reset(instance, copy.deepcopy(record), seed).state
+            assert_unchanged(states, before, f"resetting episode {name}")
+        for name in order:
+            taken = steps[name]
+            if len(taken) == len(self.interleaved) or (taken and (taken[-1].done or taken[-1].status == "error")):
+                continue
+            before = snapshots({other: state for other, state in states.items() if other != name})
+            taken.append(self.step(instance, states[name], self.interleaved[len(taken)], len(taken) + 1))
+            assert_unchanged(states, before, f"stepping episode {name}")
+        return steps
+
+    def test_one_instance_serves_interleaved_episodes(self, instance, make, environment_records):
+        a, b = environment_records[0], environment_records[1 % len(environment_records)]
+        turns = len(self.interleaved)
+        together = self.play(instance, {"A": (a, 11), "B": (b, 12)}, ["A", "B"] * turns)
+        if not self.deterministic:
+            return
+        for name, (record, seed) in {"A": (a, 11), "B": (b, 12)}.items():
+            alone = self.play(make(), {name: (record, seed)}, [name] * turns)[name]
+            assert together[name] == alone, (f"episode {name} got other steps beside another episode than alone:\n{together[name]!r}\n"
+                                             f"alone:\n{alone!r}\nkeep each episode's state in what reset returns, nothing of it on self")

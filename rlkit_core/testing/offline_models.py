@@ -8,7 +8,12 @@ in about a second each:
   Pythia), and a GPT-2 model whose embedding table has no spare row;
 - `"chat"`: a Llama-3-style BPE whose tokenizer EOS is `<|end_of_text|>` while the model's
   generation config also stops on `<|eot_id|>`, with a chat template and no PAD, and a Llama model
-  with a few spare embedding rows (as Pythia and Qwen have).
+  with a few spare embedding rows (as Pythia and Qwen have);
+- `"chatml"`: a Qwen-style BPE with EOS `<|im_end|>`, PAD `<|endoftext|>`, no BOS, the tool and
+  reasoning tags as added (non-special) tokens, and a Qwen3-like template that is not append-only:
+  it puts a newline after each `<|im_end|>` (which a generation stops before), renders tools and
+  tool calls, and strips the `<think>` blocks of assistant turns before the last user message; a
+  Llama model with spare rows whose generation config stops on `<|im_end|>` and `<|endoftext|>`.
 
 The BPE is trained with the `tokenizers` library (a transformers dependency) on a fixed text, so
 the same style always gives the same vocabulary.
@@ -35,17 +40,61 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 
+# Qwen3-like: tools in the system turn, tool calls after an assistant's content, tool results in a
+# user turn, and earlier turns' reasoning dropped once a newer user message follows them.
+CHATML_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nThese functions can be called; their JSON schemas are inside <tools></tools>:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nTo call one, write its name and arguments as a JSON object inside <tool_call></tool_call> tags:\n"
+    "<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- elif messages and messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{%- if not loop.first %}{{- '<|im_start|>system\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- elif message.role == 'user' %}{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set content = message.content or '' %}"
+    "{%- if loop.index0 < ns.last_user and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\n' + content }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{%- if content or not loop.first %}{{- '\n' }}{%- endif %}"
+    "{{- '<tool_call>\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+# added as plain (non-special) tokens, as Qwen does: decoding with skip_special_tokens keeps them
+CHATML_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
 STYLES = {
     # style: (special tokens, tokenizer keyword arguments)
     "gpt2": (["<|endoftext|>"], {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}),
     "chat": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
              {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": CHAT_TEMPLATE}),
+    "chatml": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+               {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE}),
 }
 
 
 def build_bpe_tokenizer(style: str, vocab_size: int = 320):
-    """A transformers fast tokenizer of `style` ("gpt2" or "chat"), trained here on `CORPUS`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """A transformers fast tokenizer of `style` ("gpt2", "chat" or "chatml"), trained here on `CORPUS`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials, names = STYLES[style]
@@ -59,6 +108,8 @@ def build_bpe_tokenizer(style: str, vocab_size: int = 320):
         bos = backend.token_to_id("<|begin_of_text|>")
         backend.post_processor = processors.TemplateProcessing(
             single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B", special_tokens=[("<|begin_of_text|>", bos)])
+    if style == "chatml":
+        backend.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in CHATML_TAGS])
     return PreTrainedTokenizerFast(tokenizer_object=backend, **names)
 
 
@@ -67,10 +118,10 @@ def write_tiny_model(path: Path, style: str = "byt5", classifier: bool = False, 
     """A tiny model directory with its tokenizer, the one builder behind every test model.
 
     `style`: "byt5" (a GPT-2 with the file-free byte-level ByT5 tokenizer, the kind toy), or
-    "gpt2"/"chat" (see the module docstring). Two layers as a causal LM; as a `classifier`, one
+    "gpt2"/"chat"/"chatml" (see the module docstring). Two layers as a causal LM; as a `classifier`, one
     layer with one output (a reward model, or a separate critic's starting point) and a vocabulary
     that is exactly the tokenizer's. `spare_rows`: a causal LM's embedding rows past the tokenizer's
-    vocabulary (default: 6 for "chat", none otherwise). `seed`: default 0 for a causal LM, 1 for a
+    vocabulary (default: 6 for "chat" and "chatml", none otherwise). `seed`: default 0 for a causal LM, 1 for a
     classifier, so that a reward model is not the policy's twin."""
     from transformers import (
         ByT5Tokenizer,
@@ -89,13 +140,13 @@ def write_tiny_model(path: Path, style: str = "byt5", classifier: bool = False, 
         vocab, layers = len(tokenizer), 1
         ids = {"num_labels": 1, "pad_token_id": eos if pad is None else pad, "eos_token_id": eos}
     else:
-        spare = (6 if style == "chat" else 0) if spare_rows is None else spare_rows
+        spare = (6 if style in ("chat", "chatml") else 0) if spare_rows is None else spare_rows
         vocab, layers = len(tokenizer) + spare, 2
         ids = {"bos_token_id": eos if bos is None else bos, "eos_token_id": eos}
         if pad is not None:
             ids["pad_token_id"] = pad
     torch.manual_seed((1 if classifier else 0) if seed is None else seed)
-    if style == "chat":
+    if style in ("chat", "chatml"):
         config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256, **ids)
         model = (LlamaForSequenceClassification if classifier else LlamaForCausalLM)(config)
@@ -105,6 +156,8 @@ def write_tiny_model(path: Path, style: str = "byt5", classifier: bool = False, 
         model = (GPT2ForSequenceClassification if classifier else GPT2LMHeadModel)(config)
     if style == "chat" and not classifier:
         model.generation_config.eos_token_id = [eos, tokenizer.convert_tokens_to_ids("<|eot_id|>")]
+    if style == "chatml" and not classifier:  # as Qwen's: the end of a turn, or of a text
+        model.generation_config.eos_token_id = [eos, pad]
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return Path(path)

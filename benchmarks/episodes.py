@@ -1,0 +1,85 @@
+"""What multi-turn episodes cost: the multi-turn default recipe's seconds per iteration by phase,
+and the generation of a batch of episodes against one turn that samples as many tokens from the
+same prompts.
+
+    python benchmarks/episodes.py --steps 6              # the recipe as shipped, 2 threads
+    python benchmarks/episodes.py --steps 4 --threads 1
+
+Prints one JSON line. `phases`: medians over the iterations after the first (generate, environment
+= the environment's own calls, forward = old, reference and value passes, train, iteration).
+`turns_vs_one`: for the same prompts, the seconds of the episodes' generation (every turn a call of
+the generator on each episode's whole stream so far) and of one call that samples, for each prompt,
+as many tokens as its episode sampled in all (`min_new_tokens` = `max_new_tokens`), with the
+episodes' sampled and rendered tokens, and the per-episode token budget that bounds both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import attrs
+import tomllib
+import torch
+
+from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.runtime.rollout import generate
+from rlkit_core.runtime.trainer import Trainer
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "ppo_guess_number.toml"
+PHASES = ("time/generate", "time/environment", "time/forward", "time/train", "time/iteration")
+
+
+def turns_against_one(trainer: Trainer, repeats: int) -> dict:
+    """Episodes' generation against one long turn of as many sampled tokens, `repeats` times each (medians)."""
+    records = trainer.stream.batch(0)
+    episode_seconds, one_seconds, sampled, rendered = [], [], 0, 0
+    for _ in range(repeats):
+        batch, metrics = trainer.rollout(records)
+        episode_seconds.append(metrics["time/generate"])
+        sampled = int(batch.loss_mask.sum())
+        rendered = int(batch.response_mask.sum()) - sampled
+    longest = int(batch.loss_mask.sum(dim=1).max())
+    generator = trainer.components.generator
+    config = generator.config
+    generator.config = attrs.evolve(config, max_new_tokens=longest, min_new_tokens=longest)
+    try:
+        for _ in range(repeats):
+            started = time.perf_counter()
+            generate(trainer.engine, trainer.components, [(batch.prompt_ids, batch.prompt_mask)], greedy=False)
+            one_seconds.append(time.perf_counter() - started)
+    finally:
+        generator.config = config
+    episodes, one = statistics.median(episode_seconds), statistics.median(one_seconds)
+    return {"episodes_seconds": round(episodes, 4), "one_turn_seconds": round(one, 4), "ratio": round(episodes / one, 3),
+            "sampled_tokens": sampled, "rendered_tokens": rendered, "one_turn_tokens": longest * len(batch),
+            "episode_token_budget": trainer.recipe["environment"].config.episode_token_limit}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output-dir", default="/tmp/rlkit-bench-episodes")
+    args = parser.parse_args()
+    document = tomllib.loads(RECIPE.read_text())
+    document["run"].update({"threads": args.threads, "output_dir": args.output_dir})
+    document["tracker"] = {"type": "none"}
+    trainer = Trainer(parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"})))
+    rows = [trainer.step() for _ in range(args.steps)]
+    phases = {name.removeprefix("time/"): round(statistics.median(r[name] for r in rows[1:]), 4) for name in PHASES}
+    torch.manual_seed(0)
+    print(json.dumps({"recipe": str(RECIPE.name), "threads": args.threads, "iterations": args.steps, "phases": phases,
+                      "turns": round(statistics.mean(r["env/turns"] for r in rows), 3),
+                      "turns_vs_one": turns_against_one(trainer, args.repeats),
+                      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The episode settings every built-in environment takes: the words a recipe bounds an episode
+with, for a third-party environment to take the same ones by inheriting them."""
+
+from __future__ import annotations
+
+import attrs
+
+from rlkit_core.config import at_least, greater_than, one_of, setting
+from rlkit_core.settings import EpisodeSettings
+
+
+@attrs.frozen
+class StandardEpisode(EpisodeSettings):
+    """Turns, tokens, timeouts and the chat format, all enforced by the core's episode runner.
+    Keyword-only, so that a subclass may add settings without a default."""
+
+    max_turns: int = setting(4, help="most model turns in an episode", validator=greater_than(0), kw_only=True)
+    max_episode_tokens: int = setting(256, help="most tokens after the first prompt, sampled and environment alike (0: the response limit "
+                                                "times the turns)", validator=at_least(0), kw_only=True)
+    step_timeout_s: float = setting(10.0, help="seconds a reset or step may take (0: no limit)", validator=at_least(0), kw_only=True)
+    episode_timeout_s: float = setting(60.0, help="seconds an episode may take from its reset, checked between turns (0: no limit)",
+                                       validator=at_least(0), kw_only=True)
+    chat_format: str = setting("auto", help="how messages become tokens: 'template' (the tokenizer's chat template), 'plain' (text lines) "
+                                            "or 'auto' (the template when the tokenizer has one)",
+                               validator=one_of("auto", "template", "plain"), kw_only=True)

@@ -1,0 +1,388 @@
+"""Stage 1 for a multi-turn recipe: episodes, played turn by turn against the environment.
+
+The core owns every token of an episode. A training sample is the rendered first prompt followed
+by one stream: the ids the generator sampled, as it sampled them (never decoded and re-encoded),
+and between turns the ids the chat format renders for what is not sampled (the boundary after an
+end token, the environment's messages, the next generation prompt). The environment only reads
+decoded replies and answers with messages. When the chat template does not extend the stream (it
+rewrote earlier turns), the episode goes on in a new sample that starts from the re-rendered
+conversation, counted in `env/splits`: never a silent merge of what the model did not see.
+
+A sample becomes one row of the `RolloutBatch`: its prompt in the prompt region, its stream in the
+response region. `response_mask` covers the whole stream, `loss_mask` only the sampled tokens of an
+episode that ended well, so every consumer (losses and their token counts, KL, GAE, lengths)
+counts the sampled tokens alone. A turn's reward sits at the turn's last sampled token
+(`turn_rewards`); the recipe's reward, if any, scores the whole transcript at the sample's end.
+
+An episode ends with a status (`rlkit_core.messages.STATUSES`), counted in `env/status_<status>`.
+One that the model cut off (a turn without its end token, or past the token budget) trains like a
+single-turn response that never ended: `ended` is False. One that timed out or met an environment
+error is kept out of training (`loss_mask` zero), never scored as 0.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import warnings
+from typing import Any
+
+import attrs
+import torch
+
+from rlkit_core.batch import RolloutBatch
+from rlkit_core.chat_format import ChatFormat, TemplateAudit, audit, chat_format_for
+from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.messages import STATUSES, TRAINED_STATUSES, Reply, Reset, Step
+from rlkit_core.runtime.faults import BadReward, failure_text
+
+
+@attrs.define
+class Sample:
+    """One training row of an episode: its prompt ids and the stream after it."""
+
+    prompt: list[int]
+    ids: list[int] = attrs.field(factory=list)
+    sampled: list[bool] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    rewards: dict[int, float] = attrs.field(factory=dict)  # stream position -> reward of the turn ending there
+
+    def extend(self, ids: list[int], logprobs: list[float] | None = None) -> None:
+        self.ids += ids
+        self.sampled += [logprobs is not None] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [math.nan] * len(ids)
+
+
+@attrs.define
+class Episode:
+    record: dict[str, Any]
+    group: int
+    state: Any = None
+    messages: list[dict] = attrs.field(factory=list)
+    samples: list[Sample] = attrs.field(factory=list)
+    status: str | None = None  # None while it runs
+    turns: int = 0
+    tokens: int = 0  # after the first prompt, sampled and rendered alike
+    reward: float = 0.0  # the environment's rewards, summed
+    info: dict[str, float] = attrs.field(factory=dict)
+    unreadable: int = 0  # replies whose tool-call markup could not be read
+    started: float = 0.0
+    reply: Reply | None = None
+
+    @property
+    def sample(self) -> Sample:
+        return self.samples[-1]
+
+    def finish(self, status: str) -> None:
+        self.status = status
+
+    def fail(self, status: str, why: Any, call: str) -> None:
+        """End the episode for the environment's fault: `status` "timeout", or else an error whose
+        text `why` is shown once per run (the same text again is not repeated)."""
+        if status == "timeout":
+            return self.finish("timeout")
+        warnings.warn(f"the environment's {call} {'raised ' if status == 'error' else ''}{why}; the episode is kept out of "
+                      "training (env/status_error)", EnvironmentFault, stacklevel=2)
+        return self.finish("error")
+
+
+class EnvironmentFault(UserWarning):
+    """An environment's reset or step failed: the episode ends with status "error"."""
+
+
+def call_within(calls: list[tuple[Any, tuple]], timeout: float) -> list[tuple[str, Any]]:
+    """Each `(function, args)` run at once in a thread of its own: ("ok", result), ("error", text) or
+    ("timeout", None) after `timeout` seconds (0: no limit). A call that hangs is left running in its
+    daemon thread; the episode it belongs to ends, and the run goes on."""
+    results: list[tuple[str, Any]] = [("timeout", None)] * len(calls)
+
+    def run(index: int, function, args: tuple) -> None:
+        try:
+            results[index] = ("ok", function(*args))
+        except Exception as exc:  # the environment's code: its failure is the episode's status
+            results[index] = ("error", failure_text(exc))
+
+    threads = [threading.Thread(target=run, args=(i, f, a), daemon=True) for i, (f, a) in enumerate(calls)]
+    deadline = time.monotonic() + timeout if timeout else None
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return [result if not thread.is_alive() else ("timeout", None) for result, thread in zip(results, threads)]
+
+
+def answer_problem(answer: Any, expected: type) -> str | None:
+    """Why what an environment's `reset` (expected `Reset`) or `step` (`Step`) returned breaks its
+    contract, or None."""
+    if not isinstance(answer, expected):
+        return f"returned {type(answer).__name__}, not a {expected.__name__}"
+    messages = answer.messages
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and isinstance(m.get("content"), str) for m in messages):
+        return "returned messages that are not a list of dicts with a string 'role' and 'content'"
+    if not isinstance(answer.info, dict) or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in answer.info.values()):
+        return f"returned info {answer.info!r}: a dict of finite numbers is expected"
+    if isinstance(answer, Reset):
+        return None if messages else "returned no opening messages"
+    if answer.status not in ("ok", "error"):
+        return f"returned status {answer.status!r}; an environment says 'ok' or 'error'"
+    if answer.reward is not None and (isinstance(answer.reward, bool) or not isinstance(answer.reward, (int, float))):
+        return f"returned a reward of {answer.reward!r}, not a number or None"
+    return None
+
+
+class EpisodeRunner:
+    """Plays a batch of episodes with the run's generator and environment."""
+
+    def __init__(self, engine, components, recipe):
+        policy, settings = components.policy, recipe["environment"].config
+        self.engine, self.components, self.settings = engine, components, settings
+        self.response_limit = recipe["generator"].config.response_limit
+        self.environment, self.tokenizer = components.environment, policy.tokenizer
+        self.eos = set(policy.eos_token_ids)
+        try:
+            self.format: ChatFormat = chat_format_for(settings.format_name, policy.tokenizer, policy.eos_token_ids)
+        except ValueError as exc:
+            raise RecipeError([f"$.environment.chat_format: {exc}"]) from None
+        self.tools = self.environment.tools()
+
+    def token_limit(self, prompt_length: int) -> int:
+        """The episode's token budget after a prompt of `prompt_length` ids, within the policy's context."""
+        settings, policy = self.settings, self.components.policy
+        limit = settings.episode_token_limit or settings.turn_limit * self.response_limit
+        if policy.context_length:
+            limit = min(limit, policy.context_length - prompt_length)
+        return limit
+
+    def __call__(self, records: list[dict], groups: list[int], seeds: list[int], greedy: bool = False) -> list[Episode]:
+        """One episode per record, all turns, every one ended with a status; then the recipe's
+        bad-reward policy for a reward that is not a finite number, on every process alike, as
+        for the reward's scores."""
+        self.bad_rewards: list[str] = []
+        episodes = self._play(records, groups, seeds, greedy)
+        problems = [p for p in self.engine.processes.gather_objects(self.bad_rewards[0] if self.bad_rewards else None) if p]
+        if problems:
+            rows = [{"prompt": str(e.record["prompt"]), "status": e.status} for e in episodes]
+            raise BadReward(f"the environment {problems[0]}", {"rows": rows})
+        return episodes
+
+    def _play(self, records: list[dict], groups: list[int], seeds: list[int], greedy: bool = False) -> list[Episode]:
+        from rlkit_core.runtime.rollout import generate
+
+        episodes = [Episode(record=r, group=g) for r, g in zip(records, groups)]
+        timings = {"generate": 0.0, "environment": 0.0}
+        started = time.perf_counter()
+        resets = call_within([(self.environment.reset, (e.record, seed)) for e, seed in zip(episodes, seeds)],
+                             self.settings.step_timeout)
+        timings["environment"] += time.perf_counter() - started
+        for episode, (status, reset) in zip(episodes, resets):
+            episode.started = time.monotonic()
+            problem = answer_problem(reset, Reset) if status == "ok" else None
+            if status != "ok" or problem:
+                episode.fail(status, problem or reset, "reset")
+                # a row for the batch all the same, never trained: the prompt as the user's message
+                episode.samples.append(Sample(prompt=self.format.opening([{"role": "user", "content": str(episode.record["prompt"])}], [])))
+                continue
+            episode.state, episode.messages, episode.info = reset.state, list(reset.messages), dict(reset.info)
+            episode.samples.append(Sample(prompt=self.format.opening(episode.messages, self.tools)))
+        for turn in range(1, self.settings.turn_limit + 1):
+            running = [e for e in episodes if e.status is None]
+            if not running:
+                break
+            began = time.perf_counter()
+            generation = self._generate(generate, running, greedy, sync=turn == 1)
+            timings["generate"] += time.perf_counter() - began
+            for row, episode in enumerate(running):
+                self._take_turn(episode, generation, row, turn)
+            replying = [e for e in running if e.status is None]
+            began = time.perf_counter()
+            steps = call_within([(self.environment.step, (e.state, e.reply)) for e in replying], self.settings.step_timeout)
+            timings["environment"] += time.perf_counter() - began
+            for episode, (status, step) in zip(replying, steps):
+                self._answer(episode, status, step, last_turn=turn == self.settings.turn_limit)
+        for episode in episodes:
+            if episode.status is None:
+                episode.finish("ok")
+        self.timings = timings
+        return episodes
+
+    def _generate(self, generate, running: list[Episode], greedy: bool, sync: bool):
+        """The next turn of every running episode, from its sample's stream so far; the weights are
+        synced into the generator before the first turn only (they do not change within a rollout)."""
+        streams = [e.sample.prompt + e.sample.ids for e in running]
+        width = max(len(s) for s in streams)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(streams), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(streams), width), dtype=torch.long)
+        for row, stream in enumerate(streams):
+            ids[row, width - len(stream):] = torch.tensor(stream)
+            mask[row, width - len(stream):] = 1
+        [generation] = generate(self.engine, self.components, [(ids.to(self.engine.device), mask.to(self.engine.device))], greedy,
+                                sync=sync)
+        return generation
+
+    def _take_turn(self, episode: Episode, generation, row: int, turn: int) -> None:
+        """Append what the generator sampled for `episode`, verbatim; end it when the turn was cut
+        off or the budget ran out, else read the reply."""
+        length = int(generation.response_mask[row].sum())
+        ids = generation.response_ids[row, :length].tolist()
+        logprobs = generation.logprobs[row, :length].tolist()
+        episode.turns = turn
+        left = self.token_limit(len(episode.samples[0].prompt)) - episode.tokens
+        over = length > left
+        if over:
+            ids, logprobs = ids[:left], logprobs[:left]
+        episode.sample.extend(ids, logprobs)
+        episode.tokens += len(ids)
+        if over:
+            return episode.finish("overflow")
+        if not ids or ids[-1] not in self.eos:
+            return episode.finish("cut_off")
+        reply = self.format.read(ids, turn)
+        episode.unreadable += reply.parse_error is not None
+        episode.messages.append(self.format.assistant_message(reply))
+        episode.reply = reply
+
+    def _answer(self, episode: Episode, status: str, step: Step, last_turn: bool) -> None:
+        """The environment's answer to the episode's turn: its reward at the turn's last sampled
+        token, then the end of the episode or the ids of what comes next."""
+        problem = answer_problem(step, Step) if status == "ok" else None
+        if status != "ok" or problem:
+            return episode.fail(status, problem or step, "step")
+        if step.reward is not None:
+            reward = float(step.reward)
+            if not math.isfinite(reward):
+                self.bad_rewards.append(f"returned a reward that is not finite ({step.reward!r}) in turn {episode.turns}")
+                return episode.finish("error")
+            position = len(episode.sample.ids) - 1
+            episode.sample.rewards[position] = episode.sample.rewards.get(position, 0.0) + reward
+            episode.reward += reward
+        episode.info.update(step.info)
+        if step.status == "error":
+            return episode.finish("error")
+        if step.done or last_turn:
+            return episode.finish("ok")
+        if self.settings.episode_timeout and time.monotonic() - episode.started > self.settings.episode_timeout:
+            return episode.finish("timeout")
+        bridge = self.format.bridge(episode.messages, step.messages, self.tools)
+        episode.messages += step.messages
+        if bridge is None:  # the template rewrote the history: the next turn starts a new sample
+            episode.samples.append(Sample(prompt=self.format.opening(episode.messages, self.tools)))
+            return None
+        if episode.tokens + len(bridge) >= self.token_limit(len(episode.samples[0].prompt)):
+            return episode.finish("overflow")
+        episode.sample.extend(bridge)
+        episode.tokens += len(bridge)
+        return None
+
+
+def chat_audit(recipe, policy) -> TemplateAudit:
+    """How the policy's chat template renders an episode's turns (`rlkit_core.chat_format.audit`)."""
+    return audit(policy.tokenizer, policy.eos_token_ids, recipe["environment"].config.format_name)
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """`env/...` means over the episodes (the batch's, on this process)."""
+    count = len(episodes)
+    metrics = {f"env/status_{status}": sum(e.status == status for e in episodes) / count for status in STATUSES}
+    metrics.update({
+        "env/turns": sum(e.turns for e in episodes) / count,
+        "env/tokens": sum(e.tokens for e in episodes) / count,
+        "env/reward": sum(e.reward for e in episodes) / count,
+        "env/unreadable_tool_calls": sum(e.unreadable for e in episodes) / count,
+        "env/splits": sum(len(e.samples) - 1 for e in episodes) / count,
+    })
+    # what the environment said about the episode last (`Reset.info`, then each step's), over the
+    # episodes that reported the name
+    names = sorted({name for e in episodes for name in e.info})
+    for name in names:
+        values = [float(e.info[name]) for e in episodes if name in e.info]
+        metrics[f"env/{name}"] = sum(values) / len(values)
+    return metrics
+
+
+def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, device) -> RolloutBatch:
+    """The episodes' samples as rows (see the module), with the episode's score on each."""
+    rows = [(e, s, score) for e, score in zip(episodes, scores) for s in e.samples]
+    prompt_width = max(len(s.prompt) for _, s, _ in rows)
+    width = max(1, max(len(s.ids) for _, s, _ in rows))
+    count = len(rows)
+    prompt_ids = torch.full((count, prompt_width), pad, dtype=torch.long)
+    prompt_mask = torch.zeros((count, prompt_width), dtype=torch.long)
+    response_ids = torch.full((count, width), pad, dtype=torch.long)
+    response_mask = torch.zeros((count, width), dtype=torch.long)
+    loss_mask = torch.zeros((count, width), dtype=torch.long)
+    logprobs = torch.full((count, width), math.nan)
+    turn_rewards = torch.zeros((count, width))
+    for row, (episode, sample, _) in enumerate(rows):
+        prompt_ids[row, prompt_width - len(sample.prompt):] = torch.tensor(sample.prompt, dtype=torch.long)
+        prompt_mask[row, prompt_width - len(sample.prompt):] = 1
+        n = len(sample.ids)
+        if n:
+            response_ids[row, :n] = torch.tensor(sample.ids, dtype=torch.long)
+            response_mask[row, :n] = 1
+            logprobs[row, :n] = torch.tensor(sample.logprobs)
+            if episode.status in TRAINED_STATUSES:
+                loss_mask[row, :n] = torch.tensor(sample.sampled, dtype=torch.long)
+        for position, reward in sample.rewards.items():
+            turn_rewards[row, position] = reward
+    records = [e.record for e, _, _ in rows]
+    from rlkit_core.runtime.rollout import record_columns
+
+    return RolloutBatch(
+        prompts=[str(r.get("prompt", "")) for r in records], columns=record_columns(records),
+        group_ids=torch.tensor([e.group for e, _, _ in rows], dtype=torch.long, device=device),
+        prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device), response_ids=response_ids.to(device),
+        response_mask=response_mask.to(device), loss_mask=loss_mask.to(device), sampled_logprobs=logprobs.to(device),
+        ended=torch.tensor([e.status == "ok" for e, _, _ in rows], device=device),
+        scores=torch.tensor([score for _, _, score in rows], dtype=torch.float32, device=device),
+        turn_rewards=turn_rewards.to(device),
+    )
+
+
+def episode_rollout(engine, components, recipe, records: list[dict], samples_per_prompt: int,
+                    greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
+    """`samples_per_prompt` episodes from each record, scored: the environment's rewards, plus the
+    recipe's reward (when it has one) on each episode's transcript; and the stage's timings and
+    `env/...` metrics (means over every process's episodes)."""
+    from rlkit_core.runtime.rollout import record_columns, score
+
+    k, processes, tokenizer = samples_per_prompt, engine.processes, components.policy.tokenizer
+    records = [r for r in records for _ in range(k)]
+    groups = [i // k + processes.index * (len(records) // k) for i in range(len(records))]
+    seeds = torch.randint(2**31 - 1, (len(records),)).tolist()  # the training stream's: a resumed run replays them
+    runner = EpisodeRunner(engine, components, recipe)
+    episodes = runner(records, groups, seeds, greedy)
+    if processes.count > 1 and processes.sum(torch.tensor(sum(len(e.samples) - 1 for e in episodes), device=engine.device)):
+        raise RunError("the chat template rewrote an episode's history, which starts a new training sample, and samples "
+                       "that split do not yet spread evenly over processes; run with one process, or use a chat format "
+                       "that extends the stream (`rlkit check` audits it)")
+    scored = time.perf_counter()
+    transcripts = [transcript(tokenizer, e) for e in episodes]
+    scores = [e.reward for e in episodes]
+    if components.reward is not None:
+        extra = score(processes, components, [str(r["prompt"]) for r in records], transcripts, record_columns(records))
+        scores = [a + b for a, b in zip(scores, extra)]
+    finished = time.perf_counter()
+    batch = episodes_batch(episodes, scores, tokenizer.pad_token_id, engine.device)
+    batch = batch.with_(responses=[transcript(tokenizer, e) for e in episodes for _ in e.samples])
+    metrics = {name: sum(values) / len(values)
+               for name, values in _by_name(processes.gather_objects(episode_metrics(episodes))).items()}
+    metrics.update({"time/generate": runner.timings["generate"], "time/environment": runner.timings["environment"],
+                    "time/score": finished - scored, **components.generator.pop_metrics()})
+    return batch, metrics
+
+
+def transcript(tokenizer, episode: Episode) -> str:
+    """What the episode said after its first prompt, as text for a reward: its samples' streams
+    decoded (a sample that a history rewrite started adds its own stream, not the re-rendered history)."""
+    return "".join(tokenizer.decode(s.ids, skip_special_tokens=True) for s in episode.samples)
+
+
+def _by_name(per_process: list[dict[str, float]]) -> dict[str, list[float]]:
+    merged: dict[str, list[float]] = {}
+    for metrics in per_process:
+        for name, value in metrics.items():
+            merged.setdefault(name, []).append(value)
+    return merged
