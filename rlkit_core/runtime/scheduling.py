@@ -1,0 +1,155 @@
+"""Rollouts made ahead of the update: the `[scheduler]` types `one-step-off` and `bounded`.
+
+A producer thread makes the batch of iteration j, the prompt stream's batch j as `sync` would make
+it, from a copy of the policy's weights (a second generator samples from it: the module being
+trained cannot be sampled meanwhile), while the trainer trains on an earlier batch. The copy's
+version is the number of updates its weights have seen; every batch carries the version that
+sampled all of it (the copy changes only between batches). The bound is kept twice:
+
+- the producer starts batch j only when j − version ≤ bound, and versions only grow;
+- the trainer checks j − version when it takes the batch, and makes a batch that is staler again
+  from the current weights (`async/regenerated`), so no trained token is staler than the bound.
+
+The trainer pushes its weights to the copy when it takes the batch of an iteration, before it
+waits. At bound 0 the producer makes each batch after the update before it and before the update
+after it, so it samples from the trainer's own module (no copy) and draws the same random numbers
+in the same order as `sync`: every metric is the same to the last digit. (A copy in other memory
+can round a log-prob differently, by about 1e-8.) The
+update's π_old is recomputed with the weights that train (the proximal policy); the loss's
+π_old/π_sampler weight (`loss.tis_cap`) corrects for the older weights that sampled.
+
+A batch the trainer waits for longer than `scheduler.wait_timeout_s` ends the run (`Stalled`),
+with a checkpoint of the last iteration it trained. Batches made ahead are not checkpointed: a
+resumed run makes them again from its prompt stream, so every prompt trains once, in order.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+
+import attrs
+import torch
+
+from rlkit_core.batch import RolloutBatch
+from rlkit_core.errors import RunError
+
+
+class Stalled(RunError):
+    """No batch came within `scheduler.wait_timeout_s`."""
+
+
+@attrs.define
+class Made:
+    iteration: int
+    version: int  # the updates the sampling weights had seen
+    batch: RolloutBatch | None = None
+    metrics: dict[str, float] = attrs.field(factory=dict)
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+
+class WeightsCopy:
+    """What the producer's generator samples from: the policy's tokenizer and end ids, and a copy of
+    its module (the generator cannot sample from the module being trained)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.model = copy.deepcopy(policy.model)
+        self.model.requires_grad_(False)
+        for name in ("tokenizer", "eos_token_ids", "suppressed_token_ids", "context_length"):
+            setattr(self, name, getattr(policy, name))
+
+
+class Producer:
+    """The thread that makes batches ahead, and the trainer's side of it (`take`, `close`)."""
+
+    def __init__(self, trainer, bound: int, timeout: float):
+        from rlkit_core.recipe.assemble import Components
+
+        self.trainer, self.bound, self.timeout = trainer, bound, timeout
+        self.components: Components = trainer.components
+        self.copy: WeightsCopy | None = None
+        if bound:  # generation overlaps the update: a generator of its own, on a copy of the weights
+            self.copy = WeightsCopy(trainer.components.policy)
+            context = trainer.context
+            live, context.policy = context.policy, self.copy
+            try:
+                generator = context.build(trainer.recipe["generator"])
+            finally:
+                context.policy = live
+            self.components = attrs.evolve(trainer.components, generator=generator)
+        self.version = self.next = trainer.state.iteration
+        self.pending: dict | None = None  # weights pushed and not yet loaded into the copy
+        self.made: queue.Queue[Made] = queue.Queue()
+        self.changed = threading.Condition()
+        self.stopped = False
+        self.idle = 0.0  # seconds the producer waited for weights
+        self.threads = torch.get_num_threads()  # a thread's own setting: the producer's kernels then round as the trainer's
+        self.thread = threading.Thread(target=self._run, name="rlkit-producer", daemon=True)
+        self.thread.start()
+
+    def push(self, version: int) -> None:
+        """The trainer's weights after `version` updates, for the batches the producer starts next
+        (at bound 0 the producer samples from the trainer's own module, which never trains meanwhile)."""
+        state = None if self.copy is None else {name: tensor.detach().clone()
+                                                for name, tensor in self.trainer.components.policy.model.state_dict().items()}
+        with self.changed:
+            self.pending, self.version = state, version
+            self.changed.notify_all()
+
+    def take(self, iteration: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """The batch of `iteration` and its metrics, no staler than the bound (see the module)."""
+        self.push(iteration)
+        started = time.perf_counter()
+        try:
+            made = self.made.get(timeout=self.timeout)
+        except queue.Empty:
+            raise Stalled(f"no rollout batch for iteration {iteration + 1} within scheduler.wait_timeout_s = {self.timeout:g} s: "
+                          "the generator, the environment or the reward stalled") from None
+        waited = time.perf_counter() - started
+        if made.error is not None:
+            raise made.error
+        assert made.iteration == iteration, f"the producer made iteration {made.iteration + 1} for {iteration + 1}"
+        staleness, regenerated = iteration - made.version, 0
+        assert made.batch is not None  # made, since it carries no error
+        batch, metrics = made.batch, made.metrics
+        if staleness > self.bound:  # cannot happen while versions only grow; kept so the bound is a guarantee
+            batch, metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), self.trainer.components)
+            staleness, regenerated = 0, 1
+        with self.changed:
+            idle, self.idle = self.idle, 0.0
+        return batch, {**metrics, "async/staleness": float(staleness), "async/regenerated": float(regenerated),
+                       "time/trainer_waiting": waited, "time/generator_idle": idle}
+
+    def close(self) -> None:
+        with self.changed:
+            self.stopped = True
+            self.changed.notify_all()
+        self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.threads)
+        while True:
+            with self.changed:
+                began = time.perf_counter()
+                while not self.stopped and self.next - self.version > self.bound:
+                    self.changed.wait()
+                self.idle += time.perf_counter() - began
+                if self.stopped:
+                    return
+                pending, self.pending, version = self.pending, None, self.version
+                iteration, self.next = self.next, self.next + 1
+            if pending is not None and self.copy is not None:
+                self.copy.model.load_state_dict(pending)
+            made = Made(iteration, version)
+            began = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    made.batch, made.metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), self.components)
+            except BaseException as exc:  # handed to the trainer, which raises it where `sync` would
+                made.error = exc
+            made.seconds = time.perf_counter() - began
+            self.made.put(made)  # a failed batch too: the trainer skips it or stops, as the recipe says
