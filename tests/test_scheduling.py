@@ -224,3 +224,18 @@ def test_a_failed_batch_made_ahead_is_raised_where_sync_raises_it_and_the_next_o
     finally:
         trainer.close()
     assert third.batch.prompts[0] == trainer.stream_records(2)[0]["prompt"] and third.metrics["async/staleness"] <= 1
+
+
+def test_episodes_made_one_step_off_train_their_own_prompts(recipe_document, builtin_registry, tmp_path):
+    from tests.test_episodes import ending_model, episode_document
+
+    document = episode_document(recipe_document, ending_model(tmp_path / "ending"))
+    trainer = make_trainer(document, builtin_registry, scheduler__type="one-step-off", loss__tis_cap=2.0)
+    try:
+        rows = [trainer.iterate() for _ in range(3)]
+    finally:
+        trainer.close()
+    assert all(row.metrics["async/staleness"] <= 1 for row in rows)
+    for iteration, row in enumerate(rows):
+        assert row.batch.columns["secret"] == [r["secret"] for r in trainer.stream_records(iteration)]
+        assert row.metrics["env/turns"] > 1 and row.batch.turn_rewards is not None
