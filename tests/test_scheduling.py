@@ -239,3 +239,31 @@ def test_episodes_made_one_step_off_train_their_own_prompts(recipe_document, bui
     for iteration, row in enumerate(rows):
         assert row.batch.columns["secret"] == [r["secret"] for r in trainer.stream_records(iteration)]
         assert row.metrics["env/turns"] > 1 and row.batch.turn_rewards is not None
+
+
+def test_two_processes_make_batches_one_step_off_with_the_prompts_of_sync(recipe_document, write_recipe, tmp_path):
+    """Under torchrun each process runs a producer; their collectives (the reward's gathered
+    problems) go over a process group of their own, beside the update's all-reduces."""
+    from tests.test_scaling import rlkit_script, torchrun
+
+    recipe_document["run"].update(steps=3)
+    crcs = {}
+    for name, scheduler in (("sync", {"type": "sync"}), ("ahead", {"type": "one-step-off"})):
+        recipe_document["run"]["output_dir"] = str(tmp_path / name)
+        recipe_document["scheduler"] = scheduler
+        recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
+        torchrun(rlkit_script(), "run", write_recipe(recipe_document, f"{name}.toml"), "--quiet")
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        crcs[name] = [row["data/prompts_crc"] for row in rows if "data/prompts_crc" in row]
+        if name == "ahead":
+            assert all(row["async/staleness"] <= 1 for row in rows if "async/staleness" in row)
+    assert len(crcs["sync"]) == 3 and crcs["ahead"] == crcs["sync"]
+
+
+def test_a_scheduler_ahead_of_the_update_is_refused_under_fsdp(recipe_document, builtin_registry):
+    from rlkit_core.launch import Launch
+
+    recipe_document["scheduler"] = {"type": "one-step-off"}
+    recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
+    with pytest.raises(RecipeError, match=r"\$\.scheduler\.type: 'one-step-off' samples while the update runs, and FSDP"):
+        parse_recipe(recipe_document, builtin_registry, launch=Launch(processes=2, sharded=True, fsdp_version=2))

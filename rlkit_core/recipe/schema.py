@@ -170,26 +170,23 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, limit + 1) if n % d == 0)
 
 
-def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, components: dict, processes: int) -> list[Problem]:
-    """What a scheduler that makes batches ahead needs: a generator it can give a copy of the
-    weights, a loss that corrects for the older weights that sampled, the sampler's own log-probs,
-    and (for now) one process and the plain rollout stage. (None: its table has problems of its own.)"""
+def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, components: dict, sharded: bool) -> list[Problem]:
+    """What a scheduler that makes batches ahead needs: a loss that corrects for the older weights
+    that sampled, the sampler's own log-probs, whole weights (no FSDP), and the plain rollout
+    stage. (None: its table has problems of its own.)"""
     if scheduler is None:
         return []
     problems, loss, generator, advantage = [], components.get("loss"), components.get("generator"), components.get("advantage")
     if scheduler.type != "sync":
-        if generator is not None and not generator.component.factory.runs_under_fsdp:
-            problems.append(Problem("$.scheduler.type", f"{scheduler.type!r} samples from a copy of the policy's module, which "
-                                                        f"generator {generator.component.name!r} does not sample from; use the "
-                                                        "'hf' generator, or 'sync'"))
         if ppo.dynamic_sampling or (advantage is not None and advantage.component.factory.needs_baseline_scores):
             problems.append(Problem("$.scheduler.type", f"{scheduler.type!r} makes one rollout batch per iteration ahead of the "
                                                         "update; dynamic sampling and ReMax's greedy baseline run with 'sync' only"))
     if scheduler.type != "bounded" and scheduler.max_staleness:
         problems.append(Problem("$.scheduler.max_staleness", f"is read by type = 'bounded' only; {scheduler.type!r} has a bound "
                                                              f"of {scheduler.staleness_bound}"))
-    if scheduler.type != "sync" and processes > 1:
-        problems.append(Problem("$.scheduler.type", f"{scheduler.type!r} runs on one process for now; use 'sync' with {processes} processes"))
+    if scheduler.type != "sync" and sharded:
+        problems.append(Problem("$.scheduler.type", f"{scheduler.type!r} samples while the update runs, and FSDP holds the weights "
+                                                    "in shards the producer cannot read then; use 'sync' under FSDP (DDP runs ahead)"))
     if scheduler.staleness_bound == 0:
         return problems
     if loss is not None and not loss.component.factory.corrects_stale_samples(loss.config):

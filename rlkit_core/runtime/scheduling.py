@@ -25,6 +25,7 @@ resumed run makes them again from its prompt stream, so every prompt trains once
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 import threading
@@ -35,6 +36,7 @@ import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RunError
+from rlkit_core.runtime.distributed import SideProcesses
 
 
 class Stalled(RunError):
@@ -52,8 +54,9 @@ class Made:
 
 
 class WeightsCopy:
-    """What the producer's generator samples from: the policy's tokenizer and end ids, and a copy of
-    its module (the generator cannot sample from the module being trained)."""
+    """What the producer's generator samples from, and pushes to an engine of its own: the policy's
+    tokenizer and end ids, and a copy of its module (the module being trained cannot be sampled
+    meanwhile)."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -61,6 +64,21 @@ class WeightsCopy:
         self.model.requires_grad_(False)
         for name in ("tokenizer", "eos_token_ids", "suppressed_token_ids", "context_length"):
             setattr(self, name, getattr(policy, name))
+
+
+class SideEngine:
+    """What stage 1 reads of the engine, for the producer's thread: the device, the run's autocast,
+    and the processes over a group of their own (`SideProcesses`). Weights are whole in every
+    process (FSDP runs `sync`), so reading them whole is nothing to do."""
+
+    def __init__(self, engine):
+        self.engine, self.device, self.processes = engine, engine.device, SideProcesses(engine.processes)
+
+    def full_weights(self):
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        return self.engine.autocast()
 
 
 class Producer:
@@ -80,7 +98,9 @@ class Producer:
                 generator = context.build(trainer.recipe["generator"])
             finally:
                 context.policy = live
-            self.components = attrs.evolve(trainer.components, generator=generator)
+            # the copy as the policy too: a generator with an engine of its own (vLLM) is pushed the copy's weights
+            self.components = attrs.evolve(trainer.components, generator=generator, policy=self.copy)
+        self.engine = SideEngine(trainer.engine)
         self.version = self.next = trainer.state.iteration
         self.pending: dict | None = None  # weights pushed and not yet loaded into the copy
         self.made: queue.Queue[Made] = queue.Queue()
@@ -117,7 +137,8 @@ class Producer:
         assert made.batch is not None  # made, since it carries no error
         batch, metrics = made.batch, made.metrics
         if staleness > self.bound:  # cannot happen while versions only grow; kept so the bound is a guarantee
-            batch, metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), self.trainer.components)
+            batch, metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), self.trainer.components,
+                                                     self.trainer.engine)
             staleness, regenerated = 0, 1
         with self.changed:
             idle, self.idle = self.idle, 0.0
@@ -148,7 +169,8 @@ class Producer:
             began = time.perf_counter()
             try:
                 with torch.no_grad():
-                    made.batch, made.metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), self.components)
+                    made.batch, made.metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), self.components,
+                                                                       self.engine)
             except BaseException as exc:  # handed to the trainer, which raises it where `sync` would
                 made.error = exc
             made.seconds = time.perf_counter() - began

@@ -113,11 +113,10 @@ class Trainer:
         """This process's prompt records of iteration `iteration + 1`."""
         return self.engine.processes.share(self.stream.batch(iteration))
 
-    def make_batch(self, records: list[dict], components) -> tuple[RolloutBatch, dict[str, float]]:
-        """Stage 1 with `components` (the run's, or a scheduler's with a generator on a copy of the weights)."""
-        if self.dynamic_sampler:
-            return self.dynamic_sampler.rollout(records, self.state.iteration)
-        return rollout.rollout(self.engine, components, self.recipe, records, self.recipe.ppo.samples_per_prompt, self.prompts.max_tokens)
+    def make_batch(self, records: list[dict], components, engine) -> tuple[RolloutBatch, dict[str, float]]:
+        """Stage 1 with `components` and `engine` (the run's, or a scheduler producer's: a generator
+        on a copy of the weights, collectives over a process group of its own)."""
+        return rollout.rollout(engine, components, self.recipe, records, self.recipe.ppo.samples_per_prompt, self.prompts.max_tokens)
 
     def rollout(self, records: list[dict], samples_per_prompt: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample `samples_per_prompt` (default: the recipe's) responses for each record and score them."""
