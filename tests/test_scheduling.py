@@ -93,9 +93,9 @@ def test_a_batch_staler_than_the_bound_is_made_again(recipe_document, builtin_re
         trainer.step()
         producer = trainer.producer
         assert producer is not None
-        made = producer.made.get(timeout=30)  # batch 2, sampled by version 1 (or 0): move it back three versions
-        made.version -= 3
-        producer.made.put(made)
+        with producer.changed:  # batch 2, sampled by version 1 (or 0): move it back three versions
+            assert producer.changed.wait_for(lambda: 1 in producer.done, timeout=30)
+            producer.done[1].version -= 3
         metrics = trainer.step()
     finally:
         trainer.close()
@@ -241,23 +241,24 @@ def test_episodes_made_one_step_off_train_their_own_prompts(recipe_document, bui
         assert row.metrics["env/turns"] > 1 and row.batch.turn_rewards is not None
 
 
-def test_two_processes_make_batches_one_step_off_with_the_prompts_of_sync(recipe_document, write_recipe, tmp_path):
-    """Under torchrun each process runs a producer; their collectives (the reward's gathered
-    problems) go over a process group of their own, beside the update's all-reduces."""
+def test_two_processes_make_batches_ahead_with_the_prompts_of_sync(recipe_document, write_recipe, tmp_path):
+    """Under torchrun each process runs its workers; each worker's collectives (the reward's
+    gathered problems) go over a process group of its own, beside the update's all-reduces."""
     from tests.test_scaling import rlkit_script, torchrun
 
     recipe_document["run"].update(steps=3)
     crcs = {}
-    for name, scheduler in (("sync", {"type": "sync"}), ("ahead", {"type": "one-step-off"})):
+    for name, scheduler in (("sync", {"type": "sync"}), ("ahead", {"type": "one-step-off"}),
+                            ("bounded", {"type": "bounded", "max_staleness": 2})):  # two workers, a process group each
         recipe_document["run"]["output_dir"] = str(tmp_path / name)
         recipe_document["scheduler"] = scheduler
         recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
         torchrun(rlkit_script(), "run", write_recipe(recipe_document, f"{name}.toml"), "--quiet")
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         crcs[name] = [row["data/prompts_crc"] for row in rows if "data/prompts_crc" in row]
-        if name == "ahead":
-            assert all(row["async/staleness"] <= 1 for row in rows if "async/staleness" in row)
-    assert len(crcs["sync"]) == 3 and crcs["ahead"] == crcs["sync"]
+        if name != "sync":
+            assert all(row["async/staleness"] <= scheduler.get("max_staleness", 1) for row in rows if "async/staleness" in row)
+    assert len(crcs["sync"]) == 3 and crcs["ahead"] == crcs["sync"] and crcs["bounded"] == crcs["sync"]
 
 
 def test_a_scheduler_ahead_of_the_update_is_refused_under_fsdp(recipe_document, builtin_registry):

@@ -1,17 +1,19 @@
 """Rollouts made ahead of the update: the `[scheduler]` types `one-step-off` and `bounded`.
 
-A producer thread makes the batch of iteration j, the prompt stream's batch j as `sync` would make
-it, from a copy of the policy's weights (a second generator samples from it: the module being
-trained cannot be sampled meanwhile), while the trainer trains on an earlier batch. The copy's
-version is the number of updates its weights have seen; every batch carries the version that
-sampled all of it (the copy changes only between batches). The bound is kept twice:
+Producer threads make the batch of iteration j, the prompt stream's batch j as `sync` would make
+it, from a copy of the policy's weights (a generator of their own samples from it: the module being
+trained cannot be sampled meanwhile), while the trainer trains on an earlier batch. With a bound
+of k there are k workers, each with its copy, making iterations w, w + k, ... so that k batches
+can wait on environments or rewards at once. A copy's version is the number of updates its
+weights have seen; every batch carries the version that sampled all of it (a copy changes only
+between batches). The bound is kept twice:
 
-- the producer starts batch j only when j − version ≤ bound, and versions only grow;
+- a worker starts batch j only when j − version ≤ bound, and versions only grow;
 - the trainer checks j − version when it takes the batch, and makes a batch that is staler again
   from the current weights (`async/regenerated`), so no trained token is staler than the bound.
 
-The trainer pushes its weights to the copy when it takes the batch of an iteration, before it
-waits. At bound 0 the producer makes each batch after the update before it and before the update
+The trainer pushes its weights to the workers when it takes the batch of an iteration, before it
+waits. At bound 0 the one worker makes each batch after the update before it and before the update
 after it, so it samples from the trainer's own module (no copy) and draws the same random numbers
 in the same order as `sync`: every metric is the same to the last digit. (A copy in other memory
 can round a log-prob differently, by about 1e-8.) The
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import queue
 import threading
 import time
 
@@ -81,58 +82,74 @@ class SideEngine:
         return self.engine.autocast()
 
 
+@attrs.define
+class Worker:
+    """One batch in flight at a time: its own generator, on its own copy of the weights (None: the
+    trainer's own, at bound 0), and the version its copy holds."""
+
+    components: object
+    copy: WeightsCopy | None
+    engine: SideEngine  # with a process group of the worker's own: its collectives in one order everywhere
+    next: int  # the next iteration it makes: worker w of k makes iterations w, w + k, w + 2k, ... (past the start)
+    version: int = -1
+
+
 class Producer:
-    """The thread that makes batches ahead, and the trainer's side of it (`take`, `close`)."""
+    """The threads that make batches ahead, and the trainer's side of them (`take`, `close`). With a
+    bound of k, k workers make up to k batches at once (a batch waiting on an environment or a
+    reward does not hold up the next); at bound 0 one worker samples from the trainer's module."""
 
     def __init__(self, trainer, bound: int, timeout: float):
-        from rlkit_core.recipe.assemble import Components
-
         self.trainer, self.bound, self.timeout = trainer, bound, timeout
-        self.components: Components = trainer.components
-        self.copy: WeightsCopy | None = None
-        if bound:  # generation overlaps the update: a generator of its own, on a copy of the weights
-            self.copy = WeightsCopy(trainer.components.policy)
-            context = trainer.context
-            live, context.policy = context.policy, self.copy
-            try:
-                generator = context.build(trainer.recipe["generator"])
-            finally:
-                context.policy = live
-            # the copy as the policy too: a generator with an engine of its own (vLLM) is pushed the copy's weights
-            self.components = attrs.evolve(trainer.components, generator=generator, policy=self.copy)
-        self.engine = SideEngine(trainer.engine)
-        self.version = self.next = trainer.state.iteration
-        self.pending: dict | None = None  # weights pushed and not yet loaded into the copy
-        self.made: queue.Queue[Made] = queue.Queue()
+        start = self.version = trainer.state.iteration
+        self.workers = [self._worker(trainer, start + number) if bound else Worker(trainer.components, None, SideEngine(trainer.engine), start)
+                        for number in range(max(1, bound))]
+        self.weights: dict | None = None  # the latest pushed weights (a new dict at each push, never changed)
+        self.done: dict[int, Made] = {}
         self.changed = threading.Condition()
         self.stopped = False
-        self.idle = 0.0  # seconds the producer waited for weights
-        self.threads = torch.get_num_threads()  # a thread's own setting: the producer's kernels then round as the trainer's
-        self.thread = threading.Thread(target=self._run, name="rlkit-producer", daemon=True)
-        self.thread.start()
+        self.idle = 0.0  # seconds the workers waited for weights
+        self.threads = torch.get_num_threads()  # a thread's own setting: the workers' kernels then round as the trainer's
+        self.running = [threading.Thread(target=self._run, args=(worker,), name=f"rlkit-producer-{number}", daemon=True)
+                        for number, worker in enumerate(self.workers)]
+        for thread in self.running:
+            thread.start()
+
+    @staticmethod
+    def _worker(trainer, first: int) -> Worker:
+        """A generator of its own on a copy of the weights; the copy as the policy too, so that a
+        generator with an engine of its own (vLLM) is pushed the copy's weights."""
+        weights = WeightsCopy(trainer.components.policy)
+        context = trainer.context
+        live, context.policy = context.policy, weights
+        try:
+            generator = context.build(trainer.recipe["generator"])
+        finally:
+            context.policy = live
+        return Worker(attrs.evolve(trainer.components, generator=generator, policy=weights), weights, SideEngine(trainer.engine), first)
 
     def push(self, version: int) -> None:
-        """The trainer's weights after `version` updates, for the batches the producer starts next
-        (at bound 0 the producer samples from the trainer's own module, which never trains meanwhile)."""
-        state = None if self.copy is None else {name: tensor.detach().clone()
-                                                for name, tensor in self.trainer.components.policy.model.state_dict().items()}
+        """The trainer's weights after `version` updates, for the batches the workers start next
+        (at bound 0 the worker samples from the trainer's own module, which never trains meanwhile)."""
+        state = None if not self.bound else {name: tensor.detach().clone()
+                                             for name, tensor in self.trainer.components.policy.model.state_dict().items()}
         with self.changed:
-            self.pending, self.version = state, version
+            self.weights, self.version = state, version
             self.changed.notify_all()
 
     def take(self, iteration: int) -> tuple[RolloutBatch, dict[str, float]]:
         """The batch of `iteration` and its metrics, no staler than the bound (see the module)."""
         self.push(iteration)
         started = time.perf_counter()
-        try:
-            made = self.made.get(timeout=self.timeout)
-        except queue.Empty:
-            raise Stalled(f"no rollout batch for iteration {iteration + 1} within scheduler.wait_timeout_s = {self.timeout:g} s: "
-                          "the generator, the environment or the reward stalled") from None
+        with self.changed:
+            if not self.changed.wait_for(lambda: iteration in self.done, timeout=self.timeout):
+                raise Stalled(f"no rollout batch for iteration {iteration + 1} within scheduler.wait_timeout_s = {self.timeout:g} s: "
+                              "the generator, the environment or the reward stalled")
+            made = self.done.pop(iteration)
+            idle, self.idle = self.idle, 0.0
         waited = time.perf_counter() - started
         if made.error is not None:
             raise made.error
-        assert made.iteration == iteration, f"the producer made iteration {made.iteration + 1} for {iteration + 1}"
         staleness, regenerated = iteration - made.version, 0
         assert made.batch is not None  # made, since it carries no error
         batch, metrics = made.batch, made.metrics
@@ -140,8 +157,6 @@ class Producer:
             batch, metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), self.trainer.components,
                                                      self.trainer.engine)
             staleness, regenerated = 0, 1
-        with self.changed:
-            idle, self.idle = self.idle, 0.0
         return batch, {**metrics, "async/staleness": float(staleness), "async/regenerated": float(regenerated),
                        "time/trainer_waiting": waited, "time/generator_idle": idle}
 
@@ -149,29 +164,33 @@ class Producer:
         with self.changed:
             self.stopped = True
             self.changed.notify_all()
-        self.thread.join(timeout=5)
+        for thread in self.running:
+            thread.join(timeout=5)
 
-    def _run(self) -> None:
+    def _run(self, worker: Worker) -> None:
         torch.set_num_threads(self.threads)
         while True:
             with self.changed:
                 began = time.perf_counter()
-                while not self.stopped and self.next - self.version > self.bound:
+                while not self.stopped and worker.next - self.version > self.bound:
                     self.changed.wait()
                 self.idle += time.perf_counter() - began
                 if self.stopped:
                     return
-                pending, self.pending, version = self.pending, None, self.version
-                iteration, self.next = self.next, self.next + 1
-            if pending is not None and self.copy is not None:
-                self.copy.model.load_state_dict(pending)
+                weights, version = self.weights, self.version
+                iteration, worker.next = worker.next, worker.next + len(self.workers)
+            if worker.copy is not None and weights is not None and worker.version != version:
+                worker.copy.model.load_state_dict(weights)
+                worker.version = version
             made = Made(iteration, version)
             began = time.perf_counter()
             try:
                 with torch.no_grad():
-                    made.batch, made.metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), self.components,
-                                                                       self.engine)
+                    made.batch, made.metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), worker.components,
+                                                                       worker.engine)
             except BaseException as exc:  # handed to the trainer, which raises it where `sync` would
                 made.error = exc
             made.seconds = time.perf_counter() - began
-            self.made.put(made)  # a failed batch too: the trainer skips it or stops, as the recipe says
+            with self.changed:  # a failed batch too: the trainer skips it or stops, as the recipe says
+                self.done[iteration] = made
+                self.changed.notify_all()
