@@ -92,6 +92,10 @@ class PPOClip(Loss):
     takes_kl_penalty = True
     needs_entropy_grad = True  # for the entropy bonus, when entropy_coef > 0
 
+    @staticmethod
+    def corrects_stale_samples(config) -> bool:
+        return config.tis_cap > 0  # π_old/π_sampler, truncated or masked: the decoupled objective's behaviour weight
+
     def __init__(self, config: PPOClipConfig, context):
         self.config = config
         self.surrogate = SURROGATES[config.surrogate]

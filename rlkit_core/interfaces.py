@@ -299,6 +299,14 @@ class Loss(ComponentBase):
     # per-token KL aggregated as its other terms, so that `ppo.kl_penalty = "loss"` may choose it
     takes_kl_penalty: ClassVar[bool] = False
 
+    @staticmethod
+    def corrects_stale_samples(config) -> bool:
+        """Whether the loss with `config` weights each token by π_old/π_sampler (truncated or masked):
+        the behaviour correction of the decoupled objective, which a scheduler that trains on
+        batches sampled by older weights requires (`[scheduler]`; π_old is recomputed with the
+        weights that train, the proximal policy)."""
+        return False
+
     @abstractmethod
     def __call__(self, minibatch: RolloutBatch, current: LossInputs, token_count: float) -> LossTerms:
         """`token_count`: the counted tokens of the whole optimiser step, over every micro-batch and

@@ -130,6 +130,25 @@ class EvalConfig:
     metrics: list[str] = setting(factory=list, help="more reward components to report on the held-out responses, by registered name (e.g. 'fact-copied')")
 
 
+SCHEDULERS = ("sync", "one-step-off", "bounded")
+
+
+@attrs.frozen
+class SchedulerConfig:
+    type: str = setting("sync", help="when rollouts are made: 'sync' (after each update), 'one-step-off' (the next batch while the "
+                                     "update runs, from the weights before it) or 'bounded' (up to max_staleness batches ahead)",
+                        validator=one_of(*SCHEDULERS))
+    max_staleness: int = setting(0, help="with 'bounded': the most policy versions a trained batch may be behind the weights it "
+                                         "trains (checked when the batch is consumed; a staler one is made again)", validator=at_least(0))
+    wait_timeout_s: float = setting(600.0, help="seconds the update may wait for a batch before the run ends with a checkpoint (a "
+                                               "generator or reward that stalls)", validator=greater_than(0))
+
+    @property
+    def staleness_bound(self) -> int:
+        """The most versions a trained batch may lag: 0 for sync, 1 one step off, else max_staleness."""
+        return {"sync": 0, "one-step-off": 1}.get(self.type, self.max_staleness)
+
+
 @attrs.frozen
 class Component:
     """A registered component: its kind, its name, its class (its own factory) and config class,
@@ -181,6 +200,7 @@ class Recipe:
     eval_metrics: tuple[Component, ...] = ()  # the reward components named by eval.metrics
     registry: ComponentLookup | None = attrs.field(default=None, eq=False, repr=False)  # where the components were found
     health: HealthConfig = HealthConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
 
     def __getitem__(self, table: str) -> ComponentChoice:
         return self.components[table]

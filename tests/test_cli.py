@@ -36,7 +36,8 @@ def test_plugins_text_shows_fields_with_help():
 def test_plugins_lists_the_core_tables_with_their_help():
     listing = json.loads(rlkit("plugins", "--json").stdout)
     tables = {table["table"]: {f["name"]: f for f in table["fields"]} for table in listing["core"]}
-    assert list(tables) == ["run", "ppo", "optim", "eval", "health"]
+    assert list(tables) == ["run", "ppo", "optim", "eval", "health", "scheduler"]
+    assert "one-step-off" in tables["scheduler"]["type"]["help"] and tables["scheduler"]["max_staleness"]["default"] == 0
     assert all(field["help"] for table in tables.values() for field in table.values())
     assert "exit 3" in tables["health"]["stop_on"]["help"]
     assert tables["run"]["steps"]["required"] and "PPO iterations" in tables["run"]["steps"]["help"]

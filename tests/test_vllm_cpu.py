@@ -371,3 +371,27 @@ def test_episodes_run_on_vllm_with_one_push_per_rollout(recipe_document, byte_mo
     assert float((compared.old_logprobs - batch.sampled_logprobs)[sampled].abs().max()) < LOGPROB_TOLERANCE
     trainer.rollout(trainer.stream.batch(1))
     assert len(resets) == 2  # the next rollout pushes again
+
+
+def test_batches_made_one_step_off_on_an_engine_of_their_own(recipe_document, byte_model, tmp_path):
+    """`[scheduler] one-step-off` with vllm: the producer's generator is a second engine, pushed the
+    copy of the weights at each batch (its prefix cache reset then), while the trainer's engine
+    serves the evaluation; every batch is at most one version old and trains its own prompts."""
+    from rlkit_core.recipe.plugins import load_registry
+    from tests.test_trainer import make_trainer
+
+    recipe_document["policy"]["model"] = str(byte_model)
+    recipe_document["run"]["device"] = "cpu"
+    recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8, "gpu_memory_fraction": 0.02}
+    trainer = make_trainer(recipe_document, load_registry(environ={"RLKIT_PLUGINS": "none"}), scheduler__type="one-step-off",
+                           loss__tis_cap=2.0)
+    try:
+        rows = [trainer.iterate() for _ in range(3)]
+        assert trainer.producer is not None and trainer.producer.components.generator is not trainer.components.generator
+    finally:
+        trainer.close()
+    for iteration, row in enumerate(rows):
+        assert row.metrics["async/staleness"] <= 1 and row.metrics["time/weight_sync"] > 0
+        assert row.batch.prompts[::trainer.recipe.ppo.samples_per_prompt] == [r["prompt"] for r in trainer.stream_records(iteration)]
+    # the first batch was sampled by the starting weights, which are the learner's: no gap but the kernels'
+    assert rows[0].metrics["check/logprob_gap"] < LOGPROB_TOLERANCE

@@ -39,8 +39,9 @@ from rlkit_core.recipe.schema import (
     overlong_problems,
     packing_problems,
     schedule_problems,
+    scheduler_problems,
 )
-from rlkit_core.records import Component, ComponentChoice, EvalConfig, Recipe
+from rlkit_core.records import Component, ComponentChoice, EvalConfig, PPOConfig, Recipe
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -283,12 +284,13 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None, 
         problems += kl_penalty_problems(core["ppo"], components["loss"])
     if core["ppo"] is not None and components.get("policy") is not None and ("value_head" in components or "value_head" in nothing):
         problems += packing_problems(core["ppo"], components["policy"], components.get("value_head"))
+    problems += scheduler_problems(core["scheduler"], core["ppo"] or PPOConfig(), components, launch.sharded)
     eval_metrics, found = _eval_metrics(core["eval"], registry)
     problems += found
     if problems:
         raise RecipeError(problems, source)
     return Recipe(run, ppo, optim, components, document, source, core["eval"], eval_metrics,
-                  registry, core["health"])
+                  registry, core["health"], core["scheduler"])
 
 
 def _has_environment(document: dict) -> bool:

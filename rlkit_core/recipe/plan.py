@@ -28,6 +28,7 @@ def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False,
         f"  optimiser steps     {updates_per_iteration} per iteration ({ppo.epochs} epochs × {ppo.batch_size // ppo.minibatch_size} minibatches of "
         f"{ppo.minibatch_size}), {updates_per_iteration * run.steps} in all",
         f"  KL                  estimator {ppo.kl_estimator}, penalty in the {ppo.kl_penalty}",
+        f"  scheduler           {_scheduler_line(recipe)}",
         *_per_process(recipe, launch),
         f"  output              {run.output_dir}",
     ]
@@ -133,6 +134,14 @@ def _per_process(recipe: Recipe, launch: Launch) -> list[str]:
         f"  precision           mixed_precision = {recipe.run.mixed_precision!r}",
         f"  engine              {ENGINES[launch.sharded] if processes > 1 else 'one process'}",
     ]
+
+
+def _scheduler_line(recipe: Recipe) -> str:
+    scheduler = recipe.scheduler
+    if scheduler.type == "sync":
+        return "sync: each batch sampled after the update before it"
+    return (f"{scheduler.type}: batches sampled ahead from a copy of the weights, at most {scheduler.staleness_bound} "
+            f"version(s) behind when trained; a wait over {scheduler.wait_timeout_s:g} s ends the run")
 
 
 def episode_plan(recipe: Recipe) -> list[str]:

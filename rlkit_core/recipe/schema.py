@@ -11,10 +11,11 @@ from pathlib import Path
 
 from rlkit_core.errors import Problem
 from rlkit_core.interfaces import KIND_TABLE
-from rlkit_core.records import EvalConfig, HealthConfig, OptimConfig, PPOConfig, RunConfig
+from rlkit_core.records import EvalConfig, HealthConfig, OptimConfig, PPOConfig, RunConfig, SchedulerConfig
 from rlkit_core.settings import field_of
 
-CORE_TABLES = {"run": RunConfig, "ppo": PPOConfig, "optim": OptimConfig, "eval": EvalConfig, "health": HealthConfig}
+CORE_TABLES = {"run": RunConfig, "ppo": PPOConfig, "optim": OptimConfig, "eval": EvalConfig, "health": HealthConfig,
+               "scheduler": SchedulerConfig}
 
 # table -> (component kind, type used when the table is absent; None: the table is required)
 COMPONENT_TABLES = {kind.table: (kind.name, kind.default) for kind in KIND_TABLE}
@@ -167,3 +168,33 @@ def schedule_problems(optim: OptimConfig) -> list[Problem]:
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, limit + 1) if n % d == 0)
+
+
+def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, components: dict, sharded: bool) -> list[Problem]:
+    """What a scheduler that makes batches ahead needs: a loss that corrects for the older weights
+    that sampled, the sampler's own log-probs, whole weights (no FSDP), and the plain rollout
+    stage. (None: its table has problems of its own.)"""
+    if scheduler is None:
+        return []
+    problems, loss, generator, advantage = [], components.get("loss"), components.get("generator"), components.get("advantage")
+    if scheduler.type != "sync":
+        if ppo.dynamic_sampling or (advantage is not None and advantage.component.factory.needs_baseline_scores):
+            problems.append(Problem("$.scheduler.type", f"{scheduler.type!r} makes one rollout batch per iteration ahead of the "
+                                                        "update; dynamic sampling and ReMax's greedy baseline run with 'sync' only"))
+    if scheduler.type != "bounded" and scheduler.max_staleness:
+        problems.append(Problem("$.scheduler.max_staleness", f"is read by type = 'bounded' only; {scheduler.type!r} has a bound "
+                                                             f"of {scheduler.staleness_bound}"))
+    if scheduler.type != "sync" and sharded:
+        problems.append(Problem("$.scheduler.type", f"{scheduler.type!r} samples while the update runs, and FSDP holds the weights "
+                                                    "in shards the producer cannot read then; use 'sync' under FSDP (DDP runs ahead)"))
+    if scheduler.staleness_bound == 0:
+        return problems
+    if loss is not None and not loss.component.factory.corrects_stale_samples(loss.config):
+        problems.append(Problem("$.loss", f"a batch may be {scheduler.staleness_bound} policy version(s) old, and loss "
+                                          f"{loss.component.name!r} with these settings does not weight tokens by π_old/π_sampler; "
+                                          "set loss.tis_cap (e.g. 2.0) for the decoupled objective"))
+    if generator is not None and (getattr(generator.config, "top_k", 0) or getattr(generator.config, "top_p", 1.0) < 1.0):
+        problems.append(Problem("$.generator", "top_k/top_p make the sampled log-probs those of the truncated distribution, so the "
+                                               "behaviour weight π_old/π_sampler would be biased; use top_k = 0 and top_p = 1.0 with a "
+                                               "scheduler that trains on older weights' batches"))
+    return problems

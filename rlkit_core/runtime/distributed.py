@@ -268,3 +268,28 @@ def fsdp_plugin(mixed_precision: str, launch: Launch):
 
     # the rest from the FSDP_* settings accelerate launch passes on
     return FullyShardedDataParallelPlugin(mixed_precision_policy=MixedPrecisionPolicy() if mixed_precision != "no" else None)
+
+
+class SideProcesses(Processes):
+    """The same processes over a process group of their own, for the collectives a second thread
+    runs beside the main one's (a scheduler's producer gathering scores while the update all-reduces
+    gradients): each group's collectives then come in the same order in every process."""
+
+    def __init__(self, processes: Processes):
+        super().__init__(processes.accelerator)
+        # made by every process, in the same order, from its main thread
+        self.group = torch.distributed.new_group(backend="gloo") if self.count > 1 else None
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.count == 1:
+            return tensor
+        total = tensor.detach().cpu().clone()
+        torch.distributed.all_reduce(total, group=self.group)
+        return total.to(tensor.device)
+
+    def gather_objects(self, value) -> list:
+        if self.count == 1:
+            return [value]
+        gathered: list = [None] * self.count
+        torch.distributed.all_gather_object(gathered, value, group=self.group)
+        return gathered

@@ -12,6 +12,7 @@ in `rlkit_core.functional`.
 from __future__ import annotations
 
 import time
+import zlib
 from pathlib import Path
 
 import attrs
@@ -34,6 +35,7 @@ from rlkit_core.runtime.engine import Engine, start_accelerator
 from rlkit_core.runtime.evaluation import hold_out
 from rlkit_core.runtime.forward import ForwardObserver
 from rlkit_core.runtime.prompt_stream import Prompts, PromptStream
+from rlkit_core.runtime.scheduling import Producer
 from rlkit_core.runtime.state import RunState
 from rlkit_core.settings import field_of
 
@@ -80,6 +82,13 @@ class Trainer:
         self.dynamic_sampler = DynamicSampler(recipe, self.engine, components, self.prompts) if ppo.dynamic_sampling else None
         self.observe = observe
         self.state = RunState()
+        self.producer: Producer | None = None  # started at the first iteration (after a resume has set the state)
+
+    def close(self) -> None:
+        """Stop the thread that makes batches ahead, if any (its batches are made again on resume)."""
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
 
     def _prompts(self, process: int) -> Prompts:
         """The data's prompts, rendered, within the length limit and the policy's context, with the
@@ -100,6 +109,15 @@ class Trainer:
         return meta
 
     # --- the stages, with this run's parts ---------------------------------------------------
+    def stream_records(self, iteration: int) -> list[dict]:
+        """This process's prompt records of iteration `iteration + 1`."""
+        return self.engine.processes.share(self.stream.batch(iteration))
+
+    def make_batch(self, records: list[dict], components, engine) -> tuple[RolloutBatch, dict[str, float]]:
+        """Stage 1 with `components` and `engine` (the run's, or a scheduler producer's: a generator
+        on a copy of the weights, collectives over a process group of its own)."""
+        return rollout.rollout(engine, components, self.recipe, records, self.recipe.ppo.samples_per_prompt, self.prompts.max_tokens)
+
     def rollout(self, records: list[dict], samples_per_prompt: int | None = None, greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample `samples_per_prompt` (default: the recipe's) responses for each record and score them."""
         return rollout.rollout(self.engine, self.components, self.recipe, records, samples_per_prompt or self.recipe.ppo.samples_per_prompt,
@@ -138,8 +156,14 @@ class Trainer:
         of this process, and that batch."""
         started = time.perf_counter()
         engine, components, iteration = self.engine, self.components, self.state.iteration
-        records = engine.processes.share(self.stream.batch(iteration))
-        batch, metrics = self.dynamic_sampler.rollout(records, iteration) if self.dynamic_sampler else self.rollout(records)
+        records = self.stream_records(iteration)
+        scheduler = self.recipe.scheduler
+        if scheduler.type == "sync":
+            batch, metrics = self.dynamic_sampler.rollout(records, iteration) if self.dynamic_sampler else self.rollout(records)
+        else:  # made ahead, from a copy of the weights (`rlkit_core.runtime.scheduling`)
+            if self.producer is None:
+                self.producer = Producer(self, scheduler.staleness_bound, scheduler.wait_timeout_s)
+            batch, metrics = self.producer.take(iteration)
         if type(components.advantage).needs_baseline_scores:  # a flag of the class, as the recipe check reads it
             batch, timing = self.greedy_baseline(records, batch)
             metrics.update(timing)
@@ -177,6 +201,8 @@ class Trainer:
             "time/train": finished - train_started,
             "time/iteration": finished - started,
             "time/tokens_per_second": float(batch.response_mask.sum()) / (finished - started),  # every response position forwarded
+            # which prompts trained, as a checksum: a resumed run, or one made ahead, must show the same one each iteration
+            "data/prompts_crc": float(zlib.crc32("\n".join(batch.prompts).encode())),
         })
         if batch_trained.values is not None and batch_trained.returns is not None:
             metrics.update(critic_metrics(batch_trained.values, batch_trained.returns, mask))

@@ -1,0 +1,196 @@
+"""Rollouts made ahead of the update: the `[scheduler]` types `one-step-off` and `bounded`.
+
+Producer threads make the batch of iteration j, the prompt stream's batch j as `sync` would make
+it, from a copy of the policy's weights (a generator of their own samples from it: the module being
+trained cannot be sampled meanwhile), while the trainer trains on an earlier batch. With a bound
+of k there are k workers, each with its copy, making iterations w, w + k, ... so that k batches
+can wait on environments or rewards at once. A copy's version is the number of updates its
+weights have seen; every batch carries the version that sampled all of it (a copy changes only
+between batches). The bound is kept twice:
+
+- a worker starts batch j only when j − version ≤ bound, and versions only grow;
+- the trainer checks j − version when it takes the batch, and makes a batch that is staler again
+  from the current weights (`async/regenerated`), so no trained token is staler than the bound.
+
+The trainer pushes its weights to the workers when it takes the batch of an iteration, before it
+waits. At bound 0 the one worker makes each batch after the update before it and before the update
+after it, so it samples from the trainer's own module (no copy) and draws the same random numbers
+in the same order as `sync`: every metric is the same to the last digit. (A copy in other memory
+can round a log-prob differently, by about 1e-8.) The
+update's π_old is recomputed with the weights that train (the proximal policy); the loss's
+π_old/π_sampler weight (`loss.tis_cap`) corrects for the older weights that sampled.
+
+A batch the trainer waits for longer than `scheduler.wait_timeout_s` ends the run (`Stalled`),
+with a checkpoint of the last iteration it trained. Batches made ahead are not checkpointed: a
+resumed run makes them again from its prompt stream, so every prompt trains once, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import time
+
+import attrs
+import torch
+
+from rlkit_core.batch import RolloutBatch
+from rlkit_core.errors import RunError
+from rlkit_core.runtime.distributed import SideProcesses
+
+
+class Stalled(RunError):
+    """No batch came within `scheduler.wait_timeout_s`."""
+
+
+@attrs.define
+class Made:
+    iteration: int
+    version: int  # the updates the sampling weights had seen
+    batch: RolloutBatch | None = None
+    metrics: dict[str, float] = attrs.field(factory=dict)
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+
+class WeightsCopy:
+    """What the producer's generator samples from, and pushes to an engine of its own: the policy's
+    tokenizer and end ids, and a copy of its module (the module being trained cannot be sampled
+    meanwhile)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.model = copy.deepcopy(policy.model)
+        self.model.requires_grad_(False)
+        for name in ("tokenizer", "eos_token_ids", "suppressed_token_ids", "context_length"):
+            setattr(self, name, getattr(policy, name))
+
+
+class SideEngine:
+    """What stage 1 reads of the engine, for the producer's thread: the device, the run's autocast,
+    and the processes over a group of their own (`SideProcesses`). Weights are whole in every
+    process (FSDP runs `sync`), so reading them whole is nothing to do."""
+
+    def __init__(self, engine):
+        self.engine, self.device, self.processes = engine, engine.device, SideProcesses(engine.processes)
+
+    def full_weights(self):
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        return self.engine.autocast()
+
+
+@attrs.define
+class Worker:
+    """One batch in flight at a time: its own generator, on its own copy of the weights (None: the
+    trainer's own, at bound 0), and the version its copy holds."""
+
+    components: object
+    copy: WeightsCopy | None
+    engine: SideEngine  # with a process group of the worker's own: its collectives in one order everywhere
+    next: int  # the next iteration it makes: worker w of k makes iterations w, w + k, w + 2k, ... (past the start)
+    version: int = -1
+
+
+class Producer:
+    """The threads that make batches ahead, and the trainer's side of them (`take`, `close`). With a
+    bound of k, k workers make up to k batches at once (a batch waiting on an environment or a
+    reward does not hold up the next); at bound 0 one worker samples from the trainer's module."""
+
+    def __init__(self, trainer, bound: int, timeout: float):
+        self.trainer, self.bound, self.timeout = trainer, bound, timeout
+        start = self.version = trainer.state.iteration
+        self.workers = [self._worker(trainer, start + number) if bound else Worker(trainer.components, None, SideEngine(trainer.engine), start)
+                        for number in range(max(1, bound))]
+        self.weights: dict | None = None  # the latest pushed weights (a new dict at each push, never changed)
+        self.done: dict[int, Made] = {}
+        self.changed = threading.Condition()
+        self.stopped = False
+        self.idle = 0.0  # seconds the workers waited for weights
+        self.threads = torch.get_num_threads()  # a thread's own setting: the workers' kernels then round as the trainer's
+        self.running = [threading.Thread(target=self._run, args=(worker,), name=f"rlkit-producer-{number}", daemon=True)
+                        for number, worker in enumerate(self.workers)]
+        for thread in self.running:
+            thread.start()
+
+    @staticmethod
+    def _worker(trainer, first: int) -> Worker:
+        """A generator of its own on a copy of the weights; the copy as the policy too, so that a
+        generator with an engine of its own (vLLM) is pushed the copy's weights."""
+        weights = WeightsCopy(trainer.components.policy)
+        context = trainer.context
+        live, context.policy = context.policy, weights
+        try:
+            generator = context.build(trainer.recipe["generator"])
+        finally:
+            context.policy = live
+        return Worker(attrs.evolve(trainer.components, generator=generator, policy=weights), weights, SideEngine(trainer.engine), first)
+
+    def push(self, version: int) -> None:
+        """The trainer's weights after `version` updates, for the batches the workers start next
+        (at bound 0 the worker samples from the trainer's own module, which never trains meanwhile)."""
+        state = None if not self.bound else {name: tensor.detach().clone()
+                                             for name, tensor in self.trainer.components.policy.model.state_dict().items()}
+        with self.changed:
+            self.weights, self.version = state, version
+            self.changed.notify_all()
+
+    def take(self, iteration: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """The batch of `iteration` and its metrics, no staler than the bound (see the module)."""
+        self.push(iteration)
+        started = time.perf_counter()
+        with self.changed:
+            if not self.changed.wait_for(lambda: iteration in self.done, timeout=self.timeout):
+                raise Stalled(f"no rollout batch for iteration {iteration + 1} within scheduler.wait_timeout_s = {self.timeout:g} s: "
+                              "the generator, the environment or the reward stalled")
+            made = self.done.pop(iteration)
+            idle, self.idle = self.idle, 0.0
+        waited = time.perf_counter() - started
+        if made.error is not None:
+            raise made.error
+        staleness, regenerated = iteration - made.version, 0
+        assert made.batch is not None  # made, since it carries no error
+        batch, metrics = made.batch, made.metrics
+        if staleness > self.bound:  # cannot happen while versions only grow; kept so the bound is a guarantee
+            batch, metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), self.trainer.components,
+                                                     self.trainer.engine)
+            staleness, regenerated = 0, 1
+        return batch, {**metrics, "async/staleness": float(staleness), "async/regenerated": float(regenerated),
+                       "time/trainer_waiting": waited, "time/generator_idle": idle}
+
+    def close(self) -> None:
+        with self.changed:
+            self.stopped = True
+            self.changed.notify_all()
+        for thread in self.running:
+            thread.join(timeout=5)
+
+    def _run(self, worker: Worker) -> None:
+        torch.set_num_threads(self.threads)
+        while True:
+            with self.changed:
+                began = time.perf_counter()
+                while not self.stopped and worker.next - self.version > self.bound:
+                    self.changed.wait()
+                self.idle += time.perf_counter() - began
+                if self.stopped:
+                    return
+                weights, version = self.weights, self.version
+                iteration, worker.next = worker.next, worker.next + len(self.workers)
+            if worker.copy is not None and weights is not None and worker.version != version:
+                worker.copy.model.load_state_dict(weights)
+                worker.version = version
+            made = Made(iteration, version)
+            began = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    made.batch, made.metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), worker.components,
+                                                                       worker.engine)
+            except BaseException as exc:  # handed to the trainer, which raises it where `sync` would
+                made.error = exc
+            made.seconds = time.perf_counter() - began
+            with self.changed:  # a failed batch too: the trainer skips it or stops, as the recipe says
+                self.done[iteration] = made
+                self.changed.notify_all()

@@ -1,0 +1,270 @@
+"""`[scheduler]`: batches made ahead of the update (`rlkit_core.runtime.scheduling`). At bound 0
+the producer reproduces `sync` to the last digit; above it, no trained batch is staler than the
+bound whatever the timing, every iteration trains its own prompts, and a stall ends the run with a
+checkpoint instead of a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlkit_core.errors import RecipeError
+from rlkit_core.recipe.document import parse_recipe
+from tests.test_trainer import make_trainer
+
+SLOW_REWARD = '''
+import random, time
+
+def jittery(prompts, responses, letter):
+    """The lowercase share, after a wait of 0 to {most} s drawn from its own random stream."""
+    time.sleep(random.Random(len(prompts) + sum(map(len, responses))).uniform(0, {most}))
+    return [sum(c.islower() for c in r) / 8 for r in responses]
+
+def stalls(prompts, responses, letter):
+    """The lowercase share, but from the third batch on it never answers in time."""
+    calls = int(open("{counter}").read() or 0) + 1
+    open("{counter}", "w").write(str(calls))
+    if calls >= 3:
+        time.sleep(60)
+    return [sum(c.islower() for c in r) / 8 for r in responses]
+'''
+
+
+def without_timing(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "async/")) and k != "time/weight_sync"}
+
+
+def test_bounded_at_staleness_zero_is_sync_to_the_last_digit(recipe_document, builtin_registry):
+    sync = make_trainer(json.loads(json.dumps(recipe_document)), builtin_registry, run__steps=3)
+    expected = [without_timing(sync.step()) for _ in range(3)]
+    ahead = make_trainer(recipe_document, builtin_registry, run__steps=3, scheduler__type="bounded", scheduler__max_staleness=0)
+    try:
+        got = [ahead.step() for _ in range(3)]
+    finally:
+        ahead.close()
+    assert [without_timing(m) for m in got] == expected
+    assert all(m["async/staleness"] == 0 for m in got)
+
+
+def test_bounded_at_staleness_zero_is_sync_on_a_multi_turn_recipe(recipe_document, builtin_registry, tmp_path):
+    from tests.test_episodes import ending_model, episode_document
+
+    document = episode_document(recipe_document, ending_model(tmp_path / "ending"))
+    sync = make_trainer(json.loads(json.dumps(document)), builtin_registry)
+    expected = [without_timing(sync.step()) for _ in range(2)]
+    ahead = make_trainer(document, builtin_registry, scheduler__type="bounded")
+    try:
+        assert [without_timing(ahead.step()) for _ in range(2)] == expected
+    finally:
+        ahead.close()
+
+
+@pytest.mark.parametrize("kind, bound", [("one-step-off", 1), ("bounded", 1), ("bounded", 2), ("bounded", 3)])
+def test_no_trained_batch_is_staler_than_the_bound_under_a_jittery_reward(recipe_document, builtin_registry, tmp_path, kind, bound):
+    reward = tmp_path / "slow.py"
+    reward.write_text(SLOW_REWARD.format(most=0.05, counter=tmp_path / "unused"))
+    recipe_document["reward"] = {"type": "python", "function": f"{reward}:jittery"}
+    changes = {"scheduler__type": kind, "loss__tis_cap": 2.0, "run__steps": 6}
+    if kind == "bounded":
+        changes["scheduler__max_staleness"] = bound
+    trainer = make_trainer(recipe_document, builtin_registry, **changes)
+    sync_prompts = [trainer.stream_records(i) for i in range(6)]
+    try:
+        rows = [trainer.iterate() for _ in range(6)]
+    finally:
+        trainer.close()
+    staleness = [row.metrics["async/staleness"] for row in rows]
+    assert all(0 <= s <= bound for s in staleness) and max(staleness) >= 1  # it did run ahead
+    for records, row in zip(sync_prompts, rows):  # each iteration trained its own prompts
+        assert row.batch.prompts == [r["prompt"] for r in records for _ in range(trainer.recipe.ppo.samples_per_prompt)]
+
+
+def test_a_batch_staler_than_the_bound_is_made_again(recipe_document, builtin_registry):
+    trainer = make_trainer(recipe_document, builtin_registry, scheduler__type="one-step-off", loss__tis_cap=2.0)
+    try:
+        trainer.step()
+        producer = trainer.producer
+        assert producer is not None
+        with producer.changed:  # batch 2, sampled by version 1 (or 0): move it back three versions
+            assert producer.changed.wait_for(lambda: 1 in producer.done, timeout=30)
+            producer.done[1].version -= 3
+        metrics = trainer.step()
+    finally:
+        trainer.close()
+    assert metrics["async/regenerated"] == 1 and metrics["async/staleness"] == 0
+
+
+@pytest.mark.parametrize("changes, where", [
+    ({"scheduler__type": "bounded", "scheduler__max_staleness": 2}, r"\$\.loss: a batch may be 2 policy version\(s\) old"),
+    ({"scheduler__type": "one-step-off", "loss__tis_cap": 2.0, "generator__top_p": 0.9}, r"\$\.generator: top_k/top_p"),
+    ({"scheduler__type": "one-step-off", "scheduler__max_staleness": 3, "loss__tis_cap": 2.0}, r"\$\.scheduler\.max_staleness"),
+    ({"scheduler__type": "bounded", "ppo__dynamic_sampling": True, "ppo__samples_per_prompt": 4, "advantage__type": "grpo",
+      "value_head__type": "none"}, r"\$\.scheduler\.type: 'bounded' makes one rollout batch"),
+])
+def test_what_a_scheduler_ahead_of_the_update_needs_is_checked_before_the_run(recipe_document, builtin_registry, changes, where):
+    for key, value in changes.items():
+        table, name = key.split("__")
+        recipe_document.setdefault(table, {})[name] = value
+    with pytest.raises(RecipeError, match=where):
+        parse_recipe(recipe_document, builtin_registry)
+
+
+def test_the_decoupled_loss_with_the_proximal_policy_as_the_behaviour_one_is_ppo_clip(recipe_document, builtin_registry):
+    from rlkit_core.testing import rollout_batch
+    from tests.test_critic_free import build_loss
+    from tests.test_loss_mask import loss_and_gradients
+
+    batch = rollout_batch()
+    batch = batch.with_(sampled_logprobs=batch.old_logprobs.clone())  # π_prox = π_behaviour
+    plain, decoupled = build_loss(recipe_document, builtin_registry), build_loss(recipe_document, builtin_registry, tis_cap=2.0)
+    count = float(batch.loss_mask.sum())
+    (terms, gradients), (same, same_gradients) = loss_and_gradients(plain, batch, count), loss_and_gradients(decoupled, batch, count)
+    assert all(torch.equal(terms.losses[name], same.losses[name]) for name in terms.losses)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(gradients, same_gradients))
+
+
+def test_the_decoupled_weights_by_hand(recipe_document, builtin_registry):
+    from rlkit_core.interfaces import LossInputs
+    from rlkit_core.testing import rollout_batch
+    from tests.test_critic_free import build_loss
+
+    # one response of two tokens, advantages 1; π_θ = π_prox (ratio 1, inside the clip), behaviour
+    # log-probs 0.5 and 2 nats below: weights min(e^0.5, 2) = 1.6487 and min(e^2, 2) = 2
+    loss = build_loss(recipe_document, builtin_registry, tis_cap=2.0)
+    proximal = torch.tensor([[-1.0, -1.0]])
+    batch = rollout_batch(with_values=False).select(torch.tensor([0])).with_(
+        response_mask=torch.ones(1, 2, dtype=torch.long), loss_mask=torch.ones(1, 2, dtype=torch.long), old_logprobs=proximal,
+        sampled_logprobs=proximal - torch.tensor([[0.5, 2.0]]), advantages=torch.ones(1, 2))
+    terms = loss(batch, LossInputs(logprobs=proximal.clone(), values=None, entropy=torch.zeros(1, 2)), token_count=2.0)
+    assert float(terms.losses["policy"]) == pytest.approx(-(1.6487212707 + 2.0) / 2, abs=1e-6)
+
+
+def rlkit(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).with_name("rlkit")), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def test_a_stalled_reward_ends_the_run_with_a_checkpoint_not_a_hang(recipe_document, write_recipe, tmp_path):
+    reward, counter = tmp_path / "stall.py", tmp_path / "calls.txt"
+    counter.write_text("0")
+    reward.write_text(SLOW_REWARD.format(most=0, counter=counter))
+    recipe_document["reward"] = {"type": "python", "function": f"{reward}:stalls"}
+    recipe_document["run"].update(steps=4)
+    recipe_document["scheduler"] = {"type": "one-step-off", "wait_timeout_s": 3.0}
+    recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
+    started = time.monotonic()
+    done = rlkit("run", write_recipe(recipe_document), "--quiet", cwd=tmp_path)
+    assert time.monotonic() - started < 120 and done.returncode != 0
+    assert "no rollout batch for iteration 3 within scheduler.wait_timeout_s = 3 s" in done.stderr, done.stderr[-2000:]
+    assert "continue with --resume auto" in done.stderr
+    assert (Path(recipe_document["run"]["output_dir"]) / "checkpoints" / "iter_000002").is_dir()
+
+
+def test_killed_mid_run_and_resumed_it_trains_every_prompt_once_in_order(recipe_document, write_recipe, tmp_path):
+    reward = tmp_path / "slow.py"
+    reward.write_text(SLOW_REWARD.format(most=0.2, counter=tmp_path / "unused"))
+    recipe_document["reward"] = {"type": "python", "function": f"{reward}:jittery"}
+    recipe_document["run"].update(steps=6, checkpoint_every=1)
+    recipe_document["scheduler"] = {"type": "bounded", "max_staleness": 2}
+    recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
+    whole_dir = tmp_path / "whole"
+    recipe_document["run"]["output_dir"] = str(whole_dir)
+    assert rlkit("run", write_recipe(recipe_document, "whole.toml"), "--quiet", cwd=tmp_path).returncode == 0
+    expected = [row["data/prompts_crc"] for row in map(json.loads, (whole_dir / "metrics.jsonl").read_text().splitlines())
+                if "data/prompts_crc" in row]
+    assert len(expected) == 6 and len(set(expected)) == 6
+
+    killed_dir = tmp_path / "killed"
+    recipe_document["run"]["output_dir"] = str(killed_dir)
+    recipe = write_recipe(recipe_document, "killed.toml")
+    for kill_after, resume in ((2, []), (4, ["--resume", "auto"])):  # iterations logged before the SIGKILL, batches made ahead
+        process = subprocess.Popen([str(Path(sys.executable).with_name("rlkit")), "run", recipe, "--quiet", *resume],
+                                   cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = killed_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not log.exists() or log.read_text().count("data/prompts_crc") < kill_after):
+            time.sleep(0.05)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    done = rlkit("run", recipe, "--quiet", "--resume", "auto", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [row["data/prompts_crc"] for row in rows if "data/prompts_crc" in row]
+    assert trained == expected  # every iteration's prompts, each once, in order
+
+
+def test_a_failed_batch_made_ahead_is_raised_where_sync_raises_it_and_the_next_one_follows(recipe_document, builtin_registry,
+                                                                                            tmp_path):
+    from rlkit_core.runtime.faults import BadReward
+
+    counter = tmp_path / "calls.txt"
+    counter.write_text("0")
+    reward = tmp_path / "fails.py"
+    reward.write_text(f"def second_fails(prompts, responses, letter):\n"
+                      f"    calls = int(open({str(counter)!r}).read()) + 1\n"
+                      f"    open({str(counter)!r}, 'w').write(str(calls))\n"
+                      f"    if calls == 2:\n"
+                      f"        raise ValueError('the service is down')\n"
+                      f"    return [0.5] * len(responses)\n")
+    recipe_document["reward"] = {"type": "python", "function": f"{reward}:second_fails"}
+    trainer = make_trainer(recipe_document, builtin_registry, scheduler__type="one-step-off", loss__tis_cap=2.0, run__steps=3)
+    try:
+        trainer.step()
+        with pytest.raises(BadReward, match="the service is down"):
+            trainer.iterate()
+        trainer.skip_iteration()  # what run.on_bad_reward = "skip" does
+        third = trainer.iterate()
+    finally:
+        trainer.close()
+    assert third.batch.prompts[0] == trainer.stream_records(2)[0]["prompt"] and third.metrics["async/staleness"] <= 1
+
+
+def test_episodes_made_one_step_off_train_their_own_prompts(recipe_document, builtin_registry, tmp_path):
+    from tests.test_episodes import ending_model, episode_document
+
+    document = episode_document(recipe_document, ending_model(tmp_path / "ending"))
+    trainer = make_trainer(document, builtin_registry, scheduler__type="one-step-off", loss__tis_cap=2.0)
+    try:
+        rows = [trainer.iterate() for _ in range(3)]
+    finally:
+        trainer.close()
+    assert all(row.metrics["async/staleness"] <= 1 for row in rows)
+    for iteration, row in enumerate(rows):
+        assert row.batch.columns["secret"] == [r["secret"] for r in trainer.stream_records(iteration)]
+        assert row.metrics["env/turns"] > 1 and row.batch.turn_rewards is not None
+
+
+def test_two_processes_make_batches_ahead_with_the_prompts_of_sync(recipe_document, write_recipe, tmp_path):
+    """Under torchrun each process runs its workers; each worker's collectives (the reward's
+    gathered problems) go over a process group of its own, beside the update's all-reduces."""
+    from tests.test_scaling import rlkit_script, torchrun
+
+    recipe_document["run"].update(steps=3)
+    crcs = {}
+    for name, scheduler in (("sync", {"type": "sync"}), ("ahead", {"type": "one-step-off"}),
+                            ("bounded", {"type": "bounded", "max_staleness": 2})):  # two workers, a process group each
+        recipe_document["run"]["output_dir"] = str(tmp_path / name)
+        recipe_document["scheduler"] = scheduler
+        recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
+        torchrun(rlkit_script(), "run", write_recipe(recipe_document, f"{name}.toml"), "--quiet")
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        crcs[name] = [row["data/prompts_crc"] for row in rows if "data/prompts_crc" in row]
+        if name != "sync":
+            assert all(row["async/staleness"] <= scheduler.get("max_staleness", 1) for row in rows if "async/staleness" in row)
+    assert len(crcs["sync"]) == 3 and crcs["ahead"] == crcs["sync"] and crcs["bounded"] == crcs["sync"]
+
+
+def test_a_scheduler_ahead_of_the_update_is_refused_under_fsdp(recipe_document, builtin_registry):
+    from rlkit_core.launch import Launch
+
+    recipe_document["scheduler"] = {"type": "one-step-off"}
+    recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
+    with pytest.raises(RecipeError, match=r"\$\.scheduler\.type: 'one-step-off' samples while the update runs, and FSDP"):
+        parse_recipe(recipe_document, builtin_registry, launch=Launch(processes=2, sharded=True, fsdp_version=2))
