@@ -387,7 +387,7 @@ def test_batches_made_one_step_off_on_an_engine_of_their_own(recipe_document, by
                            loss__tis_cap=2.0)
     try:
         rows = [trainer.iterate() for _ in range(3)]
-        assert trainer.producer is not None and trainer.producer.components.generator is not trainer.components.generator
+        assert trainer.producer is not None and trainer.producer.workers[0].components.generator is not trainer.components.generator
     finally:
         trainer.close()
     for iteration, row in enumerate(rows):
