@@ -366,7 +366,7 @@ def episode_rollout(engine, components, recipe, records: list[dict], samples_per
         scores = [a + b for a, b in zip(scores, extra)]
     finished = time.perf_counter()
     batch = episodes_batch(episodes, scores, tokenizer.pad_token_id, engine.device)
-    batch = batch.with_(responses=[transcript(tokenizer, e) for e in episodes for _ in e.samples])
+    batch = batch.with_(responses=[text for e, text in zip(episodes, transcripts) for _ in e.samples])
     metrics = {name: sum(values) / len(values)
                for name, values in _by_name(processes.gather_objects(episode_metrics(episodes))).items()}
     metrics.update({"time/generate": runner.timings["generate"], "time/environment": runner.timings["environment"],
