@@ -11,9 +11,11 @@ It speaks both wire formats of rlkit's service rewards (see docs/models-and-rewa
   rule-based stand-in for an LLM judge. It finds the lines `Reference: ...` and `Summary: ...` in
   the last user message and answers `Score: <0 to 10>`, the same reward scaled to 0-10.
 
-`--token NAME` makes it require `Authorization: Bearer <value of $NAME>`. It binds 127.0.0.1 only
-and uses nothing but the standard library and rlkit's own task module. Replace `score` with your
-own model or verifier: the rest is the wire format.
+`--delay S` makes it wait S seconds before each answer, as a reward model or judge across the
+network does (benchmarks/async_throughput.py measures the schedulers against it). `--token NAME`
+makes it require `Authorization: Bearer <value of $NAME>`. It binds 127.0.0.1 only and uses
+nothing but the standard library and rlkit's own task module. Replace `score` with your own model
+or verifier: the rest is the wire format.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from rlkit_plugins.summarize_task import fact_copied, summary_reward
@@ -50,6 +53,7 @@ def judge(body: dict) -> dict:
 
 class Handler(BaseHTTPRequestHandler):
     token: str | None = None
+    delay = 0.0  # seconds before each POST is answered
     routes = {"/score": score_batch, "/v1/chat/completions": judge}
 
     def _reply(self, status: int, payload: dict) -> None:
@@ -83,9 +87,12 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            self._reply(200, route(body))
+            answer = route(body)
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             self._reply(400, {"error": f"{type(exc).__name__}: {exc}"})
+            return
+        time.sleep(self.delay)
+        self._reply(200, answer)
 
     def log_message(self, format, *args):  # one line per request would drown the training run's output
         pass
@@ -94,8 +101,10 @@ class Handler(BaseHTTPRequestHandler):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8765, help="0: any free port (printed)")
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds to wait before each answer (a model's latency)")
     parser.add_argument("--token", metavar="NAME", help="require 'Authorization: Bearer <value of the environment variable NAME>'")
     args = parser.parse_args(argv)
+    Handler.delay = args.delay
     if args.token:
         Handler.token = os.environ[args.token]
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)

@@ -134,3 +134,23 @@ def test_the_episodes_benchmark_times_turns_against_one_long_turn(recipe_documen
     assert figures["one_turn_tokens"] >= figures["sampled_tokens"] / len(trainer.stream.batch(0))
     assert figures["ratio"] == pytest.approx(figures["episodes_seconds"] / figures["one_turn_seconds"], rel=0.02)  # of unrounded seconds
     assert trainer.components.generator.config.max_new_tokens == 6  # the generator's settings are put back
+
+
+def test_the_async_benchmark_serves_its_reward_with_the_delay_it_was_given():
+    import time
+
+    from rlkit_plugins.reward_services import HttpReward, HttpRewardConfig
+
+    spec = importlib.util.spec_from_file_location("async_bench", BENCH.with_name("async_throughput.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    server, url = module.reward_server(0.4)
+    try:
+        reward = HttpReward(HttpRewardConfig(url=url, timeout=10.0, retries=0))
+        started = time.monotonic()
+        scores = reward.score(["p"], ["The pilot cooked boxes in Berlin."], reference=["The pilot cooked boxes in Berlin."])
+        assert time.monotonic() - started >= 0.4 and scores == [1.5]  # ROUGE-1 F1 1, and the fact's bonus 0.5
+    finally:
+        server.terminate()
+        server.wait()
+    assert set(module.RECIPES) == set(module.HELD_OUT) and all(path.is_file() for path in module.RECIPES.values())
