@@ -268,3 +268,117 @@ def test_a_scheduler_ahead_of_the_update_is_refused_under_fsdp(recipe_document, 
     recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
     with pytest.raises(RecipeError, match=r"\$\.scheduler\.type: 'one-step-off' samples while the update runs, and FSDP"):
         parse_recipe(recipe_document, builtin_registry, launch=Launch(processes=2, sharded=True, fsdp_version=2))
+
+
+@pytest.mark.parametrize("fails", ["push", "generation", "generation stalls"])
+def test_a_failed_push_or_generation_ends_the_run_located_with_a_checkpoint(recipe_document, builtin_registry, monkeypatch, fails):
+    import threading
+
+    from rlkit_core.errors import RunError
+    from rlkit_core.runtime import scheduling
+    from rlkit_core.runtime.run import run_recipe
+
+    calls = {"push": 0, "generation": 0}
+    released = threading.Event()  # a stalled generation returns when the test is over
+
+    class Failing(scheduling.WeightsCopy):  # fails on the second time it is asked: the batch of iteration 3
+        def __init__(self, policy):
+            super().__init__(policy)
+            load = self.model.load_state_dict
+
+            def load_state_dict(state, *args, **kwargs):
+                calls["push"] += 1
+                if fails == "push" and calls["push"] == 2:
+                    raise RuntimeError("the copy's memory is gone")
+                return load(state, *args, **kwargs)
+
+            self.model.load_state_dict = load_state_dict
+
+    def worker(*args):
+        made = original_worker(*args)
+        generate = made.components.generator.generate
+
+        def failing_generate(*args, **kwargs):
+            calls["generation"] += 1
+            if fails.startswith("generation") and calls["generation"] == 3:
+                if fails == "generation stalls":
+                    released.wait(120)
+                raise RuntimeError("the sampler crashed")
+            return generate(*args, **kwargs)
+
+        made.components.generator.generate = failing_generate
+        return made
+
+    original_worker = scheduling.Producer._worker
+    monkeypatch.setattr(scheduling, "WeightsCopy", Failing)
+    monkeypatch.setattr(scheduling.Producer, "_worker", staticmethod(worker))
+    recipe_document["run"].update(steps=5, checkpoint_every=100)
+    recipe_document["scheduler"] = {"type": "one-step-off", "wait_timeout_s": 3.0 if fails == "generation stalls" else 60.0}
+    recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
+    started = time.monotonic()
+    try:
+        with pytest.raises(RunError) as raised:
+            run_recipe(parse_recipe(recipe_document, builtin_registry), quiet=True)
+    finally:
+        released.set()
+    assert time.monotonic() - started < 50  # at once, or at the wait timeout: not after the 60 s one
+    text = str(raised.value)
+    if fails == "generation stalls":
+        assert "no rollout batch for iteration 3 within scheduler.wait_timeout_s = 3 s" in text, text
+    else:
+        doing = "loading the pushed weights" if fails == "push" else "making the batch"
+        assert f"worker 0 failed on the batch of iteration 3 (weights after 1 updates) while {doing}" in text, text
+        assert ("the copy's memory is gone" if fails == "push" else "the sampler crashed") in text
+    assert "continue with --resume auto" in text
+    checkpoints = Path(recipe_document["run"]["output_dir"]) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("iter_")) == ["iter_000002"]
+
+
+def test_the_report_gives_the_staleness_of_the_trained_batches_as_counts():
+    import io
+
+    from rlkit_core.runtime.report import print_report
+
+    history = [{"iteration": i + 1, "score/mean": 0.5, "kl/ref": 0.0, "time/iteration": 1.0, "async/staleness": float(age),
+                "async/regenerated": float(i == 3), "time/trainer_waiting": wait}
+               for i, (age, wait) in enumerate([(0, 0.9), (1, 0.1), (2, 0.3), (1, 0.2), (1, 0.0)])]
+    out = io.StringIO()
+    print_report(history, [], True, "m.jsonl", "ckpt", None, out=out)
+    assert "batches made ahead: staleness 0: 1, 1: 3, 2: 1; regenerated 1; the update waited a median 0.20 s for its batch" in out.getvalue()
+    out = io.StringIO()
+    print_report([{k: v for k, v in row.items() if not k.startswith(("async/", "time/trainer"))} for row in history], [], True, "m.jsonl",
+                 "ckpt", None, out=out)
+    assert "made ahead" not in out.getvalue()  # sync logs no staleness
+
+
+def test_batches_made_ahead_are_scored_by_a_reward_service_that_answers_late(recipe_document, builtin_registry, tmp_path):
+    """examples/reward_server.py as its own process, answering each request after 0.3 s: every
+    batch the producer made was scored by it, and trained with its own prompts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        from reward_server import score
+    finally:
+        sys.path.pop(0)
+    data = tmp_path / "with_references.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Document {i}: the pilot cooked boxes.", "reference": "The pilot cooked boxes."}) + "\n"
+                            for i in range(32)))
+    server = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parents[1] / "examples" / "reward_server.py"), "--port", "0",
+                               "--delay", "0.3"], stdout=subprocess.PIPE, text=True)
+    try:
+        address = server.stdout.readline().split()[3]
+        recipe_document["data"] = {"type": "jsonl", "path": str(data)}
+        recipe_document["reward"] = {"type": "http", "url": f"{address}/score", "batch_size": 8, "max_concurrent": 2}
+        trainer = make_trainer(recipe_document, builtin_registry, scheduler__type="one-step-off", loss__tis_cap=2.0,
+                               loss__is_level="sequence", run__steps=3)
+        try:
+            iterations = [trainer.iterate() for _ in range(3)]
+        finally:
+            trainer.close()
+    finally:
+        server.terminate()
+        server.wait()
+    for number, done in enumerate(iterations):
+        batch = done.batch
+        assert batch.prompts == [r["prompt"] for r in trainer.stream_records(number)]
+        assert batch.scores.tolist() == pytest.approx([score(r, "The pilot cooked boxes.") for r in batch.responses])
+        assert done.metrics["async/staleness"] <= 1 and done.metrics["time/score"] >= 0.3  # two requests of 8, two at once

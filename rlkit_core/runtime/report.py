@@ -22,6 +22,14 @@ def score_changes(samples: list[dict]) -> tuple[int, int, int]:
             sum(abs(d) <= SAME_SCORE for d in differences))
 
 
+def staleness_histogram(history: list[dict]) -> str:
+    """How many trained batches were how many policy versions old, e.g. 'staleness 0: 1, 1: 29'."""
+    counts: dict[int, int] = {}
+    for h in history:
+        counts[round(h["async/staleness"])] = counts.get(round(h["async/staleness"]), 0) + 1
+    return "staleness " + ", ".join(f"{age}: {n}" for age, n in sorted(counts.items()))
+
+
 def print_report(history, samples, held_out, metrics_path, checkpoint_path, tracker, out) -> None:
     """`samples`: prompts with the greedy response and its score before and after training
     (`held_out`: every held-out prompt, else a few training ones)."""
@@ -41,6 +49,11 @@ def print_report(history, samples, held_out, metrics_path, checkpoint_path, trac
         print(f"held-out evaluation, iteration {first['iteration']} → {last['iteration']}:", file=out)
         for name in (k for k in first if k.startswith("eval/")):
             print(f"  {name[5:]:<12} {first[name]:.4f} → {last[name]:.4f} ({last[name] - first[name]:+.4f})", file=out)
+    made_ahead = [h for h in history if "async/staleness" in h]
+    if made_ahead:
+        print(f"batches made ahead: {staleness_histogram(made_ahead)}; regenerated {sum(h['async/regenerated'] for h in made_ahead):.0f}; "
+              f"the update waited a median {statistics.median(h['time/trainer_waiting'] for h in made_ahead):.2f} s for its batch",
+              file=out)
     tracking = [h["time/tracking"] / h["time/iteration"] for h in history if "time/tracking" in h]
     if tracking:
         print(f"tracking cost: median {100 * statistics.median(tracking):.2f}% of an iteration", file=out)

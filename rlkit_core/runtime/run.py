@@ -35,7 +35,7 @@ from rlkit_core.runtime.prompt_stream import Prompts
 from rlkit_core.runtime.report import SAMPLES, print_report
 from rlkit_core.runtime.rollout import record_columns
 from rlkit_core.runtime.run_lock import RunLock, launched_as_main
-from rlkit_core.runtime.scheduling import Stalled
+from rlkit_core.runtime.scheduling import ProducerFault
 from rlkit_core.runtime.state import RunState
 from rlkit_core.runtime.trainer import Trainer
 
@@ -273,7 +273,7 @@ def _train_or_skip(trainer: Trainer, checkpointer: Checkpointer) -> tuple[dict[s
         if run.on_bad_reward == "stop" or in_a_row >= run.max_skips_in_a_row:
             raise _reward_failed(trainer, checkpointer, fault, before, in_a_row) from None
         metrics, batch = _skip_batch(trainer, fault), None
-    except Stalled as fault:  # made ahead, and nothing came: what trained so far is kept
+    except ProducerFault as fault:  # a batch made ahead failed or never came: what trained so far is kept
         saved = checkpointer.maybe_save(state, "stop")
         raise RunError(f"{fault}; saved {saved}; continue with --resume auto") from None
     except NonFiniteSteps as fault:

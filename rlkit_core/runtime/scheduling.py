@@ -21,7 +21,9 @@ update's π_old is recomputed with the weights that train (the proximal policy);
 π_old/π_sampler weight (`loss.tis_cap`) corrects for the older weights that sampled.
 
 A batch the trainer waits for longer than `scheduler.wait_timeout_s` ends the run (`Stalled`),
-with a checkpoint of the last iteration it trained. Batches made ahead are not checkpointed: a
+with a checkpoint of the last iteration it trained; so does a worker that could not load the pushed
+weights or make its batch (`ProducerFault`; a failed reward is raised as itself, where `sync`
+raises it, for `run.on_bad_reward`). Batches made ahead are not checkpointed: a
 resumed run makes them again from its prompt stream, so every prompt trains once, in order.
 """
 
@@ -38,9 +40,15 @@ import torch
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RunError
 from rlkit_core.runtime.distributed import SideProcesses
+from rlkit_core.runtime.faults import BadReward
 
 
-class Stalled(RunError):
+class ProducerFault(RunError):
+    """A batch made ahead did not come: a worker failed (this) or stalled (`Stalled`). The run ends
+    with a checkpoint of what it trained."""
+
+
+class Stalled(ProducerFault):
     """No batch came within `scheduler.wait_timeout_s`."""
 
 
@@ -109,11 +117,19 @@ class Producer:
         self.changed = threading.Condition()
         self.stopped = False
         self.idle = 0.0  # seconds the workers waited for weights
-        self.threads = torch.get_num_threads()  # a thread's own setting: the workers' kernels then round as the trainer's
+        # Intra-op threads, each thread's own. At bound 0 the worker uses the trainer's count, so its kernels round as the
+        # trainer's do. Above it, one: with more, CPU kernels called from a thread other than the main one ran 2-3x slower
+        # than with one (benchmarks/README.md). Setting it also sets the default of a thread that has not computed yet,
+        # so the trainer sets its own again once the workers have set theirs.
+        trainer_threads = torch.get_num_threads()
+        self.threads = trainer_threads if not bound else 1
+        self.started = threading.Barrier(len(self.workers) + 1)
         self.running = [threading.Thread(target=self._run, args=(worker,), name=f"rlkit-producer-{number}", daemon=True)
                         for number, worker in enumerate(self.workers)]
         for thread in self.running:
             thread.start()
+        self.started.wait()
+        torch.set_num_threads(trainer_threads)
 
     @staticmethod
     def _worker(trainer, first: int) -> Worker:
@@ -169,6 +185,7 @@ class Producer:
 
     def _run(self, worker: Worker) -> None:
         torch.set_num_threads(self.threads)
+        self.started.wait()
         while True:
             with self.changed:
                 began = time.perf_counter()
@@ -179,18 +196,25 @@ class Producer:
                     return
                 weights, version = self.weights, self.version
                 iteration, worker.next = worker.next, worker.next + len(self.workers)
-            if worker.copy is not None and weights is not None and worker.version != version:
-                worker.copy.model.load_state_dict(weights)
-                worker.version = version
             made = Made(iteration, version)
             began = time.perf_counter()
+            doing = "loading the pushed weights into its copy"
             try:
+                if worker.copy is not None and weights is not None and worker.version != version:
+                    worker.copy.model.load_state_dict(weights)
+                    worker.version = version
+                doing = "making the batch (generation, environment or reward)"
                 with torch.no_grad():
                     made.batch, made.metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), worker.components,
                                                                        worker.engine)
-            except BaseException as exc:  # handed to the trainer, which raises it where `sync` would
+            except BadReward as exc:  # the trainer raises it where `sync` would: the recipe skips the batch or stops
                 made.error = exc
+            except BaseException as exc:  # handed to the trainer, located; it ends the run with a checkpoint
+                made.error = ProducerFault(f"the producer's worker {self.workers.index(worker)} failed on the batch of iteration "
+                                           f"{iteration + 1} (weights after {version} updates) while {doing}: "
+                                           f"{type(exc).__name__}: {exc}")
+                made.error.__cause__ = exc
             made.seconds = time.perf_counter() - began
-            with self.changed:  # a failed batch too: the trainer skips it or stops, as the recipe says
+            with self.changed:  # a failed batch too
                 self.done[iteration] = made
                 self.changed.notify_all()
