@@ -192,7 +192,8 @@ def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, compon
     if loss is not None and not loss.component.factory.corrects_stale_samples(loss.config):
         problems.append(Problem("$.loss", f"a batch may be {scheduler.staleness_bound} policy version(s) old, and loss "
                                           f"{loss.component.name!r} with these settings does not weight tokens by π_old/π_sampler; "
-                                          "set loss.tis_cap (e.g. 2.0) for the decoupled objective"))
+                                          "set loss.tis_cap (e.g. 2.0) for the decoupled objective, with loss.is_level = 'sequence' "
+                                          "(per token, the default recipe's KL ran away at staleness 1: docs/async.md)"))
     if generator is not None and (getattr(generator.config, "top_k", 0) or getattr(generator.config, "top_p", 1.0) < 1.0):
         problems.append(Problem("$.generator", "top_k/top_p make the sampled log-probs those of the truncated distribution, so the "
                                                "behaviour weight π_old/π_sampler would be biased; use top_k = 0 and top_p = 1.0 with a "
