@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
 SAMPLES = 5  # prompts shown: in the report, and in each sample table the tracker gets
 SAME_SCORE = 1e-6  # scores closer than this count as unchanged
@@ -24,9 +25,7 @@ def score_changes(samples: list[dict]) -> tuple[int, int, int]:
 
 def staleness_histogram(history: list[dict]) -> str:
     """How many trained batches were how many policy versions old, e.g. 'staleness 0: 1, 1: 29'."""
-    counts: dict[int, int] = {}
-    for h in history:
-        counts[round(h["async/staleness"])] = counts.get(round(h["async/staleness"]), 0) + 1
+    counts = Counter(round(h["async/staleness"]) for h in history)
     return "staleness " + ", ".join(f"{age}: {n}" for age, n in sorted(counts.items()))
 
 

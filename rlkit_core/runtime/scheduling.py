@@ -59,7 +59,6 @@ class Made:
     batch: RolloutBatch | None = None
     metrics: dict[str, float] = attrs.field(factory=dict)
     error: BaseException | None = None
-    seconds: float = 0.0
 
 
 class WeightsCopy:
@@ -197,7 +196,6 @@ class Producer:
                 weights, version = self.weights, self.version
                 iteration, worker.next = worker.next, worker.next + len(self.workers)
             made = Made(iteration, version)
-            began = time.perf_counter()
             doing = "loading the pushed weights into its copy"
             try:
                 if worker.copy is not None and weights is not None and worker.version != version:
@@ -214,7 +212,6 @@ class Producer:
                                            f"{iteration + 1} (weights after {version} updates) while {doing}: "
                                            f"{type(exc).__name__}: {exc}")
                 made.error.__cause__ = exc
-            made.seconds = time.perf_counter() - began
             with self.changed:  # a failed batch too
                 self.done[iteration] = made
                 self.changed.notify_all()
