@@ -150,7 +150,7 @@ def sft_examples(tokenizer, size: int, seed: int, low: int = 1, high: int = 16, 
             ids, counted = ids + sampled, counted + [True] * len(sampled)
             history.append({"role": "assistant", "content": guess})
             if answer:
-                bridge = plain.bridge(history, [{"role": "user", "content": answer}], [])
+                bridge = plain.bridge(ids, history, [{"role": "user", "content": answer}], [])
                 assert bridge is not None  # the plain format always extends the stream
                 ids, counted = ids + bridge, counted + [False] * len(bridge)
                 history.append({"role": "user", "content": answer})

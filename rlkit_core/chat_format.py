@@ -5,11 +5,16 @@ exactly as the generator sampled them, and between turns the ids of what nobody 
 chat template puts after an assistant turn's end token, the environment's messages, the next
 generation prompt). A `ChatFormat` renders those non-sampled parts. Decoding a turn and encoding it
 again would change the ids (another segmentation of the same text) and so the log-probabilities PPO
-compares; rendering only the gaps keeps the stream what the model saw. Some templates rewrite earlier
-turns once the conversation goes on (Qwen3 drops the reasoning of turns before the last user
-message): their render of the longer conversation does not extend the shorter one, and the bridge
-says so (`None`), so that the caller starts a new sample instead of training on a stream no render
-produces. `audit` checks a tokenizer's template for all of this on a probe conversation.
+compares; rendering only the gaps keeps the stream what the model saw. A turn extends the sample
+when the stream so far (prompt ids, sampled ids, earlier bridges: what the model saw and wrote) is
+a token prefix of the ids of the longer conversation rendered; the bridge is the rest of those ids.
+The stream decides, never a render of the shorter history: Qwen3's template gives the last
+assistant turn an empty think block that it drops once a message follows, so that render extends
+no longer one although the stream does. Where the stream is not a prefix (the template strips a
+think block the model wrote, or otherwise rewrites history; the whole render segments the text
+otherwise than the stream) the bridge is `None` and the caller starts a new sample instead of
+training on a stream no render produces. `audit` plays a probe conversation through the same rule, its turns written
+without a think block and with one.
 """
 
 from __future__ import annotations
@@ -90,11 +95,11 @@ class ChatFormat(ABC):
         """The text of `messages`, with the next generation prompt when `generation_prompt`."""
 
     @abstractmethod
-    def bridge(self, history: list[dict], new: list[dict], tools: list[dict]) -> list[int] | None:
-        """The ids to append after the sampled end token of `history`'s last (assistant) turn so that
-        the stream goes on with `new` and the next generation prompt; None when the format's render
-        of `history + new` does not extend its render of `history`: the caller then starts a new
-        sample from `opening(history + new)`."""
+    def bridge(self, stream: list[int], history: list[dict], new: list[dict], tools: list[dict]) -> list[int] | None:
+        """The ids to append to `stream` (the sample's prompt ids then its stream ids, ending on the
+        sampled end token of `history`'s last, assistant, turn) so that it goes on with `new` and the
+        next generation prompt; None when no ids can: the caller then starts a new sample from
+        `opening(history + new)`."""
 
     def encode(self, text: str) -> list[int]:
         """Ids of rendered text; the render already holds every special token it wants (a BOS too)."""
@@ -134,10 +139,10 @@ class ChatFormat(ABC):
 
 
 class TemplateFormat(ChatFormat):
-    """The tokenizer's chat template. The bridge is the difference between the render of the
-    history and that of the longer conversation, from the last end token of the first: the text the
-    template puts after an assistant turn's end token (a newline for ChatML, nothing for Llama 3),
-    then the new messages and the generation prompt."""
+    """The tokenizer's chat template. The bridge is what follows the stream in the ids of the longer
+    conversation rendered (the text the template puts after an assistant turn's end token, a newline
+    for ChatML and nothing for Llama 3, then the new messages and the generation prompt), when the
+    stream is their prefix."""
 
     name = "template"
 
@@ -145,21 +150,22 @@ class TemplateFormat(ChatFormat):
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation_prompt,
                                                   tokenize=False)
 
-    def bridge(self, history: list[dict], new: list[dict], tools: list[dict]) -> list[int] | None:
-        before = self.render(history, tools, False)
-        after = self.render(history + new, tools, True)
-        end = self.after_end(before)
-        # no end id in the render: the template ends a turn on a token the generation never stops on
-        if end is None or not after.startswith(before):
-            return None
-        return self.encode(before[end:] + after[len(before):])
+    def bridge(self, stream: list[int], history: list[dict], new: list[dict], tools: list[dict]) -> list[int] | None:
+        after = self.encode(self.render(history + new, tools, True))
+        # Ids, not text: where the whole render segments the text otherwise than the stream did (at a junction: a
+        # generation prompt ending in a space that merges with the sampled word after it, an end token that is no
+        # special token merging with the newline after it; or a turn the model sampled in another segmentation than
+        # the tokenizer's), the stream is not a prefix and the split is the truth. So is an end id the template never
+        # renders (it ends turns on another token).
+        return after[len(stream):] if after[:len(stream)] == list(stream) else None
 
 
 class PlainFormat(ChatFormat):
     """Messages as lines of text, no role markers: for byte-level toy models without a template.
     A non-assistant message is its content and a newline; tools, when given, one opening line; an
-    assistant turn is what the model wrote and its end token. Append-only, so the bridge is never
-    None."""
+    assistant turn is what the model wrote and its end token. The stream is the format itself, never
+    a render of the history (whose calls an opening writes in a form of its own): the bridge appends
+    the new messages' lines and is never None."""
 
     name = "plain"
 
@@ -174,7 +180,7 @@ class PlainFormat(ChatFormat):
             parts.append((message.get("content") or "") + "".join(blocks) + self.end_texts[0])
         return "".join(parts)
 
-    def bridge(self, history: list[dict], new: list[dict], tools: list[dict]) -> list[int] | None:
+    def bridge(self, stream: list[int], history: list[dict], new: list[dict], tools: list[dict]) -> list[int] | None:
         return self.encode(self.render(new, [], False))
 
 
@@ -204,29 +210,34 @@ PROBE_TURNS: list[tuple[dict, list[dict] | None]] = [
     ({"role": "assistant", "content": "",
       "tool_calls": [_call_entry(ToolCall("probe_lookup", {"word": "fox"}))]},
      [{"role": "tool", "name": "probe_lookup", "content": PROBE_RESULT}]),
-    ({"role": "assistant", "content": "<think>\nthe tool said so\n</think>\n\na small wild dog"},
-     [{"role": "user", "content": "and a wolf?"}]),
+    ({"role": "assistant", "content": "a small wild dog"}, [{"role": "user", "content": "and a wolf?"}]),
     ({"role": "assistant", "content": "a large wild dog"}, None),
 ]
+PROBE_THINK = "<think>\nsome reasoning\n</think>\n\n"  # how a reasoning model opens each turn of the second probe
+_EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
 
 
 @attrs.frozen
 class TemplateAudit:
-    """What `audit` found. `differences`: (position, stream id, render id) where the last sample's
-    ids differ from the whole conversation rendered at once (None past the shorter one's end)."""
+    """What `audit` found. `differences`: (position, stream id, render id) where the stream, after
+    the first turn of the probe (written without a think block) where it was not a token prefix of the
+    longer conversation rendered, differs from that render (None past the render's end)."""
 
     format: str  # "template" or "plain"
-    mode: str  # "merge": every bridge extends the stream; "split": some turns start a new sample
+    mode: str  # "merge": every turn written without a think block extends the sample; "split": some start a new sample
     boundary_ids: tuple[int, ...]  # rendered after an assistant turn's end token, never sampled
     end_ids: tuple[int, ...]
     end_found: bool  # the template ends an assistant turn on one of the end ids
-    split_turns: tuple[int, ...]  # turns after which the render of the history was rewritten
-    rewrite: str  # where the first rewrite changed the render, for the printout
+    split_turns: tuple[int, ...]  # turns, written without a think block, after which the stream was not a prefix of the render
+    think_split_turns: tuple[int, ...]  # the same, each turn opening with a think block
+    parting: str  # where the stream and the render part at the first split, for the printout
+    think_parting: str  # the same at the first turn that split only with a think block
     tool_calls_rendered: bool
     tool_calls_read: bool  # a rendered call reads back as the call it was
     tool_content_rendered: bool
-    stream_length: int
-    differences: tuple[tuple[int, int | None, int | None], ...]
+    stream_length: int  # ids of the stream `differences` compares, else of the last sample
+    parted_after: int  # the turn after which `differences` were taken (0: none)
+    differences: tuple[tuple[int, int, int | None], ...]
 
     @property
     def matches(self) -> bool:
@@ -236,16 +247,27 @@ class TemplateAudit:
         """One line per finding, for the plan printout."""
         lines = [f"chat format: {self.format}" + (" (the tokenizer's chat template)" if self.format == "template"
                                                    else " (no chat template: each message a line of text, no role markers)")]
-        turns = ("turn " if len(self.split_turns) == 1 else "turns ") + ", ".join(map(str, self.split_turns))
-        if self.mode == "merge":
-            lines.append("mode: merge: every turn's render extends the rendered history, so an episode is one training sample")
-        elif not self.end_found:
+        if not self.end_found:
             lines.append(f"mode: split: the template ends an assistant turn on none of the end ids {list(self.end_ids)}, so no "
                          "bridge can follow a sampled end token and every turn starts a new training sample; add the template's "
                          "end-of-turn token to the generation config's eos_token_id")
+        elif self.mode == "merge" and self.format == "plain":
+            lines.append("mode: merge: the plain format only appends what nobody sampled, so an episode is one training sample")
+        elif self.mode == "merge":
+            lines.append("mode: merge: when the model writes no think block, the stream at each turn (prompt, sampled ids, bridges) "
+                         "is a token prefix of the longer conversation rendered: turns extend the sample, an episode is one training sample")
         else:
-            lines.append(f"mode: split: the template rewrites the history after {turns} of the probe ({self.rewrite}), so such "
-                         "turns start a new training sample from the re-rendered conversation")
+            lines.append(f"mode: split: after {_turns(self.split_turns)} of the probe the stream is not a token prefix of the longer "
+                         f"conversation rendered ({self.parting}), so the next turn starts a new training sample from the "
+                         "re-rendered conversation")
+        only_think = tuple(t for t in self.think_split_turns if t not in self.split_turns)
+        if self.format == "plain" or not self.end_found:
+            pass
+        elif not only_think:
+            lines.append("think blocks: kept in the history: turns that open with <think>...</think> extend the sample as well")
+        else:
+            lines.append(f"think blocks: stripped from the history: when the model opens its turns with <think>...</think>, "
+                         f"{_turns(only_think)} of the probe split, the next turn starting a new training sample ({self.think_parting})")
         lines.append(f"boundary after the end token: ids {list(self.boundary_ids)}, rendered, never sampled" if self.boundary_ids
                      else "boundary after the end token: none")
         lines.append("tool results: rendered" if self.tool_content_rendered
@@ -256,45 +278,75 @@ class TemplateAudit:
             lines.append("tool calls: rendered and read back" if self.tool_calls_read
                          else f"tool calls: rendered in a form the reader does not parse ({CALL_OPEN}{{json}}{CALL_CLOSE} expected)")
         if self.matches:
-            lines.append(f"stream vs the conversation rendered at once: identical ({self.stream_length} ids)")
+            lines.append(f"stream vs the conversation rendered at once: a token prefix at every turn ({self.stream_length} ids "
+                         "in the last sample)")
         else:
             shown = ", ".join(f"{p} (stream {s}, render {r})" for p, s, r in self.differences[:5])
             more = f" and {len(self.differences) - 5} more" if len(self.differences) > 5 else ""
-            lines.append(f"stream vs the conversation rendered at once: {len(self.differences)} of {self.stream_length} ids "
-                         f"differ, at {shown}{more}")
+            lines.append(f"stream vs the conversation rendered at once: after turn {self.parted_after}, {len(self.differences)} "
+                         f"of the stream's {self.stream_length} ids differ, at {shown}{more}")
         return lines
 
 
-def _first_change(before: str, after: str) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
-    return f"at character {at}: {before[at:at + 24]!r} became {after[at:at + 24]!r}"
+def _turns(turns: tuple[int, ...]) -> str:
+    return ("turn " if len(turns) == 1 else "turns ") + ", ".join(map(str, turns))
 
 
-def audit(tokenizer, eos_token_ids: tuple[int, ...], name: str = "auto") -> TemplateAudit:
-    """Plays the probe conversation (a tool call and its result, an answer with a `<think>` block,
-    another user message) the way an episode does, each turn's ids taken from the render of that
-    turn as a trained model would write it, and compares the last sample with the whole
-    conversation rendered at once (less the boundary after the final end token, which no turn
-    samples)."""
-    chat = chat_format_for(name, tokenizer, eos_token_ids)
-    tools = PROBE_TOOLS
-    history = list(PROBE_OPENING)
+@attrs.frozen
+class _Probe:
+    """One play of the probe (see `audit`)."""
+
+    splits: tuple[int, ...]
+    partings: tuple[str, ...]  # for each split
+    differences: tuple[tuple[int, int, int | None], ...]  # after the first turn whose stream was not a prefix of the render
+    stream_length: int
+    parted_after: int
+    end_found: bool
+    calls_rendered: bool
+    calls_read: bool
+    boundary: tuple[int, ...]
+    rendered: str  # the whole conversation
+
+
+def _written(chat: ChatFormat, history: list[dict], message: dict, tools: list[dict], think: bool) -> tuple[list[int], bool]:
+    """The ids a model of the template's family samples for `message` (opening with a think block when
+    `think`), and whether its end id was found: the template's render of it as the last turn, from
+    the generation prompt to the end token. Without `think`, an empty think block the template puts
+    before a last turn (Qwen3's) is left out: such a model does not write it."""
+    if think:
+        message = {**message, "content": PROBE_THINK + message["content"]}
+    prompt, whole = chat.render(history, tools, True), chat.render(history + [message], tools, False)
+    text = whole[len(prompt):] if whole.startswith(prompt) else message["content"]
+    empty = None if think else _EMPTY_THINK.match(text)
+    text = text[empty.end():] if empty else text
+    end = chat.after_end(text)
+    sampled = chat.encode(text[:end] if end is not None else text)
+    if not sampled or sampled[-1] not in chat.eos_token_ids:
+        sampled.append(chat.eos_token_ids[0])
+    return sampled, end is not None
+
+
+def _pieces(chat: ChatFormat, ids: list[int]) -> str:
+    """Ids as the text of each, so that a segmentation shows."""
+    return " + ".join(repr(chat.decode([i])) for i in ids) or "nothing"
+
+
+def _play(chat: ChatFormat, think: bool) -> _Probe:
+    """The probe played as `EpisodeRunner` plays an episode: the sampled ids, then the bridge, or a
+    new sample where there is none."""
+    tools, history = PROBE_TOOLS, list(PROBE_OPENING)
     sample = chat.opening(history, tools)
     splits: list[int] = []
-    rewrite, end_found, calls_rendered, calls_read = "", True, True, True
-    boundary: tuple[int, ...] = ()
+    partings: list[str] = []
+    differences: tuple[tuple[int, int, int | None], ...] = ()
+    end_found, calls_rendered, calls_read, boundary, compared, parted_after = True, True, True, (), 0, 0
     for turn, (message, answer) in enumerate(PROBE_TURNS, 1):
-        prompt, whole = chat.render(history, tools, True), chat.render(history + [message], tools, False)
-        text = whole[len(prompt):] if whole.startswith(prompt) else message["content"]
-        end = chat.after_end(text)
-        end_found &= end is not None
-        sampled = chat.encode(text[:end] if end is not None else text)
-        if not sampled or sampled[-1] not in chat.eos_token_ids:
-            sampled.append(chat.eos_token_ids[0])
+        sampled, found = _written(chat, history, message, tools, think)
+        end_found &= found
         sample += sampled
         recorded = chat.assistant_message(chat.read(sampled, turn))
         if message.get("tool_calls"):
-            calls_rendered = "probe_lookup" in text
+            calls_rendered = "probe_lookup" in chat.decode(sampled)
             calls_read = recorded.get("tool_calls") == message["tool_calls"]
         history.append(recorded)
         if turn == 1:
@@ -303,23 +355,36 @@ def audit(tokenizer, eos_token_ids: tuple[int, ...], name: str = "auto") -> Temp
             boundary = tuple(chat.encode(rendered[cut:])) if cut is not None else ()
         if answer is None:
             break
-        bridge = chat.bridge(history, answer, tools)
-        if bridge is None:
-            if not splits:
-                rewrite = _first_change(chat.render(history, tools, False), chat.render(history + answer, tools, True))
-            splits.append(turn)
-            history += answer
-            sample = chat.opening(history, tools)
-        else:
-            history += answer
+        bridge = chat.bridge(sample, history, answer, tools)
+        history += answer
+        render = chat.opening(history, tools)  # the template's bridge is the same comparison; the plain one makes none
+        at = [i for i in range(len(sample)) if i >= len(render) or sample[i] != render[i]]
+        if at and not parted_after:
+            differences, compared, parted_after = tuple((i, sample[i], render[i] if i < len(render) else None) for i in at), len(sample), turn
+        if bridge is not None:
             sample += bridge
-    rendered = chat.render(history, tools, False)
-    cut = chat.after_end(rendered)
-    reference = chat.encode(rendered if cut is None else rendered[:cut])
-    differences = tuple((i, sample[i] if i < len(sample) else None, reference[i] if i < len(reference) else None)
-                        for i in range(max(len(sample), len(reference)))
-                        if i >= len(sample) or i >= len(reference) or sample[i] != reference[i])
-    return TemplateAudit(format=chat.name, mode="split" if splits else "merge", boundary_ids=boundary,
-                         end_ids=chat.eos_token_ids, end_found=end_found,
-                         split_turns=tuple(splits), rewrite=rewrite, tool_calls_rendered=calls_rendered, tool_calls_read=calls_read,
-                         tool_content_rendered=PROBE_RESULT in rendered, stream_length=len(sample), differences=differences)
+            continue
+        first = at[0] if at else len(sample)
+        partings.append(f"at id {first} the stream has {_pieces(chat, sample[first:first + 6])} where the render has "
+                        f"{_pieces(chat, render[first:first + 6])}")
+        splits.append(turn)
+        sample = render
+    return _Probe(splits=tuple(splits), partings=tuple(partings), differences=differences, stream_length=compared or len(sample),
+                  parted_after=parted_after, end_found=end_found, calls_rendered=calls_rendered, calls_read=calls_read, boundary=boundary,
+                  rendered=chat.render(history, tools, False))
+
+
+def audit(tokenizer, eos_token_ids: tuple[int, ...], name: str = "auto") -> TemplateAudit:
+    """Plays the probe conversation (a tool call and its result, an answer, another user message)
+    the way an episode does, through the runner's bridge, twice: each turn's ids as a model of the
+    template's family writes them (the template's render of that turn), without a think block, then
+    with one (`PROBE_THINK`) opening each turn, which some templates strip from the history."""
+    chat = chat_format_for(name, tokenizer, eos_token_ids)
+    plain, thinking = _play(chat, False), _play(chat, True)
+    only_think = [p for t, p in zip(thinking.splits, thinking.partings) if t not in plain.splits]
+    return TemplateAudit(format=chat.name, mode="split" if plain.splits else "merge", boundary_ids=plain.boundary,
+                         end_ids=chat.eos_token_ids, end_found=plain.end_found, split_turns=plain.splits,
+                         think_split_turns=thinking.splits, parting=plain.partings[0] if plain.partings else "",
+                         think_parting=only_think[0] if only_think else "", tool_calls_rendered=plain.calls_rendered,
+                         tool_calls_read=plain.calls_read, tool_content_rendered=PROBE_RESULT in plain.rendered,
+                         stream_length=plain.stream_length, parted_after=plain.parted_after, differences=plain.differences)
