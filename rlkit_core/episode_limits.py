@@ -20,6 +20,9 @@ class StandardEpisode(EpisodeSettings):
     step_timeout_s: float = setting(10.0, help="seconds a reset or step may take (0: no limit)", validator=at_least(0), kw_only=True)
     episode_timeout_s: float = setting(60.0, help="seconds an episode may take from its reset, checked between turns (0: no limit)",
                                        validator=at_least(0), kw_only=True)
+    call_threads: int = setting(64, help="threads that run reset and step calls at once; a call that hangs past step_timeout_s holds "
+                                         "its thread until it returns, and when every one is held the run stops",
+                                validator=greater_than(0), kw_only=True)
     chat_format: str = setting("auto", help="how messages become tokens: 'template' (the tokenizer's chat template), 'plain' (text lines) "
                                             "or 'auto' (the template when the tokenizer has one)",
                                validator=one_of("auto", "template", "plain"), kw_only=True)

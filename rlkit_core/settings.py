@@ -122,7 +122,7 @@ class EpisodeSettings(CoreSettings):
     episode runner enforces (the environment never sees a token), and how turns are rendered."""
 
     reads: ClassVar[Mapping[str, Any]] = {"max_turns": 1, "max_episode_tokens": 0, "step_timeout_s": 0.0,
-                                          "episode_timeout_s": 0.0, "chat_format": "auto"}
+                                          "episode_timeout_s": 0.0, "chat_format": "auto", "call_threads": 64}
 
     @property
     def turn_limit(self) -> int:
@@ -144,6 +144,12 @@ class EpisodeSettings(CoreSettings):
     def episode_timeout(self) -> float:
         """Seconds an episode may take from its reset, checked between turns (0: no limit)."""
         return self._value("episode_timeout_s")
+
+    @property
+    def call_thread_limit(self) -> int:
+        """The most `reset`/`step` calls running at once, hung ones included
+        (`rlkit_core.runtime.environment_calls`)."""
+        return self._value("call_threads")
 
     @property
     def format_name(self) -> str:

@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Literal
 
 import attrs
 
+from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import Environment
 from rlkit_core.messages import Reply, Reset, Step, ToolCall
 
@@ -366,6 +367,8 @@ class ToolEnvironment(Environment):
         episode.tool_calls += 1
         try:
             result = getattr(self, spec.name)(episode.state, **arguments)
+        except RecipeError:  # bad input (a record without a column the tool reads): the run stops, exit 2
+            raise
         except Exception as exc:  # the model sees what went wrong, as it would from a real tool
             episode.tool_errors += 1
             return _tool_message(call.name, f"Error: {type(exc).__name__}: {exc}")

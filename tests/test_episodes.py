@@ -15,7 +15,7 @@ import torch
 from rlkit_core.functional import gae
 from rlkit_core.interfaces import Generation, Generator
 from rlkit_core.messages import Reset, Step
-from rlkit_core.runtime.episodes import EnvironmentFault, Episode, Sample, call_within, episodes_batch
+from rlkit_core.runtime.episodes import EnvironmentFault, Episode, Sample, episodes_batch
 from rlkit_core.testing.offline_models import write_tiny_model
 from tests.test_loss_mask import changed_outside_the_loss_mask, loss_and_gradients
 from tests.test_trainer import make_trainer
@@ -236,20 +236,6 @@ def test_the_token_budget_ends_an_episode_as_overflow(recipe_document, builtin_r
     assert metrics["env/status_overflow"] > 0
     assert (batch.response_mask.sum(dim=1) <= 6).all()
     assert not batch.ended[batch.response_mask.sum(dim=1) == 6].any()
-
-
-def test_call_within_returns_each_result_or_its_fault():
-    def slow():
-        time.sleep(5)
-
-    def boom():
-        raise KeyError("x")
-
-    started = time.monotonic()
-    results = call_within([(lambda: 3, ()), (slow, ()), (boom, ())], timeout=0.3)
-    assert time.monotonic() - started < 2
-    assert results[0] == ("ok", 3) and results[1] == ("timeout", None)
-    assert results[2][0] == "error" and "KeyError" in results[2][1]
 
 
 def test_a_split_episode_gives_each_sample_the_episodes_score():

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rlkit_core.errors import RecipeError
+from rlkit_core.messages import Step
 from rlkit_core.recipe.document import parse_recipe
 from tests.test_trainer import make_trainer
 
@@ -332,6 +333,139 @@ def test_a_failed_push_or_generation_ends_the_run_located_with_a_checkpoint(reci
     assert "continue with --resume auto" in text
     checkpoints = Path(recipe_document["run"]["output_dir"]) / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("iter_")) == ["iter_000002"]
+
+
+
+class StuckFromTheSecondBatch:
+    """A worker's environment whose steps, from the worker's second batch on, never return (until `released`, then
+    they end their episodes quietly)."""
+
+    def __init__(self, environment, batches: list[int], released):
+        self.environment, self.batches, self.released = environment, batches, released
+
+    def tools(self):
+        return self.environment.tools()
+
+    def reset(self, record, seed):
+        return self.environment.reset(record, seed)
+
+    def step(self, state, reply):
+        if self.batches[0] >= 2:
+            self.released.wait()
+            return Step(status="error")
+        return self.environment.step(state, reply)
+
+
+@pytest.mark.parametrize("stuck", ["generator", "environment"])
+def test_a_stall_with_every_worker_stuck_ends_the_run_at_the_wait_timeout_not_after_the_workers(recipe_document, builtin_registry,
+                                                                                                 monkeypatch, tmp_path, stuck):
+    """Two workers (bound 2), each stuck for good from its second batch on, in its generator or in an
+    environment's step without a timeout: the run ends about scheduler.wait_timeout_s after its last
+    trained row, not after waiting on each stuck worker in turn (5 s each before)."""
+    import threading
+
+    import attrs
+
+    from rlkit_core.errors import RunError
+    from rlkit_core.runtime import run as run_module
+    from rlkit_core.runtime import scheduling
+    from rlkit_core.runtime.run import run_recipe
+    from tests.test_episodes import ending_model, episode_document
+
+    released = threading.Event()  # the stuck calls return when the test is over
+    moments: dict[str, float] = {}
+
+    def worker(*args):
+        made = original_worker(*args)
+        generator, batches = made.components.generator, [0]
+        sync, generate = generator.sync_weights, generator.generate
+
+        def counting_sync(*args, **kwargs):  # once per batch, before its first generation
+            batches[0] += 1
+            return sync(*args, **kwargs)
+
+        def stuck_generate(*args, **kwargs):
+            if batches[0] >= 2:  # this worker's second batch: worker 0 makes iterations 1, 3, ..., worker 1 makes 2, 4, ...
+                released.wait()
+                raise RuntimeError("released at the end of the test")
+            return generate(*args, **kwargs)
+
+        generator.sync_weights = counting_sync
+        if stuck == "generator":
+            generator.generate = stuck_generate
+            return made
+        return attrs.evolve(made, components=attrs.evolve(made.components, environment=StuckFromTheSecondBatch(
+            made.components.environment, batches, released)))
+
+    def take(self, iteration):
+        try:
+            return original_take(self, iteration)
+        except scheduling.Stalled:
+            moments["stalled"] = time.monotonic()
+            raise
+
+    def record(self, iteration, metrics, *args):
+        if "score/mean" in metrics:
+            moments["trained"] = time.monotonic()
+        return original_record(self, iteration, metrics, *args)
+
+    original_worker, original_take, original_record = scheduling.Producer._worker, scheduling.Producer.take, run_module.RunOutputs.record
+    monkeypatch.setattr(scheduling.Producer, "_worker", staticmethod(worker))
+    monkeypatch.setattr(scheduling.Producer, "take", take)
+    monkeypatch.setattr(run_module.RunOutputs, "record", record)
+    if stuck == "environment":  # nothing else bounds a step
+        recipe_document = episode_document(recipe_document, ending_model(tmp_path / "ending"), step_timeout_s=0, episode_timeout_s=0)
+    recipe_document["run"].update(steps=5, checkpoint_every=100)
+    recipe_document["scheduler"] = {"type": "bounded", "max_staleness": 2, "wait_timeout_s": 3.0}
+    recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
+    try:
+        with pytest.raises(RunError, match="no rollout batch for iteration 3 within scheduler.wait_timeout_s = 3 s"):
+            run_recipe(parse_recipe(recipe_document, builtin_registry), quiet=True)
+        ended = time.monotonic()
+    finally:
+        released.set()
+    # after the stall: the checkpoint (a fraction of a second for the tiny model) and no wait for the two stuck workers
+    assert ended - moments["stalled"] < 3.0, f"{ended - moments['stalled']:.1f} s from the stall to the end of the run"
+    assert ended - moments["trained"] < 3.0 + 4.0, f"{ended - moments['trained']:.1f} s from the last trained row to the end of the run"
+    checkpoints = Path(recipe_document["run"]["output_dir"]) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("iter_")) == ["iter_000002"]
+
+
+def test_an_ordinary_close_waits_for_the_workers_in_flight_within_one_deadline(recipe_document, builtin_registry, monkeypatch):
+    """Closing without a stall (the run's end, a signal, a health stop): every worker busy on a batch
+    shares one deadline of `CLOSE_WAIT_S`, rather than that long each."""
+    import threading
+
+    from rlkit_core.runtime import scheduling
+
+    released, busy = threading.Event(), threading.Semaphore(0)
+
+    def worker(*args):
+        made = original_worker(*args)
+        generator = made.components.generator
+
+        def stuck_generate(*args, **kwargs):
+            busy.release()
+            released.wait()
+            raise RuntimeError("released at the end of the test")
+
+        generator.generate = stuck_generate
+        return made
+
+    original_worker = scheduling.Producer._worker
+    monkeypatch.setattr(scheduling.Producer, "_worker", staticmethod(worker))
+    monkeypatch.setattr(scheduling, "CLOSE_WAIT_S", 1.0)
+    trainer = make_trainer(recipe_document, builtin_registry)
+    try:
+        producer = scheduling.Producer(trainer, 3, 60.0)
+        for _ in range(3):
+            assert busy.acquire(timeout=60)  # all three workers in a generation that never returns
+        started = time.monotonic()
+        producer.close()
+        closed = time.monotonic() - started
+    finally:
+        released.set()
+    assert 0.9 < closed < 2.0, f"close took {closed:.2f} s for three stuck workers and a deadline of 1 s"
 
 
 def test_the_report_gives_the_staleness_of_the_trained_batches_as_counts():

@@ -266,6 +266,20 @@ def test_a_tool_that_raises_is_told_and_counted_and_the_episode_goes_on(bank):
     assert (step.done, step.status) == (False, "ok")
 
 
+def test_a_tool_that_finds_the_recipe_wrong_raises_its_recipe_error(bank):
+    """Bad input is bad input wherever it surfaces: not told to the model as a tool's failure."""
+
+    class Ledger(Bank):
+        @tool
+        def lookup(self, state: Account, account: str) -> str:
+            """Read an account from the record's ledger."""
+            raise RecipeError(["$.data: the record has no 'ledger' column; add one"])
+
+    env = Ledger()
+    with pytest.raises(RecipeError, match="no 'ledger' column"):
+        env.step(env.reset({"prompt": "save"}, seed=0).state, turn(("lookup", {"account": "a"})))
+
+
 def test_an_unreadable_call_is_told_and_no_tool_runs(bank):
     env, episode = bank
     step = env.step(episode, turn(("deposit", {"amount": 5}), parse_error="expected ',' at char 17"))

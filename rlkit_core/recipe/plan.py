@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import declares
 from rlkit_core.launch import ONE_PROCESS, Launch
@@ -12,9 +14,15 @@ from rlkit_core.recipe.inventory import inventory_rows, with_nested
 from rlkit_core.recipe.schema import kl_warnings, output_dir_problems
 from rlkit_core.settings import ModelSettings, PolicySettings, field_of
 
+# A record of the data through the environment's `reset`: (lines for the episodes section, problems, notes). The runtime gives
+# it (`rlkit_core.runtime.cli.first_reset`): it builds live components and holds the environment's contract, which this layer does not.
+ResetProbe = Callable[[Recipe], tuple[list[str], list[str], list[str]]]
 
-def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False, launch: Launch = ONE_PROCESS) -> str:
-    """The plan of a recipe checked for `launch` (the one `parse_recipe` was given)."""
+
+def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False, launch: Launch = ONE_PROCESS,
+                  reset_probe: ResetProbe | None = None) -> str:
+    """The plan of a recipe checked for `launch` (the one `parse_recipe` was given); `reset_probe`, for a recipe with an
+    `[environment]` and no other problem: its episodes can start on the data."""
     run, ppo = recipe.run, recipe.ppo
     updates_per_iteration = ppo.epochs * (ppo.batch_size // ppo.minibatch_size)
     lines = [f"recipe {recipe.source or '(in memory)'} is valid", "", "components:"]
@@ -40,10 +48,15 @@ def describe_plan(recipe: Recipe, prompt_tokens: int = 128, probe: bool = False,
         lines += ["", f"memory (prompts of {prompt_tokens} tokens; rlkit check --prompt-tokens N):", *[f"  {line}" for line in memory]]
     if "environment" in recipe.components:
         lines += ["", "episodes:", *[f"  {line}" for line in episode_plan(recipe)]]
+    episodes_end = len(lines)
     lines += ["", "code this recipe runs (besides rlkit's own):", *[f"  {line}" for line in code_it_runs(recipe)]]
     problems, notes = preflight(recipe)
     found, said = service_probes(recipe, probe)
     problems, notes = problems + found, notes + said
+    if reset_probe is not None and "environment" in recipe.components and not problems:  # builds the data: not on a known-bad recipe
+        opened, found, said = reset_probe(recipe)
+        lines[episodes_end:episodes_end] = [f"  {line}" for line in opened]
+        problems, notes = problems + found, notes + said
     if problems:
         raise RecipeError(problems, recipe.source)
     warnings = kl_warnings(recipe.ppo) + remote_code_warnings(recipe)

@@ -130,10 +130,12 @@ def _cmd_check(args) -> int:
     from rlkit_core.recipe.document import load_recipe
     from rlkit_core.recipe.plan import describe_plan
     from rlkit_core.recipe.plugins import load_registry
+    from rlkit_core.runtime.reset_check import first_reset
 
     launch = check_launch(args.accelerate_config, args.num_processes)
     recipe = load_recipe(args.recipe, load_registry(), args.overrides, launch)
-    print(describe_plan(recipe, args.prompt_tokens, probe=not args.offline, launch=launch))
+    print(describe_plan(recipe, args.prompt_tokens, probe=not args.offline, launch=launch,
+                        reset_probe=lambda checked: first_reset(checked, launch, args.offline)))
     return 0
 
 

@@ -95,7 +95,12 @@ class Engine:
         self.optimizer.step()
 
     def step_schedule(self) -> None:
-        with warnings.catch_warnings():  # a skipped step uses up its place in the schedule on purpose
+        # A skipped step uses up its place in the schedule on purpose. torch warns of that at the schedule's
+        # first step only, and only that step is wrapped: a warnings filter set at every step would reset
+        # Python's record of the warnings already shown, and they would be shown again.
+        if getattr(self.scheduler.scheduler, "_step_count", 1) > 1:
+            return self.scheduler.step()
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
             self.scheduler.step()
 

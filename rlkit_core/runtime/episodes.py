@@ -23,7 +23,6 @@ error is kept out of training (`loss_mask` zero), never scored as 0.
 from __future__ import annotations
 
 import math
-import threading
 import time
 import warnings
 from typing import Any
@@ -35,7 +34,8 @@ from rlkit_core.batch import RolloutBatch
 from rlkit_core.chat_format import ChatFormat, TemplateAudit, audit, chat_format_for
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.messages import STATUSES, TRAINED_STATUSES, Reply, Reset, Step
-from rlkit_core.runtime.faults import BadReward, failure_text
+from rlkit_core.runtime.environment_calls import CallsHung, pool_for
+from rlkit_core.runtime.faults import BadReward
 
 
 @attrs.define
@@ -77,39 +77,20 @@ class Episode:
     def finish(self, status: str) -> None:
         self.status = status
 
-    def fail(self, status: str, why: Any, call: str) -> None:
+    def fail(self, status: str, why: Any, call: str, said: set[str]) -> None:
         """End the episode for the environment's fault: `status` "timeout", or else an error whose
-        text `why` is shown once per run (the same text again is not repeated)."""
+        text `why` is shown once per environment (`said`: the texts shown already)."""
         if status == "timeout":
             return self.finish("timeout")
-        warnings.warn(f"the environment's {call} {'raised ' if status == 'error' else ''}{why}; the episode is kept out of "
-                      "training (env/status_error)", EnvironmentFault, stacklevel=2)
+        text = f"the environment's {call} {'raised ' if status == 'error' else ''}{why}; the episode is kept out of training (env/status_error)"
+        if text not in said:  # our own record: Python's once-only registry is reset by any library's warnings filter
+            said.add(text)
+            warnings.warn(text, EnvironmentFault, stacklevel=2)
         return self.finish("error")
 
 
 class EnvironmentFault(UserWarning):
     """An environment's reset or step failed: the episode ends with status "error"."""
-
-
-def call_within(calls: list[tuple[Any, tuple]], timeout: float) -> list[tuple[str, Any]]:
-    """Each `(function, args)` run at once in a thread of its own: ("ok", result), ("error", text) or
-    ("timeout", None) after `timeout` seconds (0: no limit). A call that hangs is left running in its
-    daemon thread; the episode it belongs to ends, and the run goes on."""
-    results: list[tuple[str, Any]] = [("timeout", None)] * len(calls)
-
-    def run(index: int, function, args: tuple) -> None:
-        try:
-            results[index] = ("ok", function(*args))
-        except Exception as exc:  # the environment's code: its failure is the episode's status
-            results[index] = ("error", failure_text(exc))
-
-    threads = [threading.Thread(target=run, args=(i, f, a), daemon=True) for i, (f, a) in enumerate(calls)]
-    deadline = time.monotonic() + timeout if timeout else None
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-    return [result if not thread.is_alive() else ("timeout", None) for result, thread in zip(results, threads)]
 
 
 def answer_problem(answer: Any, expected: type) -> str | None:
@@ -125,6 +106,8 @@ def answer_problem(answer: Any, expected: type) -> str | None:
         return f"returned info {answer.info!r}: a dict of finite numbers is expected"
     if isinstance(answer, Reset):
         return None if messages else "returned no opening messages"
+    if not isinstance(answer.done, bool):
+        return f"returned done={answer.done!r}; an environment says True or False"
     if answer.status not in ("ok", "error"):
         return f"returned status {answer.status!r}; an environment says 'ok' or 'error'"
     if answer.reward is not None and (isinstance(answer.reward, bool) or not isinstance(answer.reward, (int, float))):
@@ -140,32 +123,54 @@ class EpisodeRunner:
         self.engine, self.components, self.settings = engine, components, settings
         self.response_limit = recipe["generator"].config.response_limit
         self.environment, self.tokenizer = components.environment, policy.tokenizer
+        self.context = policy.context_length
         self.eos = set(policy.eos_token_ids)
         try:
             self.format: ChatFormat = chat_format_for(settings.format_name, policy.tokenizer, policy.eos_token_ids)
         except ValueError as exc:
             raise RecipeError([f"$.environment.chat_format: {exc}"]) from None
         self.tools = self.environment.tools()
+        self.calls = pool_for(self.environment, settings.call_thread_limit)
 
     def token_limit(self, prompt_length: int) -> int:
         """The episode's token budget after a prompt of `prompt_length` ids, within the policy's context."""
-        settings, policy = self.settings, self.components.policy
+        settings = self.settings
         limit = settings.episode_token_limit or settings.turn_limit * self.response_limit
-        if policy.context_length:
-            limit = min(limit, policy.context_length - prompt_length)
+        if self.context:
+            limit = min(limit, self.context - prompt_length)
         return limit
 
+    def room_for_a_turn(self, sample: Sample) -> bool:
+        """Whether a whole turn (the generator's response limit) fits after `sample`'s stream in the
+        policy's context: the generator cannot stop a turn at the context's end."""
+        return not self.context or len(sample.prompt) + len(sample.ids) + self.response_limit <= self.context
+
     def __call__(self, records: list[dict], groups: list[int], seeds: list[int], greedy: bool = False) -> list[Episode]:
-        """One episode per record, all turns, every one ended with a status; then the recipe's
-        bad-reward policy for a reward that is not a finite number, on every process alike, as
-        for the reward's scores."""
+        """One episode per record, all turns, every one ended with a status. Then, on every process
+        alike: a `RecipeError` an environment raised on any process (bad input: the run stops, exit
+        2), `CallsHung`, or the recipe's bad-reward policy for a reward that is not a finite number."""
         self.bad_rewards: list[str] = []
+        self.stopped_by: RecipeError | CallsHung | None = None
         episodes = self._play(records, groups, seeds, greedy)
-        problems = [p for p in self.engine.processes.gather_objects(self.bad_rewards[0] if self.bad_rewards else None) if p]
-        if problems:
+        stop = self.stopped_by
+        mine = (stop.problems if isinstance(stop, RecipeError) else str(stop) if stop else None, self.bad_rewards[0] if self.bad_rewards else None)
+        found = self.engine.processes.gather_objects(mine)
+        if stopped := next((s for s, _ in found if s), None):
+            raise RecipeError(stopped) if isinstance(stopped, list) else CallsHung(stopped)
+        if problem := next((b for _, b in found if b), None):
             rows = [{"prompt": str(e.record["prompt"]), "status": e.status} for e in episodes]
-            raise BadReward(f"the environment {problems[0]}", {"rows": rows})
+            raise BadReward(f"the environment {problem}", {"rows": rows})
         return episodes
+
+    def _call(self, calls: list[tuple[Any, tuple]], what: str) -> list[tuple[str, Any]]:
+        """The environment's calls in its pool (`rlkit_core.runtime.environment_calls`). A
+        `RecipeError` among them, or a pool whose every thread hung, is kept for `__call__` (which
+        raises it on every process) and ends this batch's episodes."""
+        try:
+            return self.calls.run(calls, self.settings.step_timeout, what)
+        except (RecipeError, CallsHung) as exc:
+            self.stopped_by = self.stopped_by or exc
+            return [("stopped", None)] * len(calls)
 
     def _play(self, records: list[dict], groups: list[int], seeds: list[int], greedy: bool = False) -> list[Episode]:
         from rlkit_core.runtime.rollout import generate
@@ -173,20 +178,24 @@ class EpisodeRunner:
         episodes = [Episode(record=r, group=g) for r, g in zip(records, groups)]
         timings = {"generate": 0.0, "environment": 0.0}
         started = time.perf_counter()
-        resets = call_within([(self.environment.reset, (e.record, seed)) for e, seed in zip(episodes, seeds)],
-                             self.settings.step_timeout)
+        resets = self._call([(self.environment.reset, (e.record, seed)) for e, seed in zip(episodes, seeds)], "reset")
         timings["environment"] += time.perf_counter() - started
         for episode, (status, reset) in zip(episodes, resets):
             episode.started = time.monotonic()
             problem = answer_problem(reset, Reset) if status == "ok" else None
             if status != "ok" or problem:
-                episode.fail(status, problem or reset, "reset")
+                self._fail(episode, status, problem or reset, "reset")
                 # a row for the batch all the same, never trained: the prompt as the user's message
-                episode.samples.append(Sample(prompt=self.format.opening([{"role": "user", "content": str(episode.record["prompt"])}], [])))
+                episode.samples.append(self._unplayed(self.format.opening([{"role": "user", "content": str(episode.record["prompt"])}], [])))
                 continue
             episode.state, episode.messages, episode.info = reset.state, list(reset.messages), dict(reset.info)
             episode.samples.append(Sample(prompt=self.format.opening(episode.messages, self.tools)))
+            if not self.room_for_a_turn(episode.sample):
+                self._opening_overflow(episode)
         for turn in range(1, self.settings.turn_limit + 1):
+            for episode in episodes:
+                if episode.status is None and not self.room_for_a_turn(episode.sample):
+                    episode.finish("overflow")
             running = [e for e in episodes if e.status is None]
             if not running:
                 break
@@ -197,7 +206,7 @@ class EpisodeRunner:
                 self._take_turn(episode, generation, row, turn)
             replying = [e for e in running if e.status is None]
             began = time.perf_counter()
-            steps = call_within([(self.environment.step, (e.state, e.reply)) for e in replying], self.settings.step_timeout)
+            steps = self._call([(self.environment.step, (e.state, e.reply)) for e in replying], "step")
             timings["environment"] += time.perf_counter() - began
             for episode, (status, step) in zip(replying, steps):
                 self._answer(episode, status, step, last_turn=turn == self.settings.turn_limit)
@@ -205,7 +214,39 @@ class EpisodeRunner:
             if episode.status is None:
                 episode.finish("ok")
         self.timings = timings
+        self.hung_calls = self.calls.hung
         return episodes
+
+    def _fail(self, episode: Episode, status: str, why: Any, call: str) -> None:
+        """`Episode.fail`, shown once per environment; an episode stopped by another's recipe error
+        ends silently (the run is about to stop with that error)."""
+        if status == "stopped":
+            return episode.finish("error")
+        if status == "timeout" and self.calls.hung and "hung" not in self.calls.said:
+            self.calls.said.add("hung")
+            warnings.warn(f"the environment's {call} did not return within environment.step_timeout_s = {self.settings.step_timeout:g} s: "
+                          f"the episode ends as a timeout, and the call is left running in one of environment.call_threads = "
+                          f"{self.calls.size} threads until it returns (env/hung_calls counts them; when every one is held, the run "
+                          "stops)", EnvironmentFault, stacklevel=3)
+        episode.fail(status, why, call, self.calls.said)
+
+    def _unplayed(self, prompt: list[int]) -> Sample:
+        """A sample for an episode that samples nothing, its prompt cut from the left to fit the
+        policy's context: it is a row of the batch (never trained), and the forward passes read it."""
+        return Sample(prompt=prompt[-(self.context - 1):] if self.context and len(prompt) >= self.context else prompt)
+
+    def _opening_overflow(self, episode: Episode) -> None:
+        """The environment's opening leaves no room for a turn: the episode ends as "overflow"
+        before it samples, said once per environment."""
+        length = len(episode.sample.prompt)
+        text = (f"the environment's reset returned opening messages that render to {length} tokens, which with a turn of "
+                f"{self.response_limit} (generator.max_new_tokens) do not fit the policy's context of {self.context} tokens; "
+                "such episodes end as overflow before they sample (env/status_overflow): shorten the opening messages")
+        if "opening" not in self.calls.said:
+            self.calls.said.add("opening")
+            warnings.warn(text, EnvironmentFault, stacklevel=3)
+        episode.samples[-1] = self._unplayed(episode.sample.prompt)
+        episode.finish("overflow")
 
     def _generate(self, generate, running: list[Episode], greedy: bool, sync: bool):
         """The next turn of every running episode, from its sample's stream so far; the weights are
@@ -249,7 +290,7 @@ class EpisodeRunner:
         token, then the end of the episode or the ids of what comes next."""
         problem = answer_problem(step, Step) if status == "ok" else None
         if status != "ok" or problem:
-            return episode.fail(status, problem or step, "step")
+            return self._fail(episode, status, problem or step, "step")
         if step.reward is not None:
             reward = float(step.reward)
             if not math.isfinite(reward):
@@ -265,7 +306,7 @@ class EpisodeRunner:
             return episode.finish("ok")
         if self.settings.episode_timeout and time.monotonic() - episode.started > self.settings.episode_timeout:
             return episode.finish("timeout")
-        bridge = self.format.bridge(episode.messages, step.messages, self.tools)
+        bridge = self.format.bridge(episode.sample.prompt + episode.sample.ids, episode.messages, step.messages, self.tools)
         episode.messages += step.messages
         if bridge is None:  # the template rewrote the history: the next turn starts a new sample
             episode.samples.append(Sample(prompt=self.format.opening(episode.messages, self.tools)))
@@ -367,8 +408,9 @@ def episode_rollout(engine, components, recipe, records: list[dict], samples_per
     finished = time.perf_counter()
     batch = episodes_batch(episodes, scores, tokenizer.pad_token_id, engine.device)
     batch = batch.with_(responses=[text for e, text in zip(episodes, transcripts) for _ in e.samples])
-    metrics = {name: sum(values) / len(values)
-               for name, values in _by_name(processes.gather_objects(episode_metrics(episodes))).items()}
+    gathered = processes.gather_objects((episode_metrics(episodes), runner.hung_calls))
+    metrics = {name: sum(values) / len(values) for name, values in _by_name([m for m, _ in gathered]).items()}
+    metrics["env/hung_calls"] = float(sum(hung for _, hung in gathered))  # calls past their timeout still running
     metrics.update({"time/generate": runner.timings["generate"], "time/environment": runner.timings["environment"],
                     "time/score": finished - scored, **components.generator.pop_metrics()})
     return batch, metrics

@@ -96,6 +96,13 @@ class NonFiniteSteps(RunError):
     """Too many optimiser steps in a row had a non-finite loss or gradient."""
 
 
+class NothingTrained(RunError):
+    """Iterations in a row trained nothing (every episode kept out of training): exit code 3, as a
+    health check that stops the run."""
+
+    exit_code = 3
+
+
 class Stopped(RunError):
     """The run stopped on a signal, after checkpointing; the exit code is the shell's 128 + signal."""
 

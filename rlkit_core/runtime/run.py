@@ -24,10 +24,21 @@ from rlkit_core.recipe.resume_check import check_resumed_recipe
 from rlkit_core.recipe.schema import kl_warnings
 from rlkit_core.runtime import checkpoint
 from rlkit_core.runtime.engine import Engine
+from rlkit_core.runtime.environment_calls import CallsHung
 from rlkit_core.runtime.episodes import chat_audit
 from rlkit_core.runtime.evaluation import Evaluator
 from rlkit_core.runtime.export import export_checkpoint
-from rlkit_core.runtime.faults import BadReward, NonFiniteSteps, Stopped, StopRequests, checked_scores, failure_text, reward_name, save_bad_batch
+from rlkit_core.runtime.faults import (
+    BadReward,
+    NonFiniteSteps,
+    NothingTrained,
+    Stopped,
+    StopRequests,
+    checked_scores,
+    failure_text,
+    reward_name,
+    save_bad_batch,
+)
 from rlkit_core.runtime.health import HealthMonitor, HealthStop
 from rlkit_core.runtime.metrics_log import MetricsLog
 from rlkit_core.runtime.plot import plot_curves
@@ -147,6 +158,7 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
                 findings = health.observe(metrics, batch, components.kl.target)
                 outputs.record(trainer.state.iteration, metrics, batch, findings)
                 checkpointer.maybe_save(trainer.state, "schedule")
+                _stop_if_nothing_trains(trainer, metrics, checkpointer)
                 _stop_if_asked(trainer.state, processes, health.stops(findings), stop, checkpointer)
         final_checkpoint = _finish_outputs(trainer, outputs, checkpointer)
         status = "FINISHED"
@@ -267,13 +279,13 @@ def _train_or_skip(trainer: Trainer, checkpointer: Checkpointer) -> tuple[dict[s
     before = checkpoint.rng_state()  # to checkpoint the state before this iteration if its reward fails
     try:
         result = trainer.iterate()
-        metrics, batch = result.metrics, result.batch
+        metrics, batch = result.metrics, result.batch if result.trained else None
     except BadReward as fault:
         in_a_row = state.reward_failed().skips_in_a_row
         if run.on_bad_reward == "stop" or in_a_row >= run.max_skips_in_a_row:
             raise _reward_failed(trainer, checkpointer, fault, before, in_a_row) from None
         metrics, batch = _skip_batch(trainer, fault), None
-    except ProducerFault as fault:  # a batch made ahead failed or never came: what trained so far is kept
+    except (ProducerFault, CallsHung) as fault:  # a batch made ahead failed or never came, or the environment's calls hung: what trained so far is kept
         saved = checkpointer.maybe_save(state, "stop")
         raise RunError(f"{fault}; saved {saved}; continue with --resume auto") from None
     except NonFiniteSteps as fault:
@@ -282,6 +294,30 @@ def _train_or_skip(trainer: Trainer, checkpointer: Checkpointer) -> tuple[dict[s
     if trainer.state.skipped_batches:
         metrics["run/skipped_batches"] = trainer.state.skipped_batches
     return metrics, batch
+
+
+def _stop_if_nothing_trains(trainer: Trainer, metrics: dict[str, float], checkpointer: Checkpointer) -> None:
+    """Say so when an iteration trained nothing; end the run (exit 3, with a checkpoint) after
+    `run.max_skips_in_a_row` such iterations in a row, or at its last iteration when none of its
+    iterations ever trained: a run that learned nothing never ends as if it had."""
+    state, run = trainer.state, trainer.recipe.run
+    if not state.untrained_in_a_row:
+        return
+    statuses = ", ".join(f"{name} = {value:.2f}" for name, value in metrics.items() if name.startswith("env/status_") and value)
+    why = f"no rollout had a token to train: every episode ended in a status kept out of training ({statuses})" if statuses else \
+        "no rollout had a token to train"
+    if trainer.engine.processes.is_main:
+        print(f"rlkit run: warning: iteration {state.iteration} trained nothing: {why}; the weights, the optimiser and the KL "
+              "controller were left as they were", file=sys.stderr)
+    if state.untrained_in_a_row >= run.max_skips_in_a_row:
+        streak = f"{state.untrained_in_a_row} iterations in a row (run.max_skips_in_a_row)"
+    elif state.untrained_batches >= state.iteration >= run.steps:  # the last iteration, and none ever trained
+        streak = "every iteration of the run"
+    else:
+        return
+    saved = checkpointer.maybe_save(state, "stop")
+    raise NothingTrained(f"{streak} trained nothing, up to iteration {state.iteration}: {why}; look at the warnings above for the "
+                         f"environment's faults, fix them, then continue with --resume auto (saved {saved})")
 
 
 def _stop_if_asked(state: RunState, processes, finding, stop: StopRequests, checkpointer: Checkpointer) -> None:

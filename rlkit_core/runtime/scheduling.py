@@ -23,7 +23,11 @@ update's π_old is recomputed with the weights that train (the proximal policy);
 A batch the trainer waits for longer than `scheduler.wait_timeout_s` ends the run (`Stalled`),
 with a checkpoint of the last iteration it trained; so does a worker that could not load the pushed
 weights or make its batch (`ProducerFault`; a failed reward is raised as itself, where `sync`
-raises it, for `run.on_bad_reward`). Batches made ahead are not checkpointed: a
+raises it, for `run.on_bad_reward`). Either way the run then waits for no worker (one stuck in a
+call never returns, and Python cannot stop a thread: they are daemon threads), so it ends about
+`wait_timeout_s` plus the checkpoint's time after its last trained iteration. Any other end waits
+for the batches in flight `CLOSE_WAIT_S` at most, all workers together, and not for a worker busy
+longer than `wait_timeout_s`. Batches made ahead are not checkpointed: a
 resumed run makes them again from its prompt stream, so every prompt trains once, in order.
 """
 
@@ -38,9 +42,11 @@ import attrs
 import torch
 
 from rlkit_core.batch import RolloutBatch
-from rlkit_core.errors import RunError
+from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.runtime.distributed import SideProcesses
 from rlkit_core.runtime.faults import BadReward
+
+CLOSE_WAIT_S = 5.0  # the longest an ordinary close waits for the batches in flight, all workers together
 
 
 class ProducerFault(RunError):
@@ -99,6 +105,7 @@ class Worker:
     engine: SideEngine  # with a process group of the worker's own: its collectives in one order everywhere
     next: int  # the next iteration it makes: worker w of k makes iterations w, w + k, w + 2k, ... (past the start)
     version: int = -1
+    busy_since: float | None = None  # time.monotonic() when it started the batch it is making; None while it waits
 
 
 class Producer:
@@ -115,6 +122,7 @@ class Producer:
         self.done: dict[int, Made] = {}
         self.changed = threading.Condition()
         self.stopped = False
+        self.given_up = False  # a stall or a worker's failure was raised: the run ends, and `close` waits for no worker
         self.idle = 0.0  # seconds the workers waited for weights
         # Intra-op threads, each thread's own. At bound 0 the worker uses the trainer's count, so its kernels round as the
         # trainer's do. Above it, one: with more, CPU kernels called from a thread other than the main one ran 2-3x slower
@@ -158,12 +166,15 @@ class Producer:
         started = time.perf_counter()
         with self.changed:
             if not self.changed.wait_for(lambda: iteration in self.done, timeout=self.timeout):
+                self.given_up = True
                 raise Stalled(f"no rollout batch for iteration {iteration + 1} within scheduler.wait_timeout_s = {self.timeout:g} s: "
                               "the generator, the environment or the reward stalled")
             made = self.done.pop(iteration)
             idle, self.idle = self.idle, 0.0
         waited = time.perf_counter() - started
         if made.error is not None:
+            if isinstance(made.error, ProducerFault):  # not a failed reward (`BadReward`): the recipe may skip it and go on
+                self.given_up = True
             raise made.error
         staleness, regenerated = iteration - made.version, 0
         assert made.batch is not None  # made, since it carries no error
@@ -176,11 +187,19 @@ class Producer:
                        "time/trainer_waiting": waited, "time/generator_idle": idle}
 
     def close(self) -> None:
+        """Stop the workers, waiting little: a batch in flight is made again on resume. After a stall or a worker's
+        failure, for none (one stuck in a call never returns, and the run is ending); else until one deadline
+        `CLOSE_WAIT_S` away for all of them, and for none past `wait_timeout_s` on its batch (stuck), so that a
+        worker still using the run's reward or environment is given the time to finish before the run goes on."""
         with self.changed:
             self.stopped = True
             self.changed.notify_all()
-        for thread in self.running:
-            thread.join(timeout=5)
+            if self.given_up:
+                return
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            until = [deadline if worker.busy_since is None else min(deadline, worker.busy_since + self.timeout) for worker in self.workers]
+        for thread, end in zip(self.running, until):
+            thread.join(timeout=max(0.0, end - time.monotonic()))
 
     def _run(self, worker: Worker) -> None:
         torch.set_num_threads(self.threads)
@@ -195,6 +214,7 @@ class Producer:
                     return
                 weights, version = self.weights, self.version
                 iteration, worker.next = worker.next, worker.next + len(self.workers)
+                worker.busy_since = time.monotonic()
             made = Made(iteration, version)
             doing = "loading the pushed weights into its copy"
             try:
@@ -205,7 +225,7 @@ class Producer:
                 with torch.no_grad():
                     made.batch, made.metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), worker.components,
                                                                        worker.engine)
-            except BadReward as exc:  # the trainer raises it where `sync` would: the recipe skips the batch or stops
+            except (BadReward, RecipeError) as exc:  # raised where `sync` raises it: a skip or stop, or bad input (exit 2)
                 made.error = exc
             except BaseException as exc:  # handed to the trainer, located; it ends the run with a checkpoint
                 made.error = ProducerFault(f"the producer's worker {self.workers.index(worker)} failed on the batch of iteration "
@@ -214,4 +234,5 @@ class Producer:
                 made.error.__cause__ = exc
             with self.changed:  # a failed batch too
                 self.done[iteration] = made
+                worker.busy_since = None
                 self.changed.notify_all()

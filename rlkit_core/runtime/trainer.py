@@ -11,6 +11,7 @@ in `rlkit_core.functional`.
 
 from __future__ import annotations
 
+import json
 import time
 import zlib
 from pathlib import Path
@@ -50,10 +51,19 @@ def critic_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tens
             "value/mean": float(masked_mean(values, mask)), "return/mean": float(masked_mean(returns, mask))}
 
 
+def data_checksum(batch: RolloutBatch) -> float:
+    """Which records an iteration's batch came from, as a CRC-32: each row's prompt and its record's
+    other columns (what makes episodes of one prompt text differ, a game's secret). A resumed run,
+    or one made ahead, must show the same value each iteration as an uninterrupted one."""
+    rows = [{"prompt": prompt, **{name: values[row] for name, values in batch.columns.items()}} for row, prompt in enumerate(batch.prompts)]
+    return float(zlib.crc32(json.dumps(rows, sort_keys=True, default=str).encode()))
+
+
 @attrs.frozen
 class Iteration:
     metrics: dict[str, float]  # over the global batch, with the timings of this process
-    batch: RolloutBatch  # the global batch it trained on, scored and with its targets
+    batch: RolloutBatch  # the global batch it trained on, scored and with its targets (when it trained)
+    trained: bool = True  # False: no token of the batch trained, and nothing was updated
 
 
 class Trainer:
@@ -164,6 +174,8 @@ class Trainer:
             if self.producer is None:
                 self.producer = Producer(self, scheduler.staleness_bound, scheduler.wait_timeout_s)
             batch, metrics = self.producer.take(iteration)
+        if not int(engine.processes.sum(batch.loss_mask.sum())):  # no token of any process's batch trains
+            return self._untrained(batch, metrics, started)
         if type(components.advantage).needs_baseline_scores:  # a flag of the class, as the recipe check reads it
             batch, timing = self.greedy_baseline(records, batch)
             metrics.update(timing)
@@ -175,9 +187,9 @@ class Trainer:
         finished = time.perf_counter()
 
         batch = engine.processes.gather_batch(batch, components.policy.tokenizer.pad_token_id)  # the metrics are global
-        # the rollouts that train: an episode kept out of training (a fault) has no counted token
+        # the rollouts that train (some do, `_untrained` otherwise): an episode kept out of training (a fault) has no counted token
         trained = batch.loss_mask.any(dim=1)
-        batch_trained = batch.select(trained.nonzero().squeeze(1)) if trained.any() and not trained.all() else batch
+        batch_trained = batch if trained.all() else batch.select(trained.nonzero().squeeze(1))
         assert batch_trained.kl is not None  # compared with the reference before the update
         mask = batch_trained.loss_mask
         kl_per_sequence = masked_sum(batch_trained.kl, mask, dim=1)
@@ -201,12 +213,22 @@ class Trainer:
             "time/train": finished - train_started,
             "time/iteration": finished - started,
             "time/tokens_per_second": float(batch.response_mask.sum()) / (finished - started),  # every response position forwarded
-            # which prompts trained, as a checksum: a resumed run, or one made ahead, must show the same one each iteration
-            "data/prompts_crc": float(zlib.crc32("\n".join(batch.prompts).encode())),
+            "data/prompts_crc": data_checksum(batch),
         })
         if batch_trained.values is not None and batch_trained.returns is not None:
             metrics.update(critic_metrics(batch_trained.values, batch_trained.returns, mask))
         return Iteration(metrics, batch)
+
+    def _untrained(self, batch: RolloutBatch, metrics: dict[str, float], started: float) -> Iteration:
+        """An iteration whose batch has no token to train (every episode kept out of training): no
+        update, the KL controller and β as they were, no score or KL that was not measured; the
+        rollout's own figures (`env/status_...`), counted in the state (the run stops on a streak of
+        them: `rlkit_core.runtime.run`)."""
+        batch = self.engine.processes.gather_batch(batch, self.components.policy.tokenizer.pad_token_id)
+        self.state = self.state.untrained()
+        metrics.update({"run/untrained_batches": float(self.state.untrained_batches), "data/prompts_crc": data_checksum(batch),
+                        "time/iteration": time.perf_counter() - started})
+        return Iteration(metrics, batch, trained=False)
 
     def skip_iteration(self) -> None:
         """Count iteration `state.iteration + 1` as done without training on its batch (a reward

@@ -1,0 +1,111 @@
+"""The threads that run an environment's `reset` and `step` calls, within a bound.
+
+An environment is someone else's code, and a call may hang. Python cannot stop a thread, so a call
+past its timeout ends its episode (status "timeout") and is left running in its daemon thread. Left
+unbounded, such threads pile up: one per hung call, for the whole run. Here every call runs in a
+thread of its environment's `CallPool`, which runs at most `size` calls at once (the environment's
+`call_threads` setting); a call waits for a free thread and its timeout counts from when it starts.
+A hung call holds its thread until it returns (`hung`, logged as `env/hung_calls`). When every thread
+is held by a hung call, no episode can go on: the run ends (`CallsHung`), located, with a checkpoint,
+rather than ending every later episode as a timeout that never ran.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.runtime.faults import failure_text
+
+
+class CallsHung(RunError):
+    """Every thread of an environment's pool is held by a call that hung past its timeout."""
+
+
+class CallPool:
+    """At most `size` calls of one environment at once, each in a daemon thread (see the module)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.changed = threading.Condition()
+        self.running = 0  # calls whose thread has not returned, this batch's and hung ones alike
+        self.hung = 0  # calls past their timeout whose thread has not returned
+        self.said: set[str] = set()  # the texts of this environment's faults shown already (shown once each)
+        self.owner: Any = None  # the environment, kept alive where it cannot be weakly referenced (`pool_for`)
+
+    def run(self, calls: list[tuple[Callable, tuple]], timeout: float, what: str = "call") -> list[tuple[str, Any]]:
+        """Each `(function, args)` run in a thread of the pool: ("ok", result), ("error", text) or
+        ("timeout", None) once it has run `timeout` seconds (0: no limit). A `RecipeError` is bad
+        input, not an episode's fault: the first one is raised once every call has ended or timed
+        out. `what` names the calls in the error that ends the run when every thread is held."""
+        results: list[tuple[str, Any]] = [("timeout", None)] * len(calls)
+        recipe_errors: list[RecipeError] = []
+        waiting, started, finished = deque(range(len(calls))), {}, set()
+        overdue: set[int] = set()
+
+        def call(index: int, function, args: tuple) -> None:
+            try:
+                outcome: tuple[str, Any] = ("ok", function(*args))
+            except RecipeError as exc:
+                recipe_errors.append(exc)
+                outcome = ("error", str(exc))
+            except Exception as exc:  # the environment's code: its failure is the episode's status
+                outcome = ("error", failure_text(exc))
+            with self.changed:
+                self.running -= 1
+                if index in overdue:
+                    self.hung -= 1
+                else:
+                    results[index] = outcome
+                finished.add(index)
+                self.changed.notify_all()
+
+        with self.changed:
+            while waiting or len(finished) + len(overdue) < len(started):
+                while waiting and self.running < self.size:
+                    index = waiting.popleft()
+                    started[index] = time.monotonic()
+                    self.running += 1
+                    function, args = calls[index]
+                    threading.Thread(target=call, args=(index, function, args), daemon=True, name="rlkit-environment-call").start()
+                if timeout:
+                    now = time.monotonic()
+                    for index, began in started.items():
+                        if index not in finished and index not in overdue and now - began >= timeout:
+                            overdue.add(index)
+                            self.hung += 1
+                if waiting and self.hung >= self.size:
+                    raise CallsHung(f"every one of the environment's {self.size} call threads (environment.call_threads) is held by "
+                                    f"a call that did not return within environment.step_timeout_s = {timeout:g} s and is still "
+                                    f"running, so the next {what} cannot start; the environment hangs on some calls: find the call "
+                                    "that never returns (a lock, a request without a timeout)")
+                if waiting or len(finished) + len(overdue) < len(started):
+                    deadlines = [began + timeout for index, began in started.items() if index not in finished and index not in overdue]
+                    wait = max(0.0, min(deadlines) - time.monotonic()) if timeout and deadlines else None
+                    self.changed.wait(wait)
+        if recipe_errors:
+            raise recipe_errors[0]
+        return results
+
+
+_POOLS: dict[int, CallPool] = {}
+
+
+def pool_for(environment: Any, size: int) -> CallPool:
+    """The pool of `environment`'s calls, of `size` threads: one per environment for the process,
+    so that calls hung in one batch still count in the next (the trainer's and a producer's alike)."""
+    key = id(environment)
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = _POOLS[key] = CallPool(size)
+        try:
+            weakref.finalize(environment, _POOLS.pop, key, None)
+        except TypeError:  # not weakly referenceable: the pool keeps it, so its id is never reused
+            pool.owner = environment
+    pool.size = size
+    return pool
