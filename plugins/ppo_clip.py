@@ -1,19 +1,26 @@
-"""Loss `ppo-clip`: a policy-gradient surrogate (PPO's clipped one by default), clipped value term, optional entropy bonus."""
+"""Loss `ppo-clip`: a policy-gradient surrogate (PPO's clipped one by default), clipped value term,
+optional entropy bonus; and the surrogates it ships, `ppo`, `gspo` and (from `cispo.py`, a module of
+this plugin) `cispo`."""
+
+from typing import ClassVar
 
 import attrs
+import torch
 
 from rlkit_core import (
-    SURROGATES,
+    ComponentChoice,
     Loss,
     LossTerms,
+    RatioClip,
     RecipeError,
+    SurrogateTerms,
     at_least,
     building_at,
     field_of,
     greater_than,
     hookimpl,
+    nested_component,
     one_of,
-    registered_surrogate,
     setting,
 )
 from rlkit_core.functional import (
@@ -21,28 +28,23 @@ from rlkit_core.functional import (
     IS_MODES,
     RATIO_LEVELS,
     aggregation_weights,
+    clipped_surrogate,
     clipped_value_error,
     importance_weights,
     kl_per_token,
     masked_mean,
     masked_sum,
     ratio_statistics,
+    response_mean,
     token_log_ratio,
 )
+
+from .cispo import CISPOConfig, cispo
 
 
 def dual_clip_constant(instance, attribute, value):
     if value and value <= 1:
         raise ValueError(f"must be 0 (off) or > 1, got {value!r}; 3 is usual")
-
-
-def surrogate_of_ratio_level(config) -> str:
-    return "gspo" if config.ratio_level == "sequence" else "ppo"
-
-
-def matches_ratio_level(instance, attribute, value):
-    if instance.ratio_level == "sequence" and value != "gspo":
-        raise ValueError(f"ratio_level = 'sequence' is GSPO's ratio, so it takes surrogate 'gspo', not {value!r}; drop ratio_level")
 
 
 @attrs.frozen
@@ -53,10 +55,9 @@ class PPOClipConfig:
     clip_high: float = setting(attrs.Factory(lambda c: c.clip, takes_self=True),
                                help="ε above 1: the ratio is clipped at 1 + clip_high (default: clip; larger is DAPO's clip-higher)", validator=greater_than(0))
     dual_clip: float = setting(0.0, help="dual-clip constant c > 1 bounding a token with A < 0 at -c·A (0: off; 3 is usual)", validator=dual_clip_constant)
-    ratio_level: str = setting("token", help="'sequence' is GSPO's one ratio per response, the same as surrogate = 'gspo'", validator=one_of(*RATIO_LEVELS))
-    surrogate: str = setting(attrs.Factory(surrogate_of_ratio_level, takes_self=True),
-                             help="the registered policy surrogate (ppo, gspo, cispo, or a plugin's)",
-                             validator=[registered_surrogate, matches_ratio_level])
+    surrogate: ComponentChoice | None = nested_component(
+        "surrogate", default_type="ppo", help="the policy-gradient surrogate, [loss.surrogate] with its type and settings, or its name "
+        "alone: ppo and gspo (which clip by clip_low, clip_high, dual_clip), cispo, or a plugin's")
     value_clip: float = setting(0.2, help="value clip ε_v around the rollout's values", validator=greater_than(0))
     vf_coef: float = setting(0.1, help="weight c_v of the value loss", validator=at_least(0))
     entropy_coef: float = setting(0.0, help="weight c_e of the entropy bonus (usually 0 for language models)", validator=at_least(0))
@@ -71,11 +72,16 @@ class PPOClipConfig:
     token_sum_norm: float = setting(0.0, help="what seq-mean-token-sum-norm divides a response's token sum by (0: max_new_tokens)", validator=at_least(0))
     mask_truncated: bool = setting(False, help="leave responses that never emitted EOS out of every loss term (DAPO's overlong filtering)")
 
+    refused_keys: ClassVar[dict[str, str]] = {  # a setting it no longer has, with what to write instead
+        "ratio_level": 'removed; ratio_level = "sequence" is GSPO\'s one ratio per response: write surrogate = "gspo" instead '
+                       '(ratio_level = "token" was the default: drop it)',
+    }
+
 
 class PPOClip(Loss):
     """The policy-gradient loss of docs/ppo_reference.md around a registered surrogate
-    (`rlkit_core.surrogates`), which says what each token's policy loss is; this class owns what
-    every surrogate shares. Per minibatch, in order:
+    (`[loss.surrogate]`, `rlkit_core.surrogates`), which says what each token's policy loss is; this
+    class owns what every surrogate shares. Per minibatch, in order:
 
     1. aggregation: per-token weights and divisor (`aggregation`);
     2. importance correction for a sampler that is not the learner (`tis_cap`, `is_level`, `is_mode`);
@@ -98,7 +104,9 @@ class PPOClip(Loss):
 
     def __init__(self, config: PPOClipConfig, context):
         self.config = config
-        self.surrogate = SURROGATES[config.surrogate]
+        assert config.surrogate is not None, "the recipe reader fills [loss.surrogate] (ppo when the recipe leaves it out)"
+        self.surrogate, self.surrogate_settings = config.surrogate.component.factory, config.surrogate.config
+        self.clip = RatioClip(config.clip_low, config.clip_high, config.dual_clip)
         self.needs_entropy_grad = config.entropy_coef > 0
         self.responses_per_step = context.recipe.ppo.minibatch_size
         generator = context.recipe["generator"].config
@@ -127,10 +135,10 @@ class PPOClip(Loss):
             policy_weights = tis if weights is None else weights * tis
 
         log_ratio = token_log_ratio(current.logprobs, old_logprobs, mask)
-        pg = self.surrogate(log_ratio, advantages, mask, config)
-        ratio_means, ratio_max = ratio_statistics(log_ratio if pg.log_ratio is None else pg.log_ratio, mask)
+        pg = self.surrogate(log_ratio, advantages, mask, self.surrogate_settings, self.clip)
+        ratio_mean, ratio_max = ratio_statistics(log_ratio if pg.log_ratio is None else pg.log_ratio, mask)
         losses = {"policy": masked_sum(pg.per_token if policy_weights is None else policy_weights * pg.per_token, mask) / divisor}
-        diagnostics = {**pg.diagnostics, **ratio_means, "entropy": masked_mean(current.entropy, mask).detach()}
+        diagnostics = {**pg.diagnostics, "ratio_mean": ratio_mean}  # the loop logs entropy and approx_kl itself
         if tis is not None:
             diagnostics["tis_weight_mean"] = masked_mean(tis, mask)
             # truncate: the weights at the cap; mask: the ones set to 0
@@ -154,11 +162,45 @@ class PPOClip(Loss):
             losses["kl"] = current.kl_coef * masked_sum(kl if weights is None else weights * kl, mask) / divisor
 
         threshold = config.ratio_threshold or float("inf")
-        skip = (ratio_means["ratio_mean"] > threshold).float()  # a tensor: the loop reads it once per step
-        return LossTerms(losses=losses, diagnostics=diagnostics, maxima={"ratio_max": ratio_max}, skip=skip)
+        skip = (ratio_mean > threshold).float()  # a tensor: the loop reads it once per step
+        return LossTerms(losses=losses, diagnostics=diagnostics, maxima={"ratio_max": ratio_max}, skip=skip, log_ratio=pg.log_ratio)
+
+
+@attrs.frozen
+class LossClipConfig:
+    """No settings of its own: the surrogate clips by the loss's clip_low, clip_high and dual_clip."""
+
+    refused_keys: ClassVar[dict[str, str]] = {  # where a reader of `[loss.surrogate]` may look for them
+        key: f"{key} is a setting of the loss, which ppo and gspo clip by: write it in [loss]" for key in ("clip", "clip_low", "clip_high", "dual_clip")}
+
+
+def ppo(log_ratio, advantages, mask, settings: LossClipConfig, clip: RatioClip) -> SurrogateTerms:
+    """PPO's clipped surrogate (Schulman et al. 2017) with its ratio clipped to [1 - clip.low,
+    1 + clip.high] (a larger clip.high is DAPO's clip-higher) and optional dual-clip; clipfrac is
+    the share of tokens whose clipped branch sets the loss."""
+    per_token, clipped, dual_active = clipped_surrogate(log_ratio.exp(), advantages, clip.low, clip.high, clip.dual)
+    diagnostics = {"clipfrac": masked_mean(clipped.float(), mask)}
+    if dual_active is not None:
+        diagnostics["dual_clipfrac"] = masked_mean(dual_active.float(), mask)
+    return SurrogateTerms(per_token, diagnostics)
+
+
+def gspo(log_ratio, advantages, mask, settings: LossClipConfig, clip: RatioClip) -> SurrogateTerms:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): PPO's clipped surrogate over one length-normalised
+    ratio per response, exp of the mean of its tokens' log-ratios (`functional.sequence_log_ratio`);
+    its clip is far narrower than PPO's (3e-4..4e-4). The ratio is 1 on padding, so that garbage
+    advantages there cannot reach the response's gradient through its mean."""
+    sequence = torch.where(mask.bool(), response_mean(log_ratio, mask), torch.zeros_like(log_ratio))
+    return attrs.evolve(ppo(sequence, advantages, mask, settings, clip), log_ratio=sequence)
 
 
 @hookimpl
 def register_losses(register):
     register("ppo-clip", PPOClip, PPOClipConfig)
 
+
+@hookimpl
+def register_surrogates(register):
+    register("ppo", ppo, LossClipConfig)
+    register("gspo", gspo, LossClipConfig)
+    register("cispo", cispo, CISPOConfig)  # plugins/cispo.py: a surrogate with a setting of its own, in one module

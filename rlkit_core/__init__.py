@@ -3,7 +3,8 @@
 What a plugin author needs is importable from here: the interface of each kind (and `ComponentBase`, the
 hooks every component class may declare), the settings bases whose settings rlkit reads, `setting`
 and its validators for config classes, nested component tables, `hookimpl`, the errors a plugin
-raises and `building_at` for their places, `surrogate` to register a policy-gradient surrogate,
+raises and `building_at` for their places, what a policy-gradient surrogate takes and returns
+(`Surrogate`, `RatioClip`, `SurrogateTerms`; registered by a `register_surrogates` hook),
 and the records a factory reads through its `BuildContext` (the `Recipe` and its tables). An
 environment speaks the messages of `Reply`, `Reset` and `Step`; `ToolEnvironment` and `tool` make
 typed methods its tools.
@@ -57,7 +58,7 @@ from rlkit_core.records import (
 )
 from rlkit_core.sampling import StandardSampling
 from rlkit_core.settings import EpisodeSettings, ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings, field_of
-from rlkit_core.surrogates import SURROGATES, SurrogateTerms, registered_surrogate, surrogate
+from rlkit_core.surrogates import RatioClip, Surrogate, SurrogateTerms
 from rlkit_core.tools import ToolEnvironment, tool, tool_schema
 
 try:
@@ -69,11 +70,11 @@ __all__ = [
     "AdvantageEstimator", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Environment",
     "EpisodeSettings", "EvalConfig", "Generation", "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs",
     "LossTerms", "ModelSettings", "ModelShape", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput", "PolicySettings", "Problem",
-    "Progress", "PromptLengthLimit", "PromptSource", "Recipe", "RecipeError", "Reply", "Reset", "RewardSource", "RunConfig", "RunError",
-    "SURROGATES", "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "SurrogateTerms", "ToolCall", "ToolEnvironment",
-    "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "field_of", "greater_than", "hookimpl",
-    "nested_component", "nested_components", "one_of", "registered_surrogate", "sampling_seed", "setting", "surrogate",
-    "switch_off_dropout", "tool", "tool_schema",
+    "Progress", "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError", "Reply", "Reset", "RewardSource", "RunConfig",
+    "RunError", "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "Surrogate", "SurrogateTerms", "ToolCall",
+    "ToolEnvironment", "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "field_of",
+    "greater_than", "hookimpl", "nested_component", "nested_components", "one_of", "sampling_seed", "setting", "switch_off_dropout",
+    "tool", "tool_schema",
 ]
 
 

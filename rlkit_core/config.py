@@ -5,9 +5,14 @@ validators phrase their failures so that the recipe loader can prefix them with 
 `$.kl.target: must be > 0, got -1`.
 
 A setting may also hold other components' tables (`nested_component`, `nested_components`): a reward
-that adds up other rewards, a KL schedule made of stages. The recipe loader checks each nested table
-against its own component's config class and hands the factory a `ComponentChoice` per table, which
-the factory builds with `context.build(choice)`.
+that adds up other rewards, a KL schedule made of stages, a loss's surrogate. The recipe loader checks
+each nested table against its own component's config class and hands the factory a `ComponentChoice`
+per table, which the factory builds with `context.build(choice)` (or, for a function kind such as a
+surrogate, calls `choice.component.factory` with `choice.config`).
+
+A config class may name keys it does not take but a recipe may well write (a setting it no longer
+has, one that belongs to another table) in a `refused_keys` class variable, key -> what to write
+instead: the recipe loader refuses such a key at its place with that text, not as an unknown key.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class Nested:
     kind: str
     many: bool
     extra: type | None = None
+    default_type: str | None = None  # the type of a table the recipe leaves out (one table only)
 
 
 def setting(default=attrs.NOTHING, *, help, validator=None, factory=None, kw_only=False) -> Any:
@@ -39,12 +45,16 @@ def setting(default=attrs.NOTHING, *, help, validator=None, factory=None, kw_onl
     return attrs.field(default=default, validator=validator, metadata={HELP: help}, kw_only=kw_only)
 
 
-def nested_component(kind: str, *, help, extra: type | None = None, default=attrs.NOTHING, validator=None) -> Any:
+def nested_component(kind: str, *, help, extra: type | None = None, default=attrs.NOTHING, validator=None,
+                     default_type: str | None = None) -> Any:
     """A setting that holds one component table of `kind`: `[reward.judge]` with a `type` and that
     component's settings. The recipe loader puts a `rlkit_core.ComponentChoice` here
-    (annotate the field so); `default=None` makes the table optional."""
-    metadata = {HELP: help, NESTED: Nested(kind, many=False, extra=extra)}
-    return attrs.field(default=default, validator=validator, metadata=metadata)
+    (annotate the field so); `default=None` makes the table optional. With `default_type`, a
+    recipe that leaves the table out gets that type with its default settings, and one may write
+    a type alone as the setting's value (`surrogate = "gspo"`); the field's own default is then
+    None, which only a config built outside a recipe holds."""
+    metadata = {HELP: help, NESTED: Nested(kind, many=False, extra=extra, default_type=default_type)}
+    return attrs.field(default=None if default_type else default, validator=validator, metadata=metadata)
 
 
 def nested_components(kind: str, *, help, extra: type | None = None, validator=None):
@@ -96,6 +106,8 @@ def fields_help(config_class, prefix: str = ""):
         else:
             default = None if required else f.default
         nested = nested_spec(f)
+        if nested and nested.default_type:
+            default = nested.default_type
         if nested:
             type_name = f"[[{nested.kind}]]" if nested.many else f"[{nested.kind}]"  # TOML: a list of tables, a table
         else:

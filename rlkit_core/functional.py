@@ -251,63 +251,20 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: f
     return per_token, clipped.detach() > unclipped.detach(), dual_active
 
 
-def ratio_statistics(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Diagnostics of the ratios a surrogate weighed, over counted tokens (detached): ({approx_kl
-    (k3 of π_θ vs π_old: mean of (ratio - 1) - log ratio), ratio_mean}, ratio_max)."""
+def ratio_statistics(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, max) of the ratios a surrogate weighed, over counted tokens (detached)."""
+    counted = mask.bool()
+    ratio = log_ratio.detach().exp()
+    return masked_mean(ratio, counted), torch.where(counted, ratio, float("-inf")).max()
+
+
+def approx_kl(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """How far π_θ has moved from π_old: k3 of KL(π_old || π_θ) over the counted tokens of [B, R]
+    log π_θ - log π_old, the mean of (ratio - 1) - log ratio (≥ 0; detached)."""
     counted = mask.bool()
     log_ratio = log_ratio.detach()
     ratio = log_ratio.exp()
-    means = {"approx_kl": masked_mean((ratio - 1.0) - log_ratio, counted), "ratio_mean": masked_mean(ratio, counted)}
-    return means, torch.where(counted, ratio, float("-inf")).max()
-
-
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip: float,
-    token_count: int | float | torch.Tensor,
-    weights: torch.Tensor | None = None,
-    clip_high: float | None = None,
-    dual_clip: float = 0.0,
-    ratio_level: str = "token",
-) -> dict[str, torch.Tensor]:
-    """Clipped PPO surrogate over [B, R] inputs -> dict of scalars.
-
-    loss = Σ_counted w·max(-A·ratio, -A·clip(ratio, 1-ε_low, 1+ε_high)) / token_count, ratio =
-    exp(logprobs - old_logprobs) in log space, w = `weights` (`importance_weights`,
-    `aggregation_weights`) or 1. ε_low = `clip`, ε_high = `clip_high` (None: the same, PPO's
-    symmetric clip); a larger ε_high is DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476),
-    which lets unlikely tokens with A > 0 grow further and so keeps the policy's entropy up.
-    `dual_clip` as in `clipped_surrogate`.
-    `ratio_level = "sequence"` puts GSPO's one ratio per response (`sequence_log_ratio`) in place
-    of each token's own.
-    token_count is passed in rather than taken from `mask` so that it can be the global count over
-    all accumulation steps and processes (or of responses, with per-response weights): then the
-    summed gradients do not depend on how the batch was split.
-    Diagnostics (detached, over counted tokens): clipfrac (clipped branch strictly active),
-    approx_kl, ratio_mean, ratio_max (`ratio_statistics`), and with dual_clip the dual_clipfrac
-    (the -c·A bound active).
-    """
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"unknown ratio level {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
-    counted = mask.bool()
-    log_ratio = token_log_ratio(logprobs, old_logprobs, mask)
-    if ratio_level == "sequence":
-        log_ratio = response_mean(log_ratio, mask)
-    per_token, clipped, dual_active = clipped_surrogate(log_ratio.exp(), advantages, clip, clip if clip_high is None else clip_high,
-                                                        dual_clip)
-    means, ratio_max = ratio_statistics(log_ratio, mask)
-    terms = {
-        "loss": masked_sum(per_token if weights is None else weights * per_token, counted) / token_count,
-        "clipfrac": masked_mean(clipped.float(), counted),
-        **means,
-        "ratio_max": ratio_max,
-    }
-    if dual_active is not None:
-        terms["dual_clipfrac"] = masked_mean(dual_active.float(), counted)
-    return terms
+    return masked_mean((ratio - 1.0) - log_ratio, counted)
 
 
 @torch.no_grad()
@@ -395,29 +352,6 @@ def clipped_value_error(values: torch.Tensor, old_values: torch.Tensor, returns:
     unclipped = (values - returns) ** 2
     clipped = (values_clipped - returns) ** 2
     return torch.maximum(unclipped, clipped), clipped.detach() > unclipped.detach()
-
-
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    clip: float,
-    token_count: int | float | torch.Tensor,
-    weights: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Clipped value loss over [B, R] inputs -> dict of scalars.
-
-    loss = ½ Σ_counted w·`clipped_value_error` / token_count; token_count is the global count and
-    w the per-token `weights` (or 1), as in `policy_loss`. clipfrac (detached): fraction of counted
-    tokens where the clipped error sets the loss.
-    """
-    counted = mask.bool()
-    per_token, clipped = clipped_value_error(values, old_values, returns, mask, clip)
-    return {
-        "loss": 0.5 * masked_sum(per_token if weights is None else weights * per_token, counted) / token_count,
-        "clipfrac": masked_mean(clipped.float(), counted),
-    }
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

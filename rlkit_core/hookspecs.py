@@ -1,10 +1,13 @@
 """The hooks a plugin implements: one per component kind, in the order of
-`rlkit_core.interfaces.KIND_TABLE` (written out for readers and pluggy; a test holds them to it).
+`rlkit_core.interfaces.KIND_TABLE`, then one per function kind (`FUNCTION_KINDS`), written out for
+readers and pluggy; a test holds them to the two tables.
 
 Each hook receives a `register(name, factory, config_class)` callable. The factory is called as
 `factory(config, context)` with an instance of `config_class` (a frozen attrs class) and a
 `rlkit_core.context.BuildContext`; it is a class deriving from the kind's interface, and the
 registry refuses one that breaks the contract (`rlkit_core.recipe.registry.contract_problems`).
+A function kind's `register(name, function, config_class)` takes a function over the kind's
+signature instead, which the component holding its table calls with an instance of `config_class`.
 """
 
 import pluggy
@@ -62,3 +65,8 @@ def register_prompt_sources(register):
 @hookspec
 def register_trackers(register):
     """Register metric trackers (`rlkit_core.interfaces.Tracker`)."""
+
+
+@hookspec
+def register_surrogates(register):
+    """Register policy-gradient surrogates (`rlkit_core.interfaces.Surrogate`), functions chosen in `[loss.surrogate]`."""

@@ -4,7 +4,8 @@ Every interface derives from `ComponentBase`, which declares the optional hooks 
 component's class (never from an instance, so before and after the build alike), each with its
 default; the registry checks a registered class against them, and against the flags (`ClassVar[bool]`)
 its interface declares. `KIND_TABLE` at the end is the one
-list of component kinds: their recipe tables, hooks, defaults and interfaces.
+list of component kinds: their recipe tables, hooks, defaults and interfaces; `FUNCTION_KINDS`
+after it lists what plugins register as functions, chosen in a nested table of a component.
 
 Shapes follow `rlkit_core.batch`: B rollouts, L = P + R sequence positions, V vocabulary entries.
 """
@@ -24,6 +25,7 @@ import torch
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.messages import Reply, Reset, Step
 from rlkit_core.settings import EpisodeSettings, PolicySettings, SamplingSettings
+from rlkit_core.surrogates import Surrogate
 
 
 @attrs.frozen
@@ -254,15 +256,21 @@ class LossTerms:
     - `maxima`: combined by their maximum, logged as `train/<name>`.
     - `skip`: 0 or 1; 1 in any micro-batch or process skips the step's optimiser step (the
       backward passes still run, in every process). Logged as `train/skipped`.
+    - `log_ratio`: [b, R], not a scalar: log π_θ - log π_old as the policy term weighs it, when not
+      each token's own (GSPO's one per response, on each of its tokens); None: the tokens' own.
 
-    Logged names must differ from each other and from those the loop logs itself (`LOOP_METRICS`)."""
+    The loop logs every loss's `train/entropy` and `train/approx_kl` itself (the detached entropy
+    of `LossInputs` and k3 of π_θ against π_old over the `log_ratio`, token means over the counted
+    tokens). Logged names must differ from each other and from those the loop logs itself (`LOOP_METRICS`)."""
 
-    LOOP_METRICS: ClassVar[tuple[str, ...]] = ("loss", "grad_norm", "grad_norm_max", "grad_clipped", "nonfinite", "lr")
+    LOOP_METRICS: ClassVar[tuple[str, ...]] = ("loss", "grad_norm", "grad_norm_max", "grad_clipped", "nonfinite", "lr", "entropy",
+                                               "approx_kl", "approx_kl_last_epoch")
 
     losses: dict[str, torch.Tensor]
     diagnostics: dict[str, torch.Tensor] = attrs.field(factory=dict)
     maxima: dict[str, torch.Tensor] = attrs.field(factory=dict)
     skip: torch.Tensor = attrs.field(factory=lambda: torch.zeros(()))
+    log_ratio: torch.Tensor | None = None
 
     def total(self) -> torch.Tensor:
         """The sum of the `losses`, which the loop differentiates."""
@@ -412,7 +420,7 @@ class Kind:
     """One kind of component, in the three names a user meets it by."""
 
     name: str  # as `rlkit plugins` and the registry's errors say it: "kl_controller"
-    table: str  # its recipe table, and its field in `rlkit_core.recipe.assemble.Components`: "kl"
+    table: str  # its recipe table, and its field in `rlkit_core.recipe.assemble.Components`: "kl" (a function kind: its nested table)
     interface: type  # what its components implement: KLController
     hook: str  # the hook a plugin implements to register them (`rlkit_core.hookspecs`)
     default: str | None  # the type a recipe without the table gets; None: the table is required
@@ -440,3 +448,10 @@ KIND_TABLE = (
 )
 KINDS = {kind.name: kind.interface for kind in KIND_TABLE}
 KIND_OF_TABLE = {kind.table: kind for kind in KIND_TABLE}
+# kinds that plugins register as functions over the signature of `interface` (with a config class,
+# as components), each chosen in a nested table of a component of another kind (`table` is that
+# place; the component holding it says the default), never in a recipe table of its own; rlkit
+# builds nothing from them, the component calls them
+FUNCTION_KINDS = (
+    Kind("surrogate", "loss.surrogate", Surrogate, "register_surrogates", None),
+)

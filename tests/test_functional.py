@@ -12,7 +12,6 @@ import torch
 
 from rlkit_core.functional import (
     KL_ESTIMATORS,
-    aggregation_weights,
     constant_groups,
     entropy_from_logits,
     explained_variance,
@@ -27,11 +26,9 @@ from rlkit_core.functional import (
     masked_var,
     masked_whiten,
     overlong_penalty,
-    policy_loss,
     sequence_log_ratio,
     shaped_scores,
     token_rewards,
-    value_loss,
 )
 
 GARBAGE = 1e6
@@ -288,130 +285,6 @@ def test_gae_detaches():
     assert not advantages.requires_grad and not returns.requires_grad
 
 
-# ---------------------------------------------------------------- policy loss
-
-
-def test_policy_loss_by_hand():
-    ratio = torch.tensor([[1.5, 0.5, 1.1, 0.5, 1.0]])
-    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, GARBAGE]])
-    logprobs = old + ratio.log()
-    logprobs[0, 4] = float("inf")  # padding garbage
-    advantages = torch.tensor([[1.0, -1.0, 2.0, 1.0, GARBAGE]])
-    mask = torch.tensor([[1, 1, 1, 1, 0]])
-    # ε = 0.2, per token max(-A·r, -A·clip(r, 0.8, 1.2)):
-    #   A= 1, r=1.5: max(-1.5, -1.2) = -1.2  clipped branch active
-    #   A=-1, r=0.5: max( 0.5,  0.8) =  0.8  clipped branch active
-    #   A= 2, r=1.1: max(-2.2, -2.2) = -2.2  tie: not counted as clipped
-    #   A= 1, r=0.5: max(-0.5, -0.8) = -0.5  r outside the range, but the unclipped branch is active
-    # sum = -1.2 + 0.8 - 2.2 - 0.5 = -3.1; token_count 4 -> -0.775; clipfrac 2/4
-    out = policy_loss(logprobs, old, advantages, mask, clip=0.2, token_count=4)
-    assert out["loss"].item() == approx(-0.775)
-    assert out["clipfrac"].item() == approx(0.5)
-    # approx_kl = mean of (r - 1) - ln r:
-    #   1.5: 0.5 - 0.4054651 = 0.0945349; 0.5: -0.5 + 0.6931472 = 0.1931472 (twice);
-    #   1.1: 0.1 - 0.0953102 = 0.0046898; sum 0.4855191 / 4 = 0.1213798
-    assert out["approx_kl"].item() == approx(0.1213798)
-    # ratio mean (1.5 + 0.5 + 1.1 + 0.5)/4 = 0.9, max 1.5
-    assert out["ratio_mean"].item() == approx(0.9)
-    assert out["ratio_max"].item() == approx(1.5)
-    # every counted ratio 0.5: the max is 0.5, the padding (ratio 1 after masking) does not count
-    halved = policy_loss(old + math.log(0.5), old, advantages, mask, clip=0.2, token_count=4)
-    assert halved["ratio_max"].item() == approx(0.5)
-    # a global token count of 8 (this minibatch is half the accumulated batch) halves the loss
-    assert policy_loss(logprobs, old, advantages, mask, 0.2, torch.tensor(8))["loss"].item() == approx(-0.3875)
-
-
-def test_policy_loss_at_ratio_one():
-    g = torch.Generator().manual_seed(7)
-    mask = random_mask(g, 4, 6)
-    logprobs = -torch.rand(4, 6, generator=g)
-    advantages = with_garbage(torch.randn(4, 6, generator=g), mask)
-    out = policy_loss(logprobs, logprobs.clone(), advantages, mask, clip=0.2, token_count=mask.sum())
-    assert out["loss"].item() == approx(-masked_mean(advantages, mask).item())
-    assert out["clipfrac"].item() == 0.0
-    assert out["approx_kl"].item() == approx(0.0)
-    assert out["ratio_mean"].item() == approx(1.0)
-
-
-def policy_loss_loop(logprobs, old, advantages, mask, clip, token_count):
-    total, clipped_n, kl, counted = 0.0, 0, 0.0, 0
-    for lp, o, a, m in zip(*(x.flatten().tolist() for x in (logprobs, old, advantages, mask))):
-        if not m:
-            continue
-        r = math.exp(lp - o)
-        unclipped, clipped = -a * r, -a * min(max(r, 1 - clip), 1 + clip)
-        total += max(unclipped, clipped)
-        clipped_n += clipped > unclipped
-        kl += (r - 1) - (lp - o)
-        counted += 1
-    return total / token_count, clipped_n / counted, kl / counted
-
-
-def test_policy_loss_matches_loop_and_gradients_ignore_padding():
-    g = torch.Generator().manual_seed(8)
-    mask = random_mask(g, 6, 10)
-    old = -torch.rand(6, 10, generator=g, dtype=torch.float64)
-    new = (old + 0.4 * torch.randn(6, 10, generator=g, dtype=torch.float64)).requires_grad_()
-    advantages = with_garbage(torch.randn(6, 10, generator=g, dtype=torch.float64), mask, float("inf"))
-    old = with_garbage(old, mask, float("-inf"))  # exp(new - old) = inf on padding
-    token_count = 2 * mask.sum()
-    out = policy_loss(new, old, advantages, mask, 0.2, token_count)
-    loss, clipfrac, kl = policy_loss_loop(new.detach(), old, advantages, mask, 0.2, token_count.item())
-    assert out["loss"].item() == approx(loss)
-    assert out["clipfrac"].item() == approx(clipfrac)
-    assert 0 < clipfrac < 1  # both branches exercised
-    assert out["approx_kl"].item() == approx(kl)
-    for key in ("clipfrac", "approx_kl", "ratio_mean", "ratio_max"):
-        assert not out[key].requires_grad
-    out["loss"].backward()
-    assert torch.isfinite(new.grad).all()
-    assert (new.grad[mask == 0] == 0).all()
-
-
-# ---------------------------------------------------------------- value loss
-
-
-def test_value_loss_by_hand():
-    values = torch.tensor([[1.5, 1.5, -0.1, GARBAGE]])
-    old = torch.tensor([[1.0, 1.0, 0.0, -GARBAGE]])
-    returns = torch.tensor([[1.0, 2.0, 0.3, GARBAGE]])
-    mask = torch.tensor([[1, 1, 1, 0]])
-    # ε_v = 0.2:
-    #   V=1.5, V_old=1, R=1: V_clip = 1.2; (0.5)² = 0.25 vs (0.2)² = 0.04 -> 0.25, unclipped larger
-    #   V=1.5, V_old=1, R=2: V_clip = 1.2; (0.5)² = 0.25 vs (0.8)² = 0.64 -> 0.64, clipped larger
-    #   V=-0.1, V_old=0, R=0.3: inside the range, V_clip = V; (0.4)² = 0.16 both
-    # ½ · (0.25 + 0.64 + 0.16) / 3 = ½ · 1.05 / 3 = 0.175; clipfrac 1/3
-    out = value_loss(values, old, returns, mask, clip=0.2, token_count=3)
-    assert out["loss"].item() == approx(0.175)
-    assert out["clipfrac"].item() == approx(1 / 3)
-
-
-def test_value_loss_matches_loop_and_gradients_ignore_padding():
-    g = torch.Generator().manual_seed(9)
-    mask = random_mask(g, 6, 10)
-    old = torch.randn(6, 10, generator=g, dtype=torch.float64)
-    values = with_garbage(old + 0.3 * torch.randn(6, 10, generator=g, dtype=torch.float64), mask, float("inf"))
-    returns = with_garbage(old + torch.randn(6, 10, generator=g, dtype=torch.float64), mask, float("nan"))
-    old = with_garbage(old, mask, float("-inf"))
-    values.requires_grad_()
-    out = value_loss(values, old, returns, mask, clip=0.2, token_count=mask.sum())
-    out["loss"].backward()
-    assert torch.isfinite(values.grad).all()
-    assert (values.grad[mask == 0] == 0).all()
-    assert not out["clipfrac"].requires_grad
-    values = values.detach()
-    total, clipped_n, counted = 0.0, 0, 0
-    for v, o, r, m in zip(*(x.flatten().tolist() for x in (values, old, returns, mask))):
-        if m:
-            v_clip = o + min(max(v - o, -0.2), 0.2)
-            total += 0.5 * max((v - r) ** 2, (v_clip - r) ** 2)
-            clipped_n += (v_clip - r) ** 2 > (v - r) ** 2
-            counted += 1
-    assert out["loss"].item() == approx(total / counted)
-    assert out["clipfrac"].item() == approx(clipped_n / counted)
-    assert 0 < clipped_n < counted
-
-
 # ---------------------------------------------------------------- explained variance
 
 
@@ -486,83 +359,16 @@ def test_token_truncated_is_weights_by_hand():
     assert not weights.requires_grad
 
 
-def test_policy_loss_weighs_each_token():
-    # the hand-computed case of test_policy_loss_by_hand: per-token terms -1.2, 0.8, -2.2, -0.5
-    ratio = torch.tensor([[1.5, 0.5, 1.1, 0.5, 1.0]])
-    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, GARBAGE]])
-    logprobs = (old + ratio.log()).requires_grad_()
-    advantages = torch.tensor([[1.0, -1.0, 2.0, 1.0, GARBAGE]])
-    mask = torch.tensor([[1, 1, 1, 1, 0]])
-    weights = torch.tensor([[1.0, 2.0, 0.5, 0.0, GARBAGE]])
-    # 1·(-1.2) + 2·0.8 + 0.5·(-2.2) + 0·(-0.5) = -0.7; / 4 = -0.175
-    out = policy_loss(logprobs, old, advantages, mask, clip=0.2, token_count=4, weights=weights)
-    assert out["loss"].item() == approx(-0.175)
-    out["loss"].backward()
-    # only the unclipped third token has a gradient: d/dlogprob of w·(-A·r) / 4 = 0.5·(-2·1.1) / 4
-    assert logprobs.grad[0].tolist() == approx([0.0, 0.0, -0.275, 0.0, 0.0])
+# ---------------------------------------------------------------- GSPO's sequence ratio
+# (the losses themselves are checked by hand through the ppo-clip loss, in tests/test_ppo_clip.py)
 
 
-# ---------------------------------------------------------------- policy-loss variants (DAPO, dual-clip, GSPO)
-
-
-def test_policy_loss_asymmetric_clip_by_hand():
-    # the case of test_policy_loss_by_hand with ε_low = 0.4, ε_high = 0.3: clip(r, 0.6, 1.3)
-    ratio = torch.tensor([[1.5, 0.5, 1.1, 0.5, 1.0]])
-    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, GARBAGE]])
-    advantages = torch.tensor([[1.0, -1.0, 2.0, 1.0, GARBAGE]])
-    mask = torch.tensor([[1, 1, 1, 1, 0]])
-    #   A= 1, r=1.5: max(-1.5, -1.3) = -1.3  clipped at 1 + ε_high
-    #   A=-1, r=0.5: max( 0.5,  0.6) =  0.6  clipped at 1 - ε_low
-    #   A= 2, r=1.1: -2.2 (tie);  A= 1, r=0.5: max(-0.5, -0.6) = -0.5
-    # sum = -1.3 + 0.6 - 2.2 - 0.5 = -3.4; / 4 = -0.85; clipfrac 2/4
-    out = policy_loss(old + ratio.log(), old, advantages, mask, clip=0.4, token_count=4, clip_high=0.3)
-    assert out["loss"].item() == approx(-0.85)
-    assert out["clipfrac"].item() == approx(0.5)
-    # clip_high = clip is the symmetric clip: -0.775 as in test_policy_loss_by_hand
-    assert policy_loss(old + ratio.log(), old, advantages, mask, 0.2, 4, clip_high=0.2)["loss"].item() == approx(-0.775)
-
-
-def test_policy_loss_dual_clip_by_hand():
-    ratio = torch.tensor([[4.0, 2.0, 4.0, 0.5, 1.0]])
-    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, GARBAGE]])
-    logprobs = (old + ratio.log()).requires_grad_()
-    advantages = torch.tensor([[-1.0, -1.0, 1.0, -2.0, GARBAGE]])
-    mask = torch.tensor([[1, 1, 1, 1, 0]])
-    # ε = 0.2, c = 3; PPO's term max(-A·r, -A·clip(r, 0.8, 1.2)), then for A < 0 at most -c·A:
-    #   A=-1, r=4:   max(4, 1.2) = 4 > 3 -> 3   the dual clip active
-    #   A=-1, r=2:   max(2, 1.2) = 2 ≤ 3 -> 2
-    #   A= 1, r=4:   max(-4, -1.2) = -1.2       A > 0: no dual clip
-    #   A=-2, r=0.5: max(1, 1.6) = 1.6 ≤ 6 -> 1.6
-    # sum = 3 + 2 - 1.2 + 1.6 = 5.4; / 4 = 1.35 (without the dual clip 6.4 / 4 = 1.6)
-    out = policy_loss(logprobs, old, advantages, mask, clip=0.2, token_count=4, dual_clip=3.0)
-    assert out["loss"].item() == approx(1.35)
-    assert out["dual_clipfrac"].item() == approx(0.25)
-    assert policy_loss(logprobs, old, advantages, mask, clip=0.2, token_count=4)["loss"].item() == approx(1.6)
-    out["loss"].backward()
-    # only the second token's unclipped term -A·r depends on θ: d/dlogprob = -A·r / 4 = 2 / 4
-    assert logprobs.grad[0].tolist() == approx([0.0, 0.5, 0.0, 0.0, 0.0])
-
-
-def test_sequence_log_ratio_and_gspo_loss_by_hand():
+def test_sequence_log_ratio_by_hand():
     old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -0.5, GARBAGE]])
     token_log_ratio = torch.tensor([[0.3, -0.1, 0.1], [0.02, 0.0, 0.0]])
-    logprobs = (old + token_log_ratio).requires_grad_()
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     # mean log-ratios: (0.3 - 0.1 + 0.1) / 3 = 0.1 and (0.02 + 0) / 2 = 0.01, on every position
-    assert sequence_log_ratio(logprobs, old, mask).flatten().tolist() == approx([0.1] * 3 + [0.01] * 3)
-    advantages = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, GARBAGE]])
-    weights = aggregation_weights(mask, "seq-mean-token-mean")  # 1/3 and 1/2: GSPO's mean over responses
-    # ε = 0.05: s_0 = e^0.1 = 1.1051709 > 1.05, so row 0's term is max(-1.1051709, -1.05) = -1.05 (clipped);
-    # s_1 = e^0.01 = 1.0100502 inside: -A·s = 1.0100502.
-    # (3 · 1/3 · -1.05 + 2 · 1/2 · 1.0100502) / 2 responses = (-1.05 + 1.0100502) / 2 = -0.0199749
-    out = policy_loss(logprobs, old, advantages, mask, clip=0.05, token_count=2, weights=weights, ratio_level="sequence")
-    assert out["loss"].item() == approx(-0.0199749)
-    assert out["clipfrac"].item() == approx(3 / 5)
-    # ratio mean over the 5 counted tokens: (3 · 1.1051709 + 2 · 1.0100502) / 5
-    assert out["ratio_mean"].item() == approx((3 * 1.1051709 + 2 * 1.0100502) / 5)
-    out["loss"].backward()
-    # row 0 is clipped; row 1's loss is s_1 / 2 and ds_1/dlogprob_t = s_1 / |y_1| = s_1 / 2: each token s_1 / 4
-    assert logprobs.grad.flatten().tolist() == approx([0.0, 0.0, 0.0, 1.0100502 / 4, 1.0100502 / 4, 0.0])
+    assert sequence_log_ratio(old + token_log_ratio, old, mask).flatten().tolist() == approx([0.1] * 3 + [0.01] * 3)
 
 
 def test_sequence_log_ratio_matches_loop_and_ignores_padding():

@@ -22,7 +22,8 @@ HELPER_MODULES = ("rlkit_core.functional", "rlkit_core.hf", "rlkit_core.testing"
 PLUGINS = {module.removeprefix("rlkit_plugins.") for module in
            tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["rlkit"].values()}
 # (guess_number is a plugin of its own whose policy is the summarizer's warm start, supervised on its games)
-OWN_MODULES = {"summarize_task": "summarize", "warm_start": "summarize", "guess_number": "summarize", "mlflow_tracker": "trackers"}
+OWN_MODULES = {"summarize_task": "summarize", "warm_start": "summarize", "guess_number": "summarize", "mlflow_tracker": "trackers",
+               "cispo": "ppo_clip"}
 EXAMPLE_PACKAGE = ROOT / "examples" / "rlkit-example-plugins" / "src" / "rlkit_example_plugins"
 
 # layer -> the layers its modules may import

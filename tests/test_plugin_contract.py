@@ -12,7 +12,7 @@ from test_plugins import EmptyConfig, plugin_module
 from rlkit_core import hookspecs
 from rlkit_core.config import greater_than, setting
 from rlkit_core.errors import RecipeError
-from rlkit_core.interfaces import KIND_TABLE, AdvantageEstimator, Generator, Loss, LossTerms, RewardSource, class_flags
+from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE, AdvantageEstimator, Generator, Loss, LossTerms, RewardSource, class_flags
 from rlkit_core.launch import Launch
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import parse_recipe
@@ -27,17 +27,18 @@ def loaded(name, **hooks):
 
 
 def test_the_hookspecs_are_the_table_of_kinds():
-    """hookspecs.py is written out for readers and pluggy; it must say what the table says."""
+    """hookspecs.py is written out for readers and pluggy; it must say what the tables say."""
     specs = {name: function for name, function in vars(hookspecs).items() if getattr(function, "rlkit_spec", None)}
-    assert list(specs) == sorted(specs, key=[kind.hook for kind in KIND_TABLE].index)  # in the table's order
-    assert set(specs) == {kind.hook for kind in KIND_TABLE}
-    for kind in KIND_TABLE:
+    kinds = (*KIND_TABLE, *FUNCTION_KINDS)
+    assert list(specs) == sorted(specs, key=[kind.hook for kind in kinds].index)  # in the tables' order
+    assert set(specs) == {kind.hook for kind in kinds}
+    for kind in kinds:
         assert list(inspect.signature(specs[kind.hook]).parameters) == ["register"]
         assert f"`rlkit_core.interfaces.{kind.interface.__name__}`" in specs[kind.hook].__doc__, kind.hook
 
 
 def test_hooks_tables_defaults_and_components_come_from_the_table():
-    assert HOOKS == {kind.hook: kind.name for kind in KIND_TABLE}
+    assert HOOKS == {kind.hook: kind.name for kind in (*KIND_TABLE, *FUNCTION_KINDS)}
     assert COMPONENT_TABLES == {kind.table: (kind.name, kind.default) for kind in KIND_TABLE}
     fields = attrs.fields(Components)
     assert [f.name for f in fields] == [kind.table for kind in KIND_TABLE]

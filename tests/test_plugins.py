@@ -12,7 +12,8 @@ from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.recipe.registry import Registry
 from rlkit_core.records import Component
 
-KINDS_WITH_BUILTINS = ["policy", "value_head", "reward", "kl_controller", "advantage_estimator", "loss", "generator", "prompt_source", "tracker"]
+KINDS_WITH_BUILTINS = ["policy", "value_head", "reward", "kl_controller", "advantage_estimator", "loss", "generator", "prompt_source", "tracker",
+                       "surrogate"]
 
 
 @attrs.frozen

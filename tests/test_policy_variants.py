@@ -1,7 +1,7 @@
 """The policy-loss variants in the loop: ppo-clip's clip-higher and dual-clip settings, DAPO's
 dynamic sampling (one process and two, under torchrun) and overlong shaping, the masking of
 truncated responses, and the recipe checks that refuse what cannot work. The formulas themselves
-are checked by hand in tests/test_functional.py."""
+are checked by hand in tests/test_ppo_clip.py."""
 
 import json
 import math
@@ -121,8 +121,8 @@ def test_two_processes_agree_on_extra_rounds(grpo_document, write_recipe, tmp_pa
      "$.ppo.overlong_buffer: 9 tokens is longer than generator.max_new_tokens = 8; use at most 8"),
     (lambda d: d["loss"].update(dual_clip=0.5),
      "$.loss.dual_clip: must be 0 (off) or > 1, got 0.5; 3 is usual"),
-    (lambda d: d["loss"].update(ratio_level="sentence"),
-     "$.loss.ratio_level: must be one of 'token', 'sequence', got 'sentence'"),
+    (lambda d: d["loss"].update(is_level="sentence"),
+     "$.loss.is_level: must be one of 'token', 'sequence', got 'sentence'"),
 ])
 def test_settings_that_cannot_work_are_refused_where_they_go_wrong(recipe_document, builtin_registry, change, message):
     recipe_document["loss"] = {"type": "ppo-clip"}
@@ -135,7 +135,7 @@ def test_settings_that_cannot_work_are_refused_where_they_go_wrong(recipe_docume
 def test_clip_low_and_high_default_to_clip(recipe_document, builtin_registry):
     recipe_document["loss"] = {"type": "ppo-clip", "clip": 0.3}
     config = parse_recipe(recipe_document, builtin_registry)["loss"].config
-    assert (config.clip_low, config.clip_high, config.dual_clip, config.ratio_level) == (0.3, 0.3, 0.0, "token")
+    assert (config.clip_low, config.clip_high, config.dual_clip, config.surrogate.component.name) == (0.3, 0.3, 0.0, "ppo")
     recipe_document["loss"]["clip_high"] = 0.28
     config = parse_recipe(recipe_document, builtin_registry)["loss"].config
     assert (config.clip_low, config.clip_high) == (0.3, 0.28)

@@ -45,6 +45,18 @@ def test_settings_that_shape_training_count_and_the_rest_do_not(recipe_document,
     assert changed(recipe_document, builtin_registry, ppo={"epochs": None}) == [("ppo.epochs", 2, 4)]  # back to its default of 4
 
 
+def test_a_surrogate_named_alone_is_its_table_with_default_settings(recipe_document, builtin_registry):
+    """`surrogate = "ppo"`, `[loss.surrogate] type = "ppo"` and no surrogate at all train alike; a surrogate's own setting counts."""
+    recipe_document["loss"] = {"type": "ppo-clip", "surrogate": "ppo"}
+    assert changed(recipe_document, builtin_registry, loss={"surrogate": None}) == []
+    assert changed(recipe_document, builtin_registry, loss={"surrogate": {"type": "ppo"}}) == []
+    assert changed(recipe_document, builtin_registry, loss={"surrogate": {"type": "gspo"}}) == [
+        ("loss.surrogate", "ppo", "gspo"), ("loss.surrogate.type", "ppo", "gspo")]
+    recipe_document["loss"]["surrogate"] = "cispo"
+    assert changed(recipe_document, builtin_registry, loss={"surrogate": {"type": "cispo", "eps_high_is": 0.28}}) == [
+        ("loss.surrogate.eps_high_is", 0.2, 0.28)]
+
+
 def test_more_steps_pass_only_under_a_schedule_that_does_not_spread_over_the_run(recipe_document, builtin_registry):
     linear = dict(recipe_document, optim={**recipe_document["optim"], "schedule": "linear"})
     assert changed(linear, builtin_registry, run={"steps": 4}) == [("run.steps", 2, 4)]

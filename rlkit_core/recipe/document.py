@@ -3,7 +3,7 @@
 The document is parsed at the edge by one cattrs converter. Core tables become `rlkit_core.recipe.schema`
 classes; each component table's `type` picks a registered component and the rest of the table is
 structured into that component's own config class. A component table may hold component tables of
-its own (settings declared with `rlkit_core.config.nested_components`); each is read the same way,
+its own (settings declared with `rlkit_core.config.nested_component(s)`); each is read the same way,
 and its problems are located where it sits (`$.reward.parts[1].weight`). Problems travel as
 `rlkit_core.errors.Problem` records until they are reported.
 """
@@ -131,10 +131,14 @@ def _located(exc: BaseException, where: str, cls: type, also_known: tuple[str, .
         return problems
     if isinstance(exc, ForbiddenExtraKeysError):
         known = [f.name for f in attrs.fields(exc.cl)] + (list(also_known) if exc.cl is cls else [])
+        refused = getattr(exc.cl, "refused_keys", {})  # `rlkit_core.config`: keys it does not take, with what to write
         problems = []
         for key in sorted(exc.extra_fields):
+            if key in refused:
+                problems.append(Problem(f"{where}.{key}", refused[key]))
+                continue
             hint = difflib.get_close_matches(key, known, n=1)
-            suggestion = f"did you mean {hint[0]!r}?" if hint else f"known keys: {', '.join(known)}"
+            suggestion = f"did you mean {hint[0]!r}?" if hint else f"known keys: {', '.join(known)}" if known else "it takes no settings"
             problems.append(Problem(f"{where}.{key}", f"unknown key; {suggestion}"))
         return problems
     if isinstance(exc, KeyError):
@@ -149,12 +153,15 @@ def _nested_tables(data: dict, cls: type, where: str, registry: Registry | None)
     table = where.removeprefix("$.")
     for field in attrs.fields(cls):
         spec = nested_spec(field)
-        if spec is None or field.name not in data:
+        if spec is None or (field.name not in data and not spec.default_type):
             continue
         if registry is None:
             raise ValueError(f"{cls.__name__}.{field.name} holds component tables: structure it with the registry")
-        value, here = data[field.name], f"{table}.{field.name}"
-        if not spec.many:
+        value, here = data.get(field.name, {"type": spec.default_type}), f"{table}.{field.name}"
+        if not spec.many and spec.default_type and isinstance(value, str):  # a type alone: its default settings
+            choice, found = read_component_table({"type": value}, spec.kind, here, registry, extra=spec.extra)
+            found = [Problem(f"$.{here}", p.message) if p.where == f"$.{here}.type" else p for p in found]
+        elif not spec.many:
             choice, found = read_component_table(value, spec.kind, here, registry, extra=spec.extra)
         elif not isinstance(value, list):
             choice, found = None, [Problem(f"$.{here}", f"expected a list of {spec.kind} tables ([[{here}]] in TOML), got {value!r}")]

@@ -10,7 +10,7 @@ import attrs
 
 from rlkit_core import __version__
 from rlkit_core.config import fields_help, nested_spec
-from rlkit_core.interfaces import KIND_TABLE, NO_COMPONENT, Kind
+from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE, KINDS, NO_COMPONENT, Kind
 from rlkit_core.recipe.document import ComponentChoice, Recipe
 from rlkit_core.recipe.plugins import BUILTIN_DISTRIBUTION
 from rlkit_core.recipe.registry import Registry
@@ -48,6 +48,14 @@ def with_nested(choice: ComponentChoice) -> Iterator[ComponentChoice]:
                     yield from with_nested(inner)
 
 
+def component_choices(recipe: Recipe) -> Iterator[ComponentChoice]:
+    """Every component table of the recipe, nested ones included, whose factory is a component
+    class with the hooks of `rlkit_core.ComponentBase` (a function kind's table, such as
+    `[loss.surrogate]`, has none)."""
+    for top in recipe.components.values():
+        yield from (choice for choice in with_nested(top) if choice.component.kind in KINDS)
+
+
 def field_rows(config_class) -> list[dict[str, Any]]:
     return [{"name": n, "type": t, "default": d, "required": r, "help": h} for n, t, d, r, h in fields_help(config_class)]
 
@@ -58,10 +66,10 @@ def core_table_rows() -> list[dict[str, Any]]:
 
 
 def registry_rows(registry: Registry) -> list[dict[str, Any]]:
-    """Every registered component with its config fields, for `rlkit plugins`, and the `none`
-    of each optional kind."""
+    """Every registered component (and function: surrogates) with its config fields, for `rlkit
+    plugins`, and the `none` of each optional kind."""
     rows = []
-    for kind in KIND_TABLE:
+    for kind in (*KIND_TABLE, *FUNCTION_KINDS):
         found = [{"kind": c.kind, "name": c.name, "plugin": c.plugin, "distribution": c.distribution, "version": c.version,
                   "fields": field_rows(c.config_class)} for c in registry.all() if c.kind == kind.name]
         nothing = {"kind": kind.name, "name": NO_COMPONENT, **{k: v for k, v in _nothing_row(kind).items() if k != "type"}, "fields": []}

@@ -10,7 +10,7 @@ from rlkit_core.launch import ONE_PROCESS, Launch
 from rlkit_core.memory import Workload, estimate
 from rlkit_core.memory import describe as describe_memory
 from rlkit_core.recipe.document import Recipe
-from rlkit_core.recipe.inventory import inventory_rows, with_nested
+from rlkit_core.recipe.inventory import component_choices, inventory_rows
 from rlkit_core.recipe.schema import kl_warnings, output_dir_problems
 from rlkit_core.settings import ModelSettings, PolicySettings, field_of
 
@@ -87,9 +87,8 @@ def code_it_runs(recipe: Recipe) -> list[str]:
     plugins = sorted({(c.plugin, c.distribution, c.version) for c in registry.all()
                       if c.distribution != BUILTIN_DISTRIBUTION}) if isinstance(registry, Registry) else []
     lines = [f"plugin {name} ({dist} {version})" for name, dist, version in plugins] or ["no third-party plugins loaded"]
-    for top in recipe.components.values():
-        for choice in with_nested(top):
-            lines += [f"[{choice.table}] imports {what}" for what in choice.component.factory.imports(choice.config, f"$.{choice.table}")]
+    for choice in component_choices(recipe):
+        lines += [f"[{choice.table}] imports {what}" for what in choice.component.factory.imports(choice.config, f"$.{choice.table}")]
     return lines
 
 
@@ -98,7 +97,7 @@ def remote_code_warnings(recipe: Recipe) -> list[str]:
     `ModelSettings.runs_model_code`)."""
     return [f"$.{choice.table}.{field_of(choice.config, 'trust_remote_code')} = true: {choice.config.model_name or 'the model'!r} "
             "may run Python code that ships with the model, in rlkit check as in rlkit run; keep it only for a model you trust"
-            for top in recipe.components.values() for choice in with_nested(top)
+            for choice in component_choices(recipe)
             if isinstance(choice.config, ModelSettings) and choice.config.runs_model_code]
 
 
@@ -108,11 +107,10 @@ def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:
     fail at run time across tables (a critic that cannot read the policy's ids, a reward model's
     tokenizer that does not load), found before any weights are loaded."""
     problems, notes = [], []
-    for top in recipe.components.values():
-        for choice in with_nested(top):
-            found, said = choice.component.factory.check(choice.config, recipe, f"$.{choice.table}")
-            problems += found
-            notes += said
+    for choice in component_choices(recipe):
+        found, said = choice.component.factory.check(choice.config, recipe, f"$.{choice.table}")
+        problems += found
+        notes += said
     return problems, notes
 
 
@@ -121,13 +119,12 @@ def service_probes(recipe: Recipe, probe: bool) -> tuple[list[str], list[str]]:
     request to a service it will call (a reward server). Only `rlkit check` probes, and not with
     --offline; `rlkit run` does not, since the service may come up after the run starts."""
     problems, notes = [], []
-    for top in recipe.components.values():
-        for choice in with_nested(top):
-            factory = choice.component.factory
-            if declares(factory, "probe") and probe:
-                problems += factory.probe(choice.config, f"$.{choice.table}")
-            elif declares(factory, "probe"):
-                notes.append(f"$.{choice.table}: the {choice.component.name} service was not probed (--offline)")
+    for choice in component_choices(recipe):
+        factory = choice.component.factory
+        if declares(factory, "probe") and probe:
+            problems += factory.probe(choice.config, f"$.{choice.table}")
+        elif declares(factory, "probe"):
+            notes.append(f"$.{choice.table}: the {choice.component.name} service was not probed (--offline)")
     return problems, notes
 
 

@@ -2,7 +2,8 @@
 
 A component is known by (kind, name). The registry remembers which plugin, distribution and version
 supplied each one, so that a run can be traced to the code that produced it, and it refuses a
-second component under a taken name instead of silently shadowing the first.
+second component under a taken name instead of silently shadowing the first. A function kind's
+functions (`rlkit_core.interfaces.FUNCTION_KINDS`: surrogates) are held and checked the same way.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import inspect
 import attrs
 
 from rlkit_core.errors import BrokenPluginContract, PluginError, Problem, RecipeError
-from rlkit_core.interfaces import COMPONENT_HOOKS, KIND_TABLE, KINDS, NO_COMPONENT, Policy, class_flags
+from rlkit_core.interfaces import COMPONENT_HOOKS, FUNCTION_KINDS, KIND_TABLE, KINDS, NO_COMPONENT, Kind, Policy, class_flags
 from rlkit_core.records import Component
 from rlkit_core.settings import CoreSettings
 
-_KIND_NAMED = {kind.name: kind for kind in KIND_TABLE}
+_KIND_NAMED = {kind.name: kind for kind in (*KIND_TABLE, *FUNCTION_KINDS)}
 
 
 class Registry:
     def __init__(self):
-        self._components: dict[str, dict[str, Component]] = {kind: {} for kind in KINDS}
+        self._components: dict[str, dict[str, Component]] = {kind: {} for kind in _KIND_NAMED}
         self.broken: dict[str, str] = {}  # plugin name -> why it could not be loaded
         self.filtered: dict[str, str] = {}  # plugin name -> "distribution version", installed but left out by RLKIT_PLUGINS
 
@@ -54,7 +55,7 @@ class Registry:
         return sorted(self._components[kind])
 
     def all(self) -> list[Component]:
-        return [c for kind in KINDS for c in sorted(self._components[kind].values(), key=lambda c: c.name)]
+        return [c for kind in _KIND_NAMED for c in sorted(self._components[kind].values(), key=lambda c: c.name)]
 
     def find(self, kind: str, name: str) -> Component | None:
         return self._components[kind].get(name)
@@ -89,10 +90,13 @@ def contract_problems(kind: str, factory, config_class) -> list[str]:
     """How a component breaks its kind's contract, checked when it registers: its class must derive
     from the interface and declare the optional hooks with the parameters rlkit passes them (as
     static or class methods), the flags its interface declares (`ClassVar[bool]`) must be booleans, its config must be an attrs class, and every
-    setting its settings bases say rlkit reads must be one of the config's fields."""
-    interface = KINDS[kind]
+    setting its settings bases say rlkit reads must be one of the config's fields. A function kind's
+    function must take the parameters of its kind's signature."""
     if not attrs.has(config_class):
         return [f"config class {config_class!r} is not an attrs class; decorate it with @attrs.frozen"]
+    if _KIND_NAMED[kind] in FUNCTION_KINDS:
+        return function_problems(_KIND_NAMED[kind], factory)
+    interface = KINDS[kind]
     if not (isinstance(factory, type) and issubclass(factory, interface)):
         return [f"its factory {factory!r} is not a class deriving from rlkit_core.{interface.__name__}; "
                 f"register a subclass of {interface.__name__} whose __init__ takes (config, context)"]
@@ -116,3 +120,17 @@ def contract_problems(kind: str, factory, config_class) -> list[str]:
     if issubclass(config_class, CoreSettings):
         problems += config_class.naming_problems()
     return problems
+
+
+def function_problems(kind: Kind, function) -> list[str]:
+    """How a function registered for a function kind breaks its contract: it must be a function
+    (not a class) that takes the parameters of the kind's signature, `kind.interface.__call__`."""
+    parameters = list(inspect.signature(kind.interface.__call__).parameters)[1:]  # without `self`
+    wanted = f"a function ({', '.join(parameters)}) as rlkit_core.{kind.interface.__name__} says"
+    if isinstance(function, type) or not callable(function):
+        return [f"{function!r} is not a function; register {wanted}"]
+    try:
+        inspect.signature(function).bind(*parameters)
+    except TypeError as exc:
+        return [f"{getattr(function, '__qualname__', function)!r} must take ({', '.join(parameters)}): {exc}"]
+    return []

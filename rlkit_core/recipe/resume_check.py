@@ -19,6 +19,7 @@ from rlkit_core.recipe.document import Recipe, parse_recipe
 from rlkit_core.recipe.inventory import flatten
 from rlkit_core.recipe.registry import Registry
 from rlkit_core.recipe.schema import CORE_TABLES
+from rlkit_core.records import ComponentChoice
 
 # settings that cannot change what a run trains; a table name covers all its keys
 HARMLESS = ("run.name", "run.output_dir", "run.checkpoint_every", "run.keep_checkpoints", "run.sample_every",
@@ -69,10 +70,13 @@ def _resolved(recipe: Recipe | None, key: str):
     else:
         return _MISSING
     for part in rest.split("."):
-        value = getattr(value, part, _MISSING)
+        if isinstance(value, ComponentChoice):  # a nested table: its type, or one of its settings
+            value = value.component.name if part == "type" else getattr(value.config, part, _MISSING)
+        else:
+            value = getattr(value, part, _MISSING)
         if value is _MISSING:
             return _MISSING
-    return value
+    return value.component.name if isinstance(value, ComponentChoice) else value  # a type alone (`surrogate = "gspo"`)
 
 
 def describe(changes: list[tuple[str, Any, Any]]) -> list[str]:

@@ -70,7 +70,7 @@ def detect(config: HealthConfig, history: list[dict], group_share: float | None 
             found.append(Finding("logprob_gap_jump", gap, f"check/logprob_gap = {gap:.4g} nats per token, against {usual:.3g} "
                                  "on average before: the generator's log-probs no longer match the policy's, so it samples "
                                  "from other (stale or wrong) weights; look at the generator's weight sync"))
-    entropy = now.get("train/entropy")
+    entropy = now.get("train/entropy")  # the update's own, whatever the loss (absent before the first update)
     first = next((row["train/entropy"] for row in history if "train/entropy" in row), None)
     if config.entropy_collapse and entropy is not None and first and entropy < config.entropy_collapse * first:
         found.append(Finding("entropy_collapse", entropy, f"train/entropy = {entropy:.4g}, down from {first:.4g} in the first "

@@ -3,6 +3,8 @@ micro-batches → forward, loss and backward → one optimiser step per minibatc
 
 Every loss term is a sum over its tokens divided by the minibatch's global token count, so the
 summed gradients are the same however the minibatch is split over processes and micro-batches.
+Whatever the loss, the loop logs the policy's entropy and how far it moved from π_old itself
+(`train/entropy`, `train/approx_kl`), which the health checks and the epochs' summary read.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import attrs
 import torch
 
 from rlkit_core.batch import RolloutBatch
-from rlkit_core.interfaces import LossInputs
+from rlkit_core.functional import approx_kl, masked_mean, token_log_ratio
+from rlkit_core.interfaces import LossInputs, LossTerms
 from rlkit_core.randomness import minibatch_order_generator
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import StepTerms, add_terms
@@ -154,6 +157,20 @@ def _micro_step(engine: Engine, components, recipe: Recipe, micro: RolloutBatch,
     current = LossInputs(logprobs=logprobs, values=values, entropy=entropy, kl_coef=kl_coef, kl_estimator=ppo.kl_estimator,
                          logits=logits)
     terms = components.loss(micro, current, token_count)
-    share = StepTerms.share_of(recipe["loss"].component.name, terms, mask.sum() / token_count)
+    token_share = mask.sum() / token_count
+    share = StepTerms.share_of(recipe["loss"].component.name, terms, token_share)
+    own = StepTerms({name: value * token_share for name, value in policy_diagnostics(micro, current, terms).items()}, {})
     engine.backward(terms.total())
-    return share
+    return add_terms(share, own)
+
+
+def policy_diagnostics(micro: RolloutBatch, current: LossInputs, terms: LossTerms) -> dict[str, torch.Tensor]:
+    """What the loop logs of every loss, as means over the micro-batch's counted tokens (detached):
+    the policy's entropy, and the approx KL of π_θ from π_old over the log-ratios the loss weighed
+    (`LossTerms.log_ratio`; each token's own unless the loss says otherwise)."""
+    mask = micro.loss_mask
+    log_ratio = terms.log_ratio
+    if log_ratio is None:
+        assert micro.old_logprobs is not None, "the loop fills it before the update"
+        log_ratio = token_log_ratio(current.logprobs.detach(), micro.old_logprobs, mask)
+    return {"approx_kl": approx_kl(log_ratio, mask), "entropy": masked_mean(current.entropy, mask).detach()}
