@@ -17,6 +17,7 @@ from rlkit_core.errors import RlkitError, RunError
 from rlkit_core.interfaces import Tracker
 from rlkit_core.launch import Launch
 from rlkit_core.progress import Progress
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.recipe.inventory import flatten, inventory_rows
 from rlkit_core.recipe.registry import Registry
@@ -245,7 +246,7 @@ class Checkpointer:
     """The run's checkpoints: on the schedule (`run.checkpoint_every`), when the run stops early,
     and at the end."""
 
-    def __init__(self, recipe: Recipe, engine: Engine, components, tracker, run_id: str | None):
+    def __init__(self, recipe: Recipe, engine: Engine, components: Components, tracker, run_id: str | None):
         self.recipe, self.engine, self.components, self.tracker, self.run_id = recipe, engine, components, tracker, run_id
         self.latest: tuple[int, Path] | None = None  # (iteration, folder) of the latest this run wrote
 
@@ -423,7 +424,7 @@ def _samples_before(trainer: Trainer) -> list[dict]:
     return samples
 
 
-def _scored(recipe: Recipe, components, records: list[dict], samples: list[dict]) -> list[dict]:
+def _scored(recipe: Recipe, components: Components, records: list[dict], samples: list[dict]) -> list[dict]:
     """`samples` with the reward's score of the response before and after training. The run has
     finished by now, so a reward failing here only leaves the samples unscored."""
     if components.reward is None:  # the environment's rewards alone: they belong to whole episodes, not to these texts

@@ -43,7 +43,9 @@ import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.runtime.distributed import SideProcesses
+from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.faults import BadReward
 
 CLOSE_WAIT_S = 5.0  # the longest an ordinary close waits for the batches in flight, all workers together
@@ -81,11 +83,11 @@ class WeightsCopy:
 
 
 class SideEngine:
-    """What stage 1 reads of the engine, for the producer's thread: the device, the run's autocast,
-    and the processes over a group of their own (`SideProcesses`). Weights are whole in every
-    process (FSDP runs `sync`), so reading them whole is nothing to do."""
+    """What stage 1 reads of the engine (a `RolloutEngine`), for the producer's thread: the device,
+    the run's autocast, and the processes over a group of their own (`SideProcesses`). Weights are
+    whole in every process (FSDP runs `sync`), so reading them whole is nothing to do."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.engine, self.device, self.processes = engine, engine.device, SideProcesses(engine.processes)
 
     def full_weights(self):
@@ -100,7 +102,7 @@ class Worker:
     """One batch in flight at a time: its own generator, on its own copy of the weights (None: the
     trainer's own, at bound 0), and the version its copy holds."""
 
-    components: object
+    components: Components
     copy: WeightsCopy | None
     engine: SideEngine  # with a process group of the worker's own: its collectives in one order everywhere
     next: int  # the next iteration it makes: worker w of k makes iterations w, w + k, w + 2k, ... (past the start)

@@ -18,6 +18,7 @@ import torch
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.randomness import minibatch_order_generator
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import StepTerms, add_terms
 from rlkit_core.runtime.engine import Engine
@@ -32,7 +33,7 @@ class UpdateResult:
     nonfinite_in_a_row: int  # the run's count of non-finite steps in a row, after this update's
 
 
-def update(engine: Engine, components, recipe: Recipe, batch: RolloutBatch, state: RunState,
+def update(engine: Engine, components: Components, recipe: Recipe, batch: RolloutBatch, state: RunState,
            observe: ForwardObserver | None = None) -> UpdateResult:
     """Epochs of shuffled minibatches over this process's rollouts, one optimiser step each.
 
@@ -142,7 +143,7 @@ def _count_nonfinite(recipe: Recipe, iteration: int, in_a_row: int, nonfinite: b
     return in_a_row
 
 
-def _micro_step(engine: Engine, components, recipe: Recipe, micro: RolloutBatch, rows,
+def _micro_step(engine: Engine, components: Components, recipe: Recipe, micro: RolloutBatch, rows,
                 token_count: torch.Tensor) -> StepTerms:
     """Forward and backward of one micro-batch; returns its share of the step's terms
     (`StepTerms.share_of`)."""
