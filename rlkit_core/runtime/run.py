@@ -45,7 +45,7 @@ from rlkit_core.runtime.metrics_log import MetricsLog
 from rlkit_core.runtime.plot import plot_curves
 from rlkit_core.runtime.prompt_stream import Prompts
 from rlkit_core.runtime.report import SAMPLES, print_report
-from rlkit_core.runtime.rollout import record_columns
+from rlkit_core.runtime.rollout import record_columns, sample_responses
 from rlkit_core.runtime.run_lock import RunLock, launched_as_main
 from rlkit_core.runtime.scheduling import ProducerFault
 from rlkit_core.runtime.state import RunState
@@ -172,7 +172,8 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
         outputs.tracker.finish(status)
 
     records = _sample_records(prompts)
-    after = trainer.sample_responses(records, greedy=True)  # every process: FSDP gathers the weights
+    # every process: FSDP gathers the weights
+    after = sample_responses(engine, components, recipe, records, recipe.ppo.batch_size, prompts.max_tokens, greedy=True)
     if main:
         samples = _scored(recipe, components, records, [{**before, "after": a} for before, a in zip(samples_before, after)])
         print_report(outputs.history, samples, bool(prompts.held_out), outputs.metrics_log.path, final_checkpoint, outputs.tracker, out=out)
@@ -416,7 +417,8 @@ def _samples_before(trainer: Trainer) -> list[dict]:
     if processes.gather_objects(path.exists())[0]:
         return json.loads(path.read_text())
     records = _sample_records(trainer.prompts)
-    responses = trainer.sample_responses(records, greedy=True)
+    responses = sample_responses(trainer.engine, trainer.components, trainer.recipe, records, trainer.recipe.ppo.batch_size,
+                                 trainer.prompts.max_tokens, greedy=True)
     samples = [{"prompt": r["prompt"], "before": b} for r, b in zip(records, responses)]
     if processes.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -45,8 +45,9 @@ from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.runtime.distributed import SideProcesses
-from rlkit_core.runtime.engine import Engine
+from rlkit_core.runtime.engine import Engine, RolloutEngine
 from rlkit_core.runtime.faults import BadReward
+from rlkit_core.runtime.rollout import rollout
 
 CLOSE_WAIT_S = 5.0  # the longest an ordinary close waits for the batches in flight, all workers together
 
@@ -182,11 +183,18 @@ class Producer:
         assert made.batch is not None  # made, since it carries no error
         batch, metrics = made.batch, made.metrics
         if staleness > self.bound:  # cannot happen while versions only grow; kept so the bound is a guarantee
-            batch, metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), self.trainer.components,
-                                                     self.trainer.engine)
+            batch, metrics = self._make(iteration, self.trainer.components, self.trainer.engine)
             staleness, regenerated = 0, 1
         return batch, {**metrics, "async/staleness": float(staleness), "async/regenerated": float(regenerated),
                        "time/trainer_waiting": waited, "time/generator_idle": idle}
+
+    def _make(self, iteration: int, components: Components, engine: RolloutEngine) -> tuple[RolloutBatch, dict[str, float]]:
+        """Stage 1 on the prompt stream's batch of `iteration`, as `sync` makes it, with `components`
+        and `engine`: the run's, or a worker's (a generator on a copy of the weights, collectives
+        over a process group of its own)."""
+        trainer = self.trainer
+        return rollout(engine, components, trainer.recipe, trainer.stream_records(iteration), trainer.recipe.ppo.samples_per_prompt,
+                       trainer.prompts.max_tokens)
 
     def close(self) -> None:
         """Stop the workers, waiting little: a batch in flight is made again on resume. After a stall or a worker's
@@ -225,8 +233,7 @@ class Producer:
                     worker.version = version
                 doing = "making the batch (generation, environment or reward)"
                 with torch.no_grad():
-                    made.batch, made.metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), worker.components,
-                                                                       worker.engine)
+                    made.batch, made.metrics = self._make(iteration, worker.components, worker.engine)
             except (BadReward, RecipeError) as exc:  # raised where `sync` raises it: a skip or stop, or bad input (exit 2)
                 made.error = exc
             except BaseException as exc:  # handed to the trainer, located; it ends the run with a checkpoint
