@@ -1,3 +1,4 @@
+# pyright: standard
 """Stage 4, after the update: the KL controller's step and the iteration's metrics, over the
 global batch.
 

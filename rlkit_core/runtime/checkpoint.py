@@ -1,3 +1,4 @@
+# pyright: standard
 """Checkpoints: everything a run needs to continue exactly where it stopped.
 
 Layout of `<output_dir>/checkpoints/iter_000012/`:

@@ -1,3 +1,4 @@
+# pyright: standard
 """DAPO's dynamic sampling (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning
 System at Scale", arXiv:2503.14476): a group of responses to one prompt that all score alike has
 advantage 0 under a group estimator, so it adds nothing but dilution to the update. Such groups

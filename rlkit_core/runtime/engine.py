@@ -1,3 +1,4 @@
+# pyright: standard
 """The engine: what runs the math on the hardware, built once per run.
 
 It holds accelerate's accelerator, this process's place among the processes, the policy and

@@ -1,3 +1,4 @@
+# pyright: standard
 """Stage 1 for a multi-turn recipe: episodes, played turn by turn against the environment.
 
 The core owns every token of an episode. A training sample is the rendered first prompt followed

@@ -1,3 +1,4 @@
+# pyright: standard
 """Held-out evaluation: how the policy does on prompts it never trains on.
 
 The training batch's reward alone can rise through over-optimisation; a score on held-out prompts,

@@ -1,3 +1,4 @@
+# pyright: standard
 """The policy's forward pass over rollouts, shared by the no-grad passes and the update: how a
 batch is cut into chunks that fit a forward pass, how a chunk lies in the rows of the pass, and
 what the pass returns for the response tokens."""

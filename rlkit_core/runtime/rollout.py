@@ -1,3 +1,4 @@
+# pyright: standard
 """Stage 1, rollouts: responses sampled from the current policy, scored by the reward."""
 
 from __future__ import annotations

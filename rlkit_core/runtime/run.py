@@ -1,3 +1,4 @@
+# pyright: standard
 """`rlkit run`: a recipe from start (or a checkpoint) to report, with the tracker, metrics.jsonl
 and checkpoints kept in step."""
 

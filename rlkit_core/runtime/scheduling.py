@@ -1,3 +1,4 @@
+# pyright: standard
 """Rollouts made ahead of the update: the `[scheduler]` types `one-step-off` and `bounded`.
 
 Producer threads make the batch of iteration j, the prompt stream's batch j as `sync` would make

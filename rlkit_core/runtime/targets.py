@@ -1,3 +1,4 @@
+# pyright: standard
 """Stage 2, what the update aims at: what the rollout policy, the reference and the critic say on
 the rollouts (no-grad forward passes), the per-token rewards with the KL penalty, and the
 advantages and returns."""

@@ -1,3 +1,4 @@
+# pyright: standard
 """One PPO iteration, read top to bottom:
 
 prompts → generate → score → old/reference log-probs and values → per-token rewards with the KL

@@ -1,3 +1,4 @@
+# pyright: standard
 """Stage 3, the update, read top to bottom like the paper's loop: epochs → shuffled minibatches →
 micro-batches → forward, loss and backward → one optimiser step per minibatch.
 
