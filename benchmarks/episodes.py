@@ -28,7 +28,7 @@ import torch
 
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import load_registry
-from rlkit_core.runtime.rollout import generate
+from rlkit_core.runtime.rollout import generate, rollout
 from rlkit_core.runtime.trainer import Trainer
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "ppo_guess_number.toml"
@@ -40,7 +40,8 @@ def turns_against_one(trainer: Trainer, repeats: int) -> dict:
     records = trainer.stream.batch(0)
     episode_seconds, one_seconds, sampled, rendered = [], [], 0, 0
     for _ in range(repeats):
-        batch, metrics = trainer.rollout(records)
+        batch, metrics = rollout(trainer.engine, trainer.components, trainer.recipe, records, trainer.recipe.ppo.samples_per_prompt,
+                                 trainer.prompts.max_tokens)
         episode_seconds.append(metrics["time/generate"])
         sampled = int(batch.loss_mask.sum())
         rendered = int(batch.response_mask.sum()) - sampled

@@ -316,9 +316,10 @@ class Loss(ComponentBase):
         return False
 
     @abstractmethod
-    def __call__(self, minibatch: RolloutBatch, current: LossInputs, token_count: float) -> LossTerms:
+    def __call__(self, minibatch: RolloutBatch, current: LossInputs, token_count: float | torch.Tensor) -> LossTerms:
         """`token_count`: the counted tokens of the whole optimiser step, over every micro-batch and
-        process, which the `losses` divide by (see `LossTerms`)."""
+        process, which the `losses` divide by (see `LossTerms`); the loop gives it as a 0-dim tensor
+        on the device (reading it would wait for the device)."""
 
 
 class Generator(ComponentBase):

@@ -19,6 +19,7 @@ import torch
 from rlkit_core.launch import Launch
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.runtime import rollout, targets, update
 from rlkit_core.runtime.trainer import Trainer
 
 
@@ -50,10 +51,11 @@ def main(document_path: str, out: str) -> None:
     computed_in = set()  # the dtypes the policy's head computed in: sampling, the no-grad passes, the update
     trainer.components.policy.model.get_output_embeddings().register_forward_hook(lambda module, args, out: computed_in.add(str(out.dtype)))
     torch.manual_seed(1234)  # the same global batch in every process
-    whole, _ = trainer.rollout(trainer.stream.batch(0))
+    engine, components, recipe = trainer.engine, trainer.components, trainer.recipe
+    whole, _ = rollout.rollout(engine, components, recipe, trainer.stream.batch(0), recipe.ppo.samples_per_prompt, trainer.prompts.max_tokens)
     rows = len(whole) // processes.count
     mine = whole.select(torch.arange(processes.index * rows, (processes.index + 1) * rows))
-    update_metrics = trainer.train_on(trainer.with_advantages(mine))
+    update_metrics = update.update(engine, components, recipe, targets.with_advantages(engine, components, recipe, mine), trainer.state).metrics
     weights = flat_weights(trainer)
     agreed = [same_everywhere(trainer)]
 

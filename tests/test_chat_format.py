@@ -326,7 +326,7 @@ def test_a_qwen3_episode_through_the_runner_does_not_split(recipe_document, buil
 
     from rlkit_core.testing.offline_models import write_tiny_model
     from tests.test_episodes import Scripted, episode_document
-    from tests.test_trainer import make_trainer
+    from tests.test_trainer import make_trainer, rollout_with
 
     template = qwen3_template()
     path = write_tiny_model(tmp_path / "qwen3", "chatml")
@@ -337,7 +337,7 @@ def test_a_qwen3_episode_through_the_runner_does_not_split(recipe_document, buil
     turn = tokenizer("7", add_special_tokens=False)["input_ids"] + [end]
     trainer = make_trainer(episode_document(recipe_document, path, max_turns=3), builtin_registry)
     trainer.components = attrs.evolve(trainer.components, generator=Scripted([turn], tokenizer.pad_token_id))
-    batch, metrics = trainer.rollout([{"prompt": "Guess my number, 1-16.", "secret": 16}] * 2)
+    batch, metrics = rollout_with(trainer, [{"prompt": "Guess my number, 1-16.", "secret": 16}] * 2)
     assert metrics["env/splits"] == 0 and len(batch) == 2 and metrics["env/turns"] == 3
     conversation = [{"role": "user", "content": "Guess my number, 1-16."}]
     for answer in ("higher: 8-16", "say a number: 8-16"):

@@ -22,9 +22,11 @@ from rlkit_core.functional import aggregation_weights, masked_sum
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.recipe.document import load_recipe, parse_recipe
 from rlkit_core.recipe.plugins import load_registry
+from rlkit_core.runtime.rollout import greedy_baseline, sample_responses
 from rlkit_core.runtime.run import run_recipe
 from rlkit_core.runtime.trainer import Trainer
 from rlkit_core.testing import rollout_batch
+from tests.test_trainer import rollout_with
 
 NAN = float("nan")
 RECIPES = Path(__file__).parent.parent / "recipes"
@@ -312,9 +314,10 @@ def test_remax_baseline_is_the_score_of_the_greedy_response(recipe_document, bui
     document["ppo"]["missing_eos_penalty"] = 0.25  # the baseline is shaped as the samples' scores are
     trainer = Trainer(parse_recipe(document, builtin_registry))
     records = trainer.stream.batch(0)
-    batch, _ = trainer.rollout(records)
-    with_baseline, timing = trainer.greedy_baseline(records, batch)
-    greedy = trainer.sample_responses(records, greedy=True)
+    batch, _ = rollout_with(trainer, records)
+    engine, components, recipe, max_tokens = trainer.engine, trainer.components, trainer.recipe, trainer.prompts.max_tokens
+    with_baseline, timing = greedy_baseline(engine, components, recipe, records, batch, max_tokens)
+    greedy = sample_responses(engine, components, recipe, records, recipe.ppo.batch_size, max_tokens, greedy=True)
     scores = trainer.components.reward.score([r["prompt"] for r in records], greedy, letter=[r["letter"] for r in records])
     ended = [trainer.components.policy.tokenizer.eos_token in text for text in greedy]  # decoded without special tokens: never there
     expected = [s - 0.25 * (not e) for s, e in zip(scores, ended) for _ in range(2)]

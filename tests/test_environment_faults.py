@@ -19,9 +19,9 @@ import attrs
 import pytest
 
 from rlkit_core.messages import Reset
-from rlkit_core.runtime.trainer import data_checksum
+from rlkit_core.runtime.after_update import data_checksum
 from tests.test_episodes import Faulty, ending_model, episode_document
-from tests.test_trainer import make_trainer
+from tests.test_trainer import make_trainer, rollout_with
 
 PLUGIN = '''
 import os
@@ -197,7 +197,7 @@ def test_a_done_that_is_not_a_bool_ends_the_episode_as_an_error(recipe_document,
     trainer = make_trainer(episode_document(recipe_document, ending_tiny_model), builtin_registry)
     trainer.components = attrs.evolve(trainer.components, environment=SaysDoneWithAString())
     with pytest.warns(UserWarning, match=r"returned done='no'; an environment says True or False"):
-        batch, metrics = trainer.rollout([{"prompt": "p", "fault": "none"}] * 16)
+        batch, metrics = rollout_with(trainer, [{"prompt": "p", "fault": "none"}] * 16)
     assert metrics["env/status_error"] > 0.5 and metrics["env/status_ok"] == 0 and not batch.loss_mask.any()
 
 
@@ -220,7 +220,7 @@ def test_threads_of_hung_calls_stay_within_the_pool_over_many_rollouts(recipe_do
         hung = []
         for iteration in range(6):
             try:
-                _, metrics = trainer.rollout(trainer.stream.batch(iteration))
+                _, metrics = rollout_with(trainer, trainer.stream.batch(iteration))
             except Exception as exc:  # the pool ran out: the run would end here, located
                 assert "call threads (environment.call_threads) is held" in str(exc)
                 break
@@ -238,6 +238,6 @@ def test_the_data_checksum_tells_games_of_one_prompt_apart(recipe_document, buil
     assert len({checksum([3, 9]), checksum([9, 3]), checksum([3, 3])}) == 3 and checksum([3, 9]) == checksum([3, 9])
     # guess-number's iterations: one prompt text, other games
     trainer = make_trainer(episode_document(recipe_document, ending_tiny_model), builtin_registry)
-    first, second = (trainer.rollout(trainer.stream.batch(i))[0] for i in range(2))
+    first, second = (rollout_with(trainer, trainer.stream.batch(i))[0] for i in range(2))
     assert set(first.prompts) == set(second.prompts) == {first.prompts[0]}
     assert data_checksum(first) != data_checksum(second)

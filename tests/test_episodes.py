@@ -18,7 +18,7 @@ from rlkit_core.messages import Reset, Step
 from rlkit_core.runtime.episodes import EnvironmentFault, Episode, Sample, episodes_batch
 from rlkit_core.testing.offline_models import write_tiny_model
 from tests.test_loss_mask import changed_outside_the_loss_mask, loss_and_gradients
-from tests.test_trainer import make_trainer
+from tests.test_trainer import advantages_with, compare_with, make_trainer, rollout_with, update_with
 
 
 def ending_model(path, style: str = "byt5"):
@@ -60,7 +60,7 @@ def episode_document(document, model, **environment):
 
 def test_an_episode_batch_counts_only_what_was_sampled(recipe_document, builtin_registry, ending_tiny_model):
     trainer = make_trainer(episode_document(recipe_document, ending_tiny_model), builtin_registry)
-    batch, metrics = trainer.rollout(trainer.stream.batch(0))
+    batch, metrics = rollout_with(trainer, trainer.stream.batch(0))
     counted, layout = batch.loss_mask.bool(), batch.response_mask.bool()
     assert metrics["env/turns"] > 2, "the ending model should reach later turns"
     assert (counted <= layout).all() and (counted.sum() < layout.sum())
@@ -80,8 +80,8 @@ def test_an_episode_batch_counts_only_what_was_sampled(recipe_document, builtin_
 def test_recomputed_logprobs_equal_the_generators_over_four_turns(recipe_document, builtin_registry, ending_tiny_model):
     trainer = make_trainer(episode_document(recipe_document, ending_tiny_model, max_turns=4, max_episode_tokens=200),
                            builtin_registry)
-    batch, metrics = trainer.rollout(trainer.stream.batch(0))
-    batch = trainer.compare_to_reference(batch)
+    batch, metrics = rollout_with(trainer, trainer.stream.batch(0))
+    batch = compare_with(trainer, batch)
     assert metrics["env/turns"] >= 3
     sampled = batch.response_mask.bool() & ~torch.isnan(batch.sampled_logprobs)
     assert torch.allclose(batch.old_logprobs[sampled], batch.sampled_logprobs[sampled], atol=1e-5, rtol=0)
@@ -89,7 +89,7 @@ def test_recomputed_logprobs_equal_the_generators_over_four_turns(recipe_documen
 
 def test_environment_tokens_carry_no_loss_and_no_gradient(recipe_document, builtin_registry, ending_tiny_model):
     trainer = make_trainer(episode_document(recipe_document, ending_tiny_model), builtin_registry)
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     hole = batch.response_mask.bool() & ~batch.loss_mask.bool()
     assert hole.any()
     token_count = float(batch.loss_mask.sum())
@@ -110,7 +110,7 @@ def test_environment_tokens_carry_no_loss_and_no_gradient(recipe_document, built
 def test_gae_over_an_episode_is_gae_with_its_environment_spans_deleted(recipe_document, builtin_registry, ending_tiny_model):
     trainer = make_trainer(episode_document(recipe_document, ending_tiny_model), builtin_registry,
                            advantage__type="gae", advantage__whiten=False, advantage__lam=0.9)
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     counted = batch.loss_mask.bool()
     assert (batch.response_mask.bool() & ~counted).any()
     for row in range(len(batch)):
@@ -123,7 +123,7 @@ def test_gae_over_an_episode_is_gae_with_its_environment_spans_deleted(recipe_do
 
 def test_turn_rewards_land_at_each_turns_last_sampled_token_and_are_conserved(recipe_document, builtin_registry, ending_tiny_model):
     trainer = make_trainer(episode_document(recipe_document, ending_tiny_model), builtin_registry, kl__type="fixed", kl__beta=0.0)
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     counted = batch.loss_mask.bool()
     for row in range(len(batch)):
         if not counted[row].any():
@@ -167,7 +167,7 @@ def test_sampled_ids_are_kept_verbatim_even_when_text_would_encode_them_otherwis
     trainer = make_trainer(document, builtin_registry)
     scripted = Scripted([pieces + [eos]], eos)
     trainer.components = attrs.evolve(trainer.components, generator=scripted)
-    batch, _ = trainer.rollout(trainer.stream.batch(0)[:2])
+    batch, _ = rollout_with(trainer, trainer.stream.batch(0)[:2])
     row = batch.response_ids[0][batch.response_mask[0].bool()].tolist()
     assert row[:4] == pieces + [eos]  # the first turn as the generator gave it
     assert row[-4:] == pieces + [eos]  # and the second, after the environment's answer
@@ -208,7 +208,7 @@ def test_every_fault_of_an_environment_is_a_status_never_a_score(recipe_document
     started = time.monotonic()
     said = {"raises": "broken tool", "reset raises": "no such game", "not a step": "not a Step"}.get(fault)
     with pytest.warns(EnvironmentFault, match=said) if said else contextlib.nullcontext():
-        batch, metrics = trainer.rollout(records)
+        batch, metrics = rollout_with(trainer, records)
     assert time.monotonic() - started < 20  # a hanging step ends its episode after the timeout
     assert metrics[f"env/status_{status}"] > 0
     if status != "ok":
@@ -220,19 +220,19 @@ def test_a_turn_cut_off_by_max_new_tokens_trains_as_a_response_that_never_ended(
     # the shared tiny model almost never ends a turn within 2 tokens
     trainer = make_trainer(episode_document(recipe_document, tiny_model), builtin_registry, generator__max_new_tokens=2,
                            ppo__missing_eos_penalty=0.5)
-    batch, metrics = trainer.rollout(trainer.stream.batch(0))
+    batch, metrics = rollout_with(trainer, trainer.stream.batch(0))
     assert metrics["env/status_cut_off"] > 0.5
     cut = ~batch.ended
     assert cut.any() and (batch.response_mask[cut].sum(dim=1) == 2).all()
     assert torch.equal(batch.loss_mask[cut], batch.response_mask[cut])  # both sampled tokens count
     # scored by what the episode got, then the recipe's penalty for a response that never ended
-    batch = trainer.with_advantages(batch)
+    batch = advantages_with(trainer, batch)
     assert torch.allclose(batch.rewards[cut].sum(dim=1), batch.scores[cut] - 0.5 - trainer.components.kl.beta * batch.kl[cut].sum(dim=1))
 
 
 def test_the_token_budget_ends_an_episode_as_overflow(recipe_document, builtin_registry, ending_tiny_model):
     trainer = make_trainer(episode_document(recipe_document, ending_tiny_model, max_episode_tokens=6), builtin_registry)
-    batch, metrics = trainer.rollout(trainer.stream.batch(0))
+    batch, metrics = rollout_with(trainer, trainer.stream.batch(0))
     assert metrics["env/status_overflow"] > 0
     assert (batch.response_mask.sum(dim=1) <= 6).all()
     assert not batch.ended[batch.response_mask.sum(dim=1) == 6].any()
@@ -254,7 +254,7 @@ def test_a_split_episode_gives_each_sample_the_episodes_score():
 def test_single_turn_recipes_play_no_episode(recipe_document, builtin_registry):
     trainer = make_trainer(recipe_document, builtin_registry)
     assert trainer.components.environment is None
-    batch, metrics = trainer.rollout(trainer.stream.batch(0))
+    batch, metrics = rollout_with(trainer, trainer.stream.batch(0))
     assert batch.turn_rewards is None and not any(name.startswith("env/") for name in metrics)
 
 
@@ -278,7 +278,7 @@ def test_the_recipes_reward_scores_each_transcript_on_top_of_the_environments(re
     document = episode_document(recipe_document, ending_tiny_model)
     document["reward"] = {"type": "python", "function": f"{reward}:score"}
     trainer = make_trainer(document, builtin_registry)
-    batch, _ = trainer.rollout(trainer.stream.batch(0))
+    batch, _ = rollout_with(trainer, trainer.stream.batch(0))
     assert batch.responses is not None
     # the reward read the records' columns and each whole transcript after the first prompt
     extra = torch.tensor([s / 100 + r.count("higher") for r, s in zip(batch.responses, batch.columns["secret"])])
@@ -329,7 +329,7 @@ def test_a_chatml_episode_is_the_templates_render_or_splits_where_the_template_r
     trainer = make_trainer(episode_document(recipe_document, path, max_turns=3), builtin_registry)
     trainer.components = attrs.evolve(trainer.components, generator=Scripted([turn], tokenizer.pad_token_id))
     records = [{"prompt": "Guess my number, 1-16.", "secret": 16}]
-    batch, metrics = trainer.rollout(records * 2)
+    batch, metrics = rollout_with(trainer, records * 2)
     conversation = [{"role": "user", "content": "Guess my number, 1-16."}]
     # "7" is a guess (then out of the open range); with its reasoning it is no number the game reads
     answers = ("say a number: 1-16",) * 2 if think else ("higher: 8-16", "say a number: 8-16")
@@ -357,11 +357,11 @@ def test_the_update_of_episodes_divides_by_their_sampled_tokens(recipe_document,
 
     trainer = make_trainer(episode_document(recipe_document, ending_tiny_model), builtin_registry, ppo__minibatch_size=16,
                            ppo__epochs=1)
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     counts, micro_step = [], update._micro_step
     monkeypatch.setattr(update, "_micro_step", lambda engine, components, recipe, micro, rows, token_count:
                         counts.append(float(token_count)) or micro_step(engine, components, recipe, micro, rows, token_count))
-    trainer.train_on(batch)
+    update_with(trainer, batch)
     sampled = int((batch.response_mask.bool() & ~torch.isnan(batch.sampled_logprobs)).sum())
     assert counts and set(counts) == {float(batch.loss_mask.sum())} and batch.loss_mask.sum() == sampled
     assert sampled < batch.response_mask.sum()

@@ -12,6 +12,7 @@ from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime.forward import response_view, rows_of
 from rlkit_core.runtime.trainer import Trainer
 from rlkit_core.testing import policy_inputs
+from tests.test_trainer import advantages_with, rollout_with
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def test_models_without_logits_to_keep_or_a_trunk_give_the_same(policy, inputs):
 
 def test_response_logprobs_equal_the_ones_from_every_position(recipe_document, builtin_registry):
     trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     sequence = batch.sequence()
     with torch.no_grad():
         logprobs, values, _, _ = response_view(trainer.components, batch, rows_of(batch, trainer.recipe.ppo.pack_sequences), grad=False)

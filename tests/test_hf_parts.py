@@ -5,6 +5,7 @@ import torch
 
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime.trainer import Trainer
+from tests.test_trainer import advantages_with, rollout_with, update_with
 
 
 def lora_trainer(recipe_document, registry):
@@ -20,10 +21,10 @@ def test_lora_trains_only_adapters_and_the_reference_is_the_base(recipe_document
     names = [name for name, p in policy.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in name for name in names)
 
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     sequence = batch.sequence()
     reference_before = policy.reference_logits(*sequence)
-    trainer.train_on(batch)
+    update_with(trainer, batch)
     with torch.no_grad():
         policy_after = policy.forward(*sequence).logits
     assert torch.equal(policy.reference_logits(*sequence), reference_before)  # the base never moves
@@ -51,11 +52,11 @@ def test_lora_export_merges_when_asked(recipe_document, builtin_registry, tmp_pa
 def test_separate_critic_has_its_own_model(recipe_document, builtin_registry, tiny_reward_model):
     recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
     trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     assert torch.count_nonzero(batch.values) == 0  # zero-initialised head: values start at 0
-    metrics = trainer.train_on(batch)
+    metrics = update_with(trainer, batch)
     assert metrics["train/value_loss"] > 0
-    after = trainer.with_advantages(trainer.rollout(trainer.stream.batch(1))[0])
+    after = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(1))[0])
     assert torch.count_nonzero(after.values) > 0  # the critic learned something
 
 

@@ -91,6 +91,13 @@ def test_every_source_file_belongs_to_a_layer():
     assert {layer_of_file(path) for path in SOURCES} == set(ALLOWED)
 
 
+def test_the_runtime_is_type_checked_in_standard_mode():
+    """pyright checks the project in basic mode (pyproject.toml) and the runtime in standard mode,
+    which its modules ask for on their first line (pyright sets the mode per file), a new one too."""
+    basic = [path.name for path in sorted((CORE / "runtime").glob("*.py")) if path.read_text().split("\n", 1)[0] != "# pyright: standard"]
+    assert basic == [], "start these modules with the line `# pyright: standard`"
+
+
 def wrong_way(layer: str, source: str) -> list[str]:
     return sorted(f"line {line}: {module} ({layer_of_module(module)})"
                   for module, line in imported_modules(ast.parse(source))

@@ -6,10 +6,10 @@ import torch
 from plugins.gae import GAE, GAEConfig
 from rlkit_core.functional import gae, kl_per_token, masked_sum, token_rewards
 from rlkit_core.interfaces import LossInputs
-from rlkit_core.runtime import update
+from rlkit_core.runtime import rollout, update
 from rlkit_core.testing import EPISODE_LOSS_MASK, rollout_batch
 from tests.test_critic_free import build_loss
-from tests.test_trainer import make_trainer
+from tests.test_trainer import advantages_with, make_trainer, rollout_with, update_with
 
 HOLES = torch.tensor(EPISODE_LOSS_MASK)
 
@@ -64,7 +64,7 @@ def test_ppo_clip_by_hand_counts_only_the_loss_mask(recipe_document, builtin_reg
 
 def test_the_update_divides_by_the_count_of_loss_mask_tokens(recipe_document, builtin_registry, monkeypatch):
     trainer = make_trainer(recipe_document, builtin_registry, ppo__minibatch_size=16, ppo__epochs=1)
-    batch = with_environment_tokens(trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0]))
+    batch = with_environment_tokens(advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0]))
     counts = []
     micro_step = update._micro_step
 
@@ -73,7 +73,7 @@ def test_the_update_divides_by_the_count_of_loss_mask_tokens(recipe_document, bu
         return micro_step(engine, components, recipe, micro, rows, token_count)
 
     monkeypatch.setattr(update, "_micro_step", counting)
-    trainer.train_on(batch)
+    update_with(trainer, batch)
     assert counts and set(counts) == {float(batch.loss_mask.sum())}
     assert batch.loss_mask.sum() < batch.response_mask.sum()
 
@@ -121,8 +121,8 @@ def test_the_score_lands_on_the_last_counted_token():
 def test_kl_ref_sums_only_the_loss_mask(recipe_document, builtin_registry, monkeypatch):
     trainer = make_trainer(recipe_document, builtin_registry, optim__learning_rate=1e-2, ppo__kl_estimator="k1")
     trainer.step()  # the policy moves away from the reference, so the KL is no longer 0
-    rollout = trainer.rollout
-    monkeypatch.setattr(trainer, "rollout", lambda records: (lambda batch, metrics: (with_environment_tokens(batch), metrics))(*rollout(records)))
+    stage = rollout.rollout  # the iteration's rollouts, with environment tokens in them
+    monkeypatch.setattr(rollout, "rollout", lambda *args: (lambda batch, metrics: (with_environment_tokens(batch), metrics))(*stage(*args)))
     iteration = trainer.iterate()
     batch = iteration.batch
     assert batch.kl is not None and batch.old_logprobs is not None and batch.ref_logprobs is not None

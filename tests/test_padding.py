@@ -15,6 +15,7 @@ from rlkit_core.runtime.forward import PositionCount, response_view
 from rlkit_core.runtime.microbatches import TooLong, budget_pieces, fixed_pieces
 from rlkit_core.runtime.packing import PackedRows, PaddedRows, packed_layout
 from rlkit_core.runtime.trainer import Trainer
+from tests.test_trainer import advantages_with, compare_with, rollout_with, update_with
 
 
 def hand_batch() -> RolloutBatch:
@@ -141,7 +142,7 @@ def rollout(trainer: Trainer) -> RolloutBatch:
     torch.manual_seed(5)
     head = getattr(trainer.components.value_head, "head", None) or trainer.components.value_head.score
     torch.nn.init.normal_(head.weight, std=0.1)
-    return ragged(trainer.rollout(trainer.stream.batch(0))[0], trainer.components.policy.tokenizer.pad_token_id)
+    return ragged(rollout_with(trainer, trainer.stream.batch(0))[0], trainer.components.policy.tokenizer.pad_token_id)
 
 
 @pytest.mark.parametrize("packed, budget", [(False, 0), (False, 60), (True, 0), (True, 100)],
@@ -157,7 +158,7 @@ def test_no_grad_passes_on_trimmed_pieces_equal_the_padded_computation(ragged_do
         counter(phase, chunk, rows)
     trainer = Trainer(parse_recipe(ragged_document, builtin_registry), observe=observe)
     batch = rollout(trainer)
-    compared = trainer.compare_to_reference(batch)
+    compared = compare_with(trainer, batch)
 
     with torch.no_grad():  # the whole padded batch in one pass, as before trimming
         sequence = batch.sequence()
@@ -188,7 +189,7 @@ def test_the_update_on_trimmed_micro_batches_equals_the_padded_one(ragged_docume
     ragged_document["policy"].update(policy)
     ragged_document["optim"]["max_grad_norm"] = 0.0  # the step sees the summed gradient as it is
     trainer = Trainer(parse_recipe(ragged_document, builtin_registry))
-    batch = trainer.with_advantages(rollout(trainer))
+    batch = advantages_with(trainer, rollout(trainer))
     token_count = batch.response_mask.sum()
     # the whole padded minibatch at once: the fixed split of one
     update._micro_step(trainer.engine, trainer.components, trainer.recipe, batch, PaddedRows(batch), token_count)
@@ -200,7 +201,7 @@ def test_the_update_on_trimmed_micro_batches_equals_the_padded_one(ragged_docume
     micro_batches, step = [], update._micro_step  # (rollouts, computed positions, rows) of each
     monkeypatch.setattr(update, "_micro_step", lambda engine, components, recipe, micro, rows, count: micro_batches.append(
         (len(micro), rows.computed, len(rows.inputs[0]))) or step(engine, components, recipe, micro, rows, count))
-    trainer.train_on(batch)
+    update_with(trainer, batch)
     assert len(gradients) == 1 and padded.abs().max() > 1e-3
     assert (gradients[0] - padded).abs().max() < 1e-5 * padded.abs().max()
     assert len(micro_batches) > 1  # the minibatch was split, by length
@@ -299,7 +300,7 @@ def test_every_process_runs_as_many_micro_batches_as_the_one_that_needs_most(rec
 
     recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16})
     trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
-    batch = trainer.rollout(trainer.stream.batch(0))[0]
+    batch = rollout_with(trainer, trainer.stream.batch(0))[0]
     index, lengths = torch.arange(len(batch)), lengths_of(batch)
     processes = trainer.engine.processes
     assert len(chunks_of(index, lengths, 1000, 16, "max_tokens_per_microbatch", False, processes)) == 1  # all fit at once

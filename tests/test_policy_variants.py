@@ -18,9 +18,11 @@ from rlkit_core.errors import RecipeError
 from rlkit_core.functional import constant_groups
 from rlkit_core.interfaces import LossInputs
 from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.rollout import shaped
 from rlkit_core.runtime.trainer import Trainer
 from rlkit_core.testing import rollout_batch
 from rlkit_core.testing.offline_models import write_tiny_model
+from tests.test_trainer import advantages_with
 
 # Prompts of the shared prompt file are made of the letters a, b, c, d, f, g. This reward gives
 # every response to a prompt that starts with "a" or "b" the same score, so those groups have
@@ -65,7 +67,7 @@ def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch(grpo_document, b
     assert metrics["batch/dropped_groups"] >= flat_prompts
     assert metrics["batch/extra_rounds"] >= 1
     # each kept row is the response the reward scored, with the sampler's log-probs of its own tokens
-    evaluated = trainer.with_advantages(batch)
+    evaluated = advantages_with(trainer, batch)
     assert float((evaluated.old_logprobs - evaluated.sampled_logprobs).abs().max()) < 1e-4
     assert batch.scores.tolist() == approx([0.5 if p[0] in "ab" else sum(c.islower() for c in r) / 8
                                            for p, r in zip(batch.prompts, batch.responses)])
@@ -145,8 +147,8 @@ def test_overlong_penalty_shapes_the_scores(recipe_document, builtin_registry):
     recipe_document["ppo"].update({"overlong_buffer": 4, "overlong_penalty": 1.0, "missing_eos_penalty": 0.25})
     trainer = Trainer(parse_recipe(recipe_document, builtin_registry))
     # max_new_tokens 8, buffer 4: lengths 3, 6, 8 lose 0, (6 - 4)/4 = 0.5, 1; the last never ended: 0.25 more
-    shaped = trainer.shaped(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([True, True, False]), torch.tensor([3, 6, 8]))
-    assert shaped.tolist() == approx([1.0, 0.5, -0.25])
+    scores = shaped(trainer.recipe, torch.tensor([1.0, 1.0, 1.0]), torch.tensor([True, True, False]), torch.tensor([3, 6, 8]))
+    assert scores.tolist() == approx([1.0, 0.5, -0.25])
 
 
 def test_mask_truncated_leaves_responses_without_eos_out_of_the_loss(recipe_document, builtin_registry):

@@ -16,6 +16,7 @@ from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime.forward import response_view, rows_of
 from rlkit_core.runtime.trainer import Trainer
 from rlkit_core.testing.offline_models import write_tiny_model
+from tests.test_trainer import advantages_with, rollout_with, update_with
 
 RM_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
 
@@ -83,7 +84,7 @@ def test_padless_tokenizer_gets_a_pad_that_is_never_sampled(recipe_document, bui
     assert tokenizer.pad_token_id == len(original) and tokenizer.pad_token_id not in policy.eos_token_ids
     assert policy.suppressed_token_ids == (tokenizer.pad_token_id,)
     assert policy.model.get_input_embeddings().num_embeddings == len(original) + 1  # no spare row: one added
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     counted = batch.response_mask.bool()
     # 2048 draws at T=2: a PAD row in the softmax (p ≈ 1/320 each) would show up almost surely.
     assert counted.sum() > 1000 and not (batch.response_ids[counted] == tokenizer.pad_token_id).any()
@@ -103,8 +104,8 @@ def test_separate_critic_reads_a_padless_policys_ids(recipe_document, builtin_re
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(gpt2_lm)},
                                             value_head={"type": "separate", "model": str(gpt2_classifier)}), builtin_registry))
     assert trainer.components.policy.tokenizer.pad_token_id >= trainer.components.value_head.model.get_input_embeddings().num_embeddings
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
-    assert trainer.train_on(batch)["train/value_loss"] > 0
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
+    assert update_with(trainer, batch)["train/value_loss"] > 0
 
 
 def test_critic_with_another_vocabulary_is_refused_at_build_and_by_check(recipe_document, builtin_registry, gpt2_lm, chat_classifier):
@@ -133,7 +134,7 @@ def test_a_response_ending_on_the_second_end_id_counts_as_ended(recipe_document,
         return output
 
     trainer.components.policy.model.lm_head.register_forward_hook(favour_end_of_turn)
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     assert (batch.response_ids[:, 0] == end_of_turn).all() and (batch.response_mask.sum(dim=1) == 1).all()
     assert batch.ended.all()
     assert torch.allclose(batch.rewards[:, 0], batch.scores - trainer.components.kl.beta * batch.kl[:, 0])  # no missing-EOS penalty
@@ -166,7 +167,7 @@ def test_checkpoint_sampling_defaults_are_ignored(recipe_document, builtin_regis
     trainer = Trainer(parse_recipe(document(recipe_document, policy={"model": str(opinionated_lm)},
                                             generator={"max_new_tokens": 32, "temperature": 2.0},
                                             ppo={"batch_size": 32, "minibatch_size": 16}), builtin_registry))
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     counted = batch.response_mask.bool()
     rows = [ids[mask].tolist() for ids, mask in zip(batch.response_ids, counted)]
     # Pure sampling of 32 tokens from ~320 repeats a token in most rows; no_repeat_ngram_size=1 never would.
@@ -201,7 +202,7 @@ def test_check_warns_on_k1_in_the_loss(recipe_document, builtin_registry):
 @pytest.mark.parametrize("coef, graphed", [(0.0, False), (0.01, True)])
 def test_entropy_keeps_a_graph_only_when_the_loss_uses_it(recipe_document, builtin_registry, coef, graphed):
     trainer = Trainer(parse_recipe(document(recipe_document, loss={"entropy_coef": coef}), builtin_registry))
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     _, _, entropy, _ = response_view(trainer.components, batch, rows_of(batch, trainer.recipe.ppo.pack_sequences), grad=True)
     assert entropy.requires_grad is graphed
     assert torch.isfinite(entropy).all()
@@ -264,7 +265,7 @@ def test_long_prompts_are_cut_or_skipped_and_counted(recipe_document, builtin_re
                                             data={"path": str(chat_prompts), "max_prompt_tokens": 70, "truncate": truncate}), builtin_registry))
     assert trainer.prompts.counts == {"loaded": 16, "cut": cut, "skipped": skipped, "empty": 0}
     assert len(trainer.prompts.train) == kept
-    batch, _ = trainer.rollout(trainer.stream.batch(0))
+    batch, _ = rollout_with(trainer, trainer.stream.batch(0))
     assert batch.prompt_ids.shape[1] <= 70
 
 

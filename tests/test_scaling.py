@@ -25,6 +25,7 @@ from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime import checkpoint
 from rlkit_core.runtime.run import run_recipe
 from rlkit_core.runtime.trainer import Trainer
+from tests.test_trainer import advantages_with, rollout_with, update_with
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
@@ -236,8 +237,8 @@ def test_gradient_accumulation_gives_the_same_update(recipe_document, builtin_re
         trainer.engine.optimizer.optimizer.register_step_pre_hook(
             lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.engine.parameters])))
         torch.manual_seed(5)
-        batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
-        metrics = trainer.train_on(batch)
+        batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
+        metrics = update_with(trainer, batch)
         return gradients, metrics
 
     whole_gradients, whole_metrics = update(1)

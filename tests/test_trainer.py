@@ -6,7 +6,9 @@ import warnings
 import pytest
 import torch
 
+from rlkit_core.batch import RolloutBatch
 from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime import rollout, targets, update
 from rlkit_core.runtime.forward import response_view, rows_of
 from rlkit_core.runtime.trainer import Trainer
 
@@ -18,10 +20,34 @@ def make_trainer(document, registry, **changes):
     return Trainer(parse_recipe(document, registry))
 
 
+# The stages by themselves, with a trainer's parts (its observer of forward passes too), as `Trainer.iterate` calls them.
+def rollout_with(trainer: Trainer, records: list[dict], samples_per_prompt: int | None = None,
+                 greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
+    """Stage 1: `samples_per_prompt` (default: the recipe's) responses to each record, scored."""
+    recipe = trainer.recipe
+    return rollout.rollout(trainer.engine, trainer.components, recipe, records, samples_per_prompt or recipe.ppo.samples_per_prompt,
+                           trainer.prompts.max_tokens, greedy)
+
+
+def compare_with(trainer: Trainer, batch: RolloutBatch) -> RolloutBatch:
+    """Stage 2's forward passes: old and reference log-probs, values and the per-token KL."""
+    return targets.compare_to_reference(trainer.engine, trainer.components, trainer.recipe, batch, trainer.observe)
+
+
+def advantages_with(trainer: Trainer, batch: RolloutBatch) -> RolloutBatch:
+    """Stage 2: everything the update reads."""
+    return targets.with_advantages(trainer.engine, trainer.components, trainer.recipe, batch, trainer.observe)
+
+
+def update_with(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
+    """Stage 3 on `batch` from the trainer's state (its iteration orders the minibatches); the metrics."""
+    return update.update(trainer.engine, trainer.components, trainer.recipe, batch, trainer.state, trainer.observe).metrics
+
+
 def test_first_step_ratio_is_one_and_logprobs_match_the_sampler(recipe_document, builtin_registry):
     trainer = make_trainer(recipe_document, builtin_registry)
-    batch, _ = trainer.rollout(trainer.stream.batch(0))
-    batch = trainer.with_advantages(batch)
+    batch, _ = rollout_with(trainer, trainer.stream.batch(0))
+    batch = advantages_with(trainer, batch)
     mask = batch.response_mask.bool()
     # The training code path, before any update, reproduces π_old: ratio exactly 1.
     logprobs, _, _, _ = response_view(trainer.components, batch, rows_of(batch, trainer.recipe.ppo.pack_sequences), grad=False)
@@ -35,7 +61,7 @@ def test_first_step_ratio_is_one_and_logprobs_match_the_sampler(recipe_document,
 
 def test_score_lands_on_the_last_counted_token(recipe_document, builtin_registry):
     trainer = make_trainer(recipe_document, builtin_registry, kl__type="fixed", kl__beta=0.0)
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     last = batch.response_mask.sum(dim=1) - 1
     expected = torch.zeros_like(batch.rewards)
     expected[torch.arange(len(batch)), last] = batch.scores
@@ -44,7 +70,7 @@ def test_score_lands_on_the_last_counted_token(recipe_document, builtin_registry
 
 def test_temperature_is_applied_when_recomputing(recipe_document, builtin_registry):
     trainer = make_trainer(recipe_document, builtin_registry, generator__temperature=0.7)
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     mask = batch.response_mask.bool()
     assert torch.allclose(batch.old_logprobs[mask], batch.sampled_logprobs[mask], atol=1e-4)
 
@@ -99,7 +125,7 @@ def test_gradient_checkpointing_recomputes_during_the_update_and_changes_nothing
         document = {table: dict(body) for table, body in recipe_document.items()}
         trainer = make_trainer(document, builtin_registry, policy__gradient_checkpointing=checkpointing, policy__lora_r=lora_r)
         torch.manual_seed(5)
-        batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+        batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
         calls = []
         model = trainer.components.policy.model.get_base_model() if lora_r else trainer.components.policy.model
         # a module inside a block (transformers keeps the block's own hooks out of the recomputation),
@@ -108,7 +134,7 @@ def test_gradient_checkpointing_recomputes_during_the_update_and_changes_nothing
         gradients = []
         trainer.engine.optimizer.optimizer.register_step_pre_hook(
             lambda *_: gradients.append(torch.cat([p.grad.flatten() for p in trainer.engine.parameters])))
-        trainer.train_on(batch)
+        update_with(trainer, batch)
         return len(calls), gradients
 
     plain_calls, plain_gradients = update(False)
@@ -125,7 +151,7 @@ def test_forward_batch_size_only_changes_how_the_rollout_is_chunked(recipe_docum
         document = {table: dict(body) for table, body in recipe_document.items()}
         trainer = make_trainer(document, builtin_registry, ppo__forward_batch_size=forward_batch_size)
         torch.manual_seed(5)
-        return trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+        return advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
 
     whole, chunked = evaluated(0), evaluated(3)
     for name in ("old_logprobs", "ref_logprobs", "values", "advantages"):
@@ -157,19 +183,19 @@ def test_a_minibatch_whose_ratio_exploded_is_skipped(recipe_document, builtin_re
     skipped and the weights must not move at all; at the default of 10 none is."""
     trainer = make_trainer(recipe_document, builtin_registry, loss__ratio_threshold=0.5)
     before = {k: v.clone() for k, v in trainer.components.policy.state_dict().items()}
-    batch = trainer.with_advantages(trainer.rollout(trainer.stream.batch(0))[0])
+    batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
     with warnings.catch_warnings(record=True) as caught:  # the schedule moves on without a warning to the user
         warnings.simplefilter("always")
-        metrics = trainer.train_on(batch)
+        metrics = update_with(trainer, batch)
     assert not [w for w in caught if "lr_scheduler" in str(w.message)]
     assert metrics["train/skipped"] == 1.0 and metrics["train/grad_norm"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in trainer.components.policy.state_dict().items())
-    metrics = make_trainer(recipe_document, builtin_registry, loss__ratio_threshold=10.0).train_on(batch)
+    metrics = update_with(make_trainer(recipe_document, builtin_registry, loss__ratio_threshold=10.0), batch)
     assert metrics["train/skipped"] == 0.0
 
 
 def test_critic_metrics_by_hand():
-    from rlkit_core.runtime.trainer import critic_metrics
+    from rlkit_core.runtime.after_update import critic_metrics
 
     values, returns = torch.tensor([[1.0, 2.0, 9.0]]), torch.tensor([[3.0, 1.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding and counts nowhere

@@ -354,7 +354,7 @@ def test_episodes_run_on_vllm_with_one_push_per_rollout(recipe_document, byte_mo
 
     from rlkit_core.recipe.plugins import load_registry
     from tests.test_episodes import ends_turns_early, episode_document
-    from tests.test_trainer import make_trainer
+    from tests.test_trainer import compare_with, make_trainer, rollout_with
 
     ending = ends_turns_early(shutil.copytree(byte_model, tmp_path / "ending"))  # heads of 32: vLLM's CPU attention has no 16
     document = episode_document(recipe_document, ending)
@@ -364,12 +364,12 @@ def test_episodes_run_on_vllm_with_one_push_per_rollout(recipe_document, byte_mo
     engine = trainer.components.generator.engine
     resets, reset = [], engine.reset_prefix_cache
     engine.reset_prefix_cache = lambda: resets.append(1) or reset()
-    batch, metrics = trainer.rollout(trainer.stream.batch(0))
+    batch, metrics = rollout_with(trainer, trainer.stream.batch(0))
     assert metrics["env/turns"] > 2 and len(resets) == 1
-    compared = trainer.compare_to_reference(batch)
+    compared = compare_with(trainer, batch)
     sampled = batch.response_mask.bool() & ~torch.isnan(batch.sampled_logprobs)
     assert float((compared.old_logprobs - batch.sampled_logprobs)[sampled].abs().max()) < LOGPROB_TOLERANCE
-    trainer.rollout(trainer.stream.batch(1))
+    rollout_with(trainer, trainer.stream.batch(1))
     assert len(resets) == 2  # the next rollout pushes again
 
 

@@ -633,6 +633,7 @@ def test_the_reports_samples_come_from_the_weights_after_the_last_update(recipe_
     """The engine last saw the weights before the last update; the report's samples push them again
     (and that push's time is not charged to the next iteration)."""
     from rlkit_core.recipe.document import parse_recipe
+    from rlkit_core.runtime.rollout import sample_responses
     from rlkit_core.runtime.trainer import Trainer
 
     monkeypatch.setattr(VLLMGenerator, "_start_engine", lambda self, context: StandInEngine(self.policy, self.config))
@@ -642,7 +643,8 @@ def test_the_reports_samples_come_from_the_weights_after_the_last_update(recipe_
     engine = trainer.components.generator.engine
     trained = trainer.components.policy.model.state_dict()
     assert any(not torch.equal(engine.model.state_dict()[name], trained[name]) for name in trained)  # one update behind
-    trainer.sample_responses(trainer.prompts.train[:2], greedy=True)
+    sample_responses(trainer.engine, trainer.components, trainer.recipe, trainer.prompts.train[:2], trainer.recipe.ppo.batch_size,
+                     trainer.prompts.max_tokens, greedy=True)
     for name, weight in trained.items():
         assert torch.equal(engine.model.state_dict()[name], weight), name
     assert "time/weight_sync" not in trainer.components.generator.pop_metrics()

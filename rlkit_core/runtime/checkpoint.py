@@ -1,3 +1,4 @@
+# pyright: standard
 """Checkpoints: everything a run needs to continue exactly where it stopped.
 
 Layout of `<output_dir>/checkpoints/iter_000012/`:
@@ -49,6 +50,7 @@ from safetensors.torch import load_file, save_file
 
 from rlkit_core import __version__
 from rlkit_core.errors import RlkitError, RunError
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.state import RunState
@@ -79,7 +81,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(engine: Engine, components, recipe: Recipe, state: RunState, run_id: str | None, keep: int,
+def save_checkpoint(engine: Engine, components: Components, recipe: Recipe, state: RunState, run_id: str | None, keep: int,
                     rng: dict | None = None) -> Path:
     """Checkpoint the run at `state` (the engine and components as they are), with this process's
     random state as it is (or `rng`, one taken earlier by `rng_state`), under `recipe.run.output_dir`.
@@ -149,7 +151,7 @@ def _weights_left_to_rlkit(engine: Engine):
             hook.remove()
 
 
-def _write_checkpoint(engine: Engine, components, recipe: Recipe, state: RunState, temporary: Path, final: Path,
+def _write_checkpoint(engine: Engine, components: Components, recipe: Recipe, state: RunState, temporary: Path, final: Path,
                       run_id: str | None, keep: int) -> None:
     save_file({k: v.contiguous() for k, v in components.policy.state_dict().items()}, temporary / "policy.safetensors")
     _test_fault(state.iteration)
@@ -308,7 +310,7 @@ def layout_problem(path: Path, meta: dict | None = None) -> str | None:
             "it with the rlkit that wrote it, or start over with --overwrite; rlkit export still reads its weights")
 
 
-def load_checkpoint(engine: Engine, components, path: Path) -> tuple[RunState, dict]:
+def load_checkpoint(engine: Engine, components: Components, path: Path) -> tuple[RunState, dict]:
     """Restore the engine and the components from `path`; returns the run's state there and the
     checkpoint's meta (iteration, run id, recipe). Every process loads; each takes back its own
     random states."""

@@ -1,3 +1,4 @@
+# pyright: standard
 """The `rlkit` command: run, check, check-checkpoint, export, plugins.
 
 Exit codes: 0 success; 2 bad input (recipe, arguments, a damaged or earlier-layout checkpoint, an output folder

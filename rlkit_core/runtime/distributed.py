@@ -1,3 +1,4 @@
+# pyright: standard
 """Many processes through accelerate: which share of the work is this process's, and how the
 per-process numbers become the global ones the math is defined over.
 

@@ -1,3 +1,4 @@
+# pyright: standard
 """DAPO's dynamic sampling (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning
 System at Scale", arXiv:2503.14476): a group of responses to one prompt that all score alike has
 advantage 0 under a group estimator, so it adds nothing but dilution to the update. Such groups
@@ -19,6 +20,7 @@ import torch
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.functional import constant_groups
 from rlkit_core.randomness import extra_prompts_seed
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.prompt_stream import Prompts, PromptStream
@@ -50,7 +52,7 @@ def concatenated(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
 class DynamicSampler:
     """Rollouts of one iteration with the constant groups replaced (see the module)."""
 
-    def __init__(self, recipe: Recipe, engine: Engine, components, prompts: Prompts):
+    def __init__(self, recipe: Recipe, engine: Engine, components: Components, prompts: Prompts):
         self.recipe, self.engine, self.components, self.max_prompt_tokens = recipe, engine, components, prompts.max_tokens
         ppo = recipe.ppo
         self.k, self.max_rounds = ppo.samples_per_prompt, ppo.max_extra_rounds

@@ -1,3 +1,4 @@
+# pyright: standard
 """The engine: what runs the math on the hardware, built once per run.
 
 It holds accelerate's accelerator, this process's place among the processes, the policy and
@@ -9,6 +10,8 @@ FSDP): reading the weights whole, backward, clipping, the optimiser and schedule
 from __future__ import annotations
 
 import warnings
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 from accelerate import Accelerator
@@ -45,6 +48,22 @@ def start_accelerator(recipe: Recipe, launch: Launch, device: torch.device | Non
     if processes.count > 1 and device.type == "cuda":
         device = accelerator.device  # this process's own GPU
     return accelerator, processes, device
+
+
+class RolloutEngine(Protocol):
+    """What stage 1 (`rlkit_core.runtime.rollout`, the episodes) reads of an engine: the run's
+    `Engine`, or a scheduler worker's `SideEngine` (`rlkit_core.runtime.scheduling`), which
+    samples beside the update and has no optimiser to offer."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def processes(self) -> Processes: ...
+
+    def full_weights(self) -> AbstractContextManager[object]: ...
+
+    def autocast(self) -> AbstractContextManager[object]: ...
 
 
 class Engine:

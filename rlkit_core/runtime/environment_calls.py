@@ -1,3 +1,4 @@
+# pyright: standard
 """The threads that run an environment's `reset` and `step` calls, within a bound.
 
 An environment is someone else's code, and a call may hang. Python cannot stop a thread, so a call

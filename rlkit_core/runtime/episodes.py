@@ -1,3 +1,4 @@
+# pyright: standard
 """Stage 1 for a multi-turn recipe: episodes, played turn by turn against the environment.
 
 The core owns every token of an episode. A training sample is the rendered first prompt followed
@@ -34,6 +35,9 @@ from rlkit_core.batch import RolloutBatch
 from rlkit_core.chat_format import ChatFormat, TemplateAudit, audit, chat_format_for
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.messages import STATUSES, TRAINED_STATUSES, Reply, Reset, Step
+from rlkit_core.recipe.assemble import Components
+from rlkit_core.recipe.document import Recipe
+from rlkit_core.runtime.engine import RolloutEngine
 from rlkit_core.runtime.environment_calls import CallsHung, pool_for
 from rlkit_core.runtime.faults import BadReward
 
@@ -118,11 +122,12 @@ def answer_problem(answer: Any, expected: type) -> str | None:
 class EpisodeRunner:
     """Plays a batch of episodes with the run's generator and environment."""
 
-    def __init__(self, engine, components, recipe):
-        policy, settings = components.policy, recipe["environment"].config
+    def __init__(self, engine: RolloutEngine, components: Components, recipe: Recipe):
+        policy, settings, environment = components.policy, recipe["environment"].config, components.environment
+        assert environment is not None  # episodes are played in a recipe with an environment only
         self.engine, self.components, self.settings = engine, components, settings
         self.response_limit = recipe["generator"].config.response_limit
-        self.environment, self.tokenizer = components.environment, policy.tokenizer
+        self.environment, self.tokenizer = environment, policy.tokenizer
         self.context = policy.context_length
         self.eos = set(policy.eos_token_ids)
         try:
@@ -382,7 +387,7 @@ def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, devic
     )
 
 
-def episode_rollout(engine, components, recipe, records: list[dict], samples_per_prompt: int,
+def episode_rollout(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], samples_per_prompt: int,
                     greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
     """`samples_per_prompt` episodes from each record, scored: the environment's rewards, plus the
     recipe's reward (when it has one) on each episode's transcript; and the stage's timings and
@@ -403,7 +408,7 @@ def episode_rollout(engine, components, recipe, records: list[dict], samples_per
     transcripts = [transcript(tokenizer, e) for e in episodes]
     scores = [e.reward for e in episodes]
     if components.reward is not None:
-        extra = score(processes, components, [str(r["prompt"]) for r in records], transcripts, record_columns(records))
+        extra = score(processes, components.reward, [str(r["prompt"]) for r in records], transcripts, record_columns(records))
         scores = [a + b for a, b in zip(scores, extra)]
     finished = time.perf_counter()
     batch = episodes_batch(episodes, scores, tokenizer.pad_token_id, engine.device)

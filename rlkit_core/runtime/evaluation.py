@@ -1,3 +1,4 @@
+# pyright: standard
 """Held-out evaluation: how the policy does on prompts it never trains on.
 
 The training batch's reward alone can rise through over-optimisation; a score on held-out prompts,
@@ -15,6 +16,7 @@ from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import masked_sum
 from rlkit_core.randomness import evaluation_seed, held_out_generator
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import ComponentChoice, Recipe
 from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.faults import checked_scores
@@ -38,7 +40,7 @@ def hold_out(records: list[dict], size: int, seed: int) -> tuple[list[dict], lis
 class Evaluator:
     """Scores the current policy on the held-out records."""
 
-    def __init__(self, recipe: Recipe, engine: Engine, components, context: BuildContext, prompts: Prompts):
+    def __init__(self, recipe: Recipe, engine: Engine, components: Components, context: BuildContext, prompts: Prompts):
         self.recipe, self.engine, self.components = recipe, engine, components
         self.records, self.max_prompt_tokens = prompts.held_out, prompts.max_tokens
         self.config = recipe.eval

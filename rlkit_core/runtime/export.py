@@ -1,3 +1,4 @@
+# pyright: standard
 """`rlkit export`: a checkpoint → a plain transformers model directory that `from_pretrained` loads."""
 
 from __future__ import annotations

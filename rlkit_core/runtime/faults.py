@@ -1,3 +1,4 @@
+# pyright: standard
 """Faults at run time: a reward that misbehaves, a request to stop, and how each is reported.
 
 A reward is someone else's code. The trainer checks what every reward source returns at the one

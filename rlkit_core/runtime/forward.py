@@ -1,3 +1,4 @@
+# pyright: standard
 """The policy's forward pass over rollouts, shared by the no-grad passes and the update: how a
 batch is cut into chunks that fit a forward pass, how a chunk lies in the rows of the pass, and
 what the pass returns for the response tokens."""
@@ -11,6 +12,7 @@ import torch
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import entropy_from_logits, logprobs_from_logits
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.runtime.distributed import Processes
 from rlkit_core.runtime.microbatches import TooLong, budget_pieces, fixed_pieces
 from rlkit_core.runtime.packing import PackedRows, PaddedRows
@@ -33,7 +35,7 @@ def rows_of(chunk: RolloutBatch, packed: bool) -> PackedRows | PaddedRows:
     return PaddedRows(chunk)
 
 
-def response_view(components, batch: RolloutBatch, rows, grad: bool):
+def response_view(components: Components, batch: RolloutBatch, rows, grad: bool):
     """(logprobs, values, entropy, response logits) of the current parameters on `batch`, laid
     out as `rows` (`rows_of`).
 

@@ -1,3 +1,4 @@
+# pyright: standard
 """Health checks: the ways a run trains on nothing, or on garbage, without crashing.
 
 Each check reads the metrics of the iterations so far (and, for groups, the latest batch's scores)

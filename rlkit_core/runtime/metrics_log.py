@@ -1,3 +1,4 @@
+# pyright: standard
 """`metrics.jsonl`: one JSON object per iteration under the run's output_dir, written whatever the tracker does."""
 
 from __future__ import annotations

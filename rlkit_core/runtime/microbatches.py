@@ -1,3 +1,4 @@
+# pyright: standard
 """How a set of rollouts splits into forward passes: by length, so that each piece, trimmed to its
 own longest prompt and response (`RolloutBatch.trimmed`), computes little padding.
 

@@ -1,3 +1,4 @@
+# pyright: standard
 """How a piece's rollouts lie in the rows of one forward pass: one rollout per row, padded
 (`PaddedRows`), or several end to end in a row (`PackedRows`, `ppo.pack_sequences`).
 

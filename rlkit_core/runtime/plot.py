@@ -1,3 +1,4 @@
+# pyright: standard
 """A PNG of score and KL per iteration, and score against KL, saved next to metrics.jsonl for a
 quick look without a UI. The held-out score sits beside the training score, and the score-against-KL
 panel shows over-optimisation: training reward still rising while the held-out score stalls, at a

@@ -1,3 +1,4 @@
+# pyright: standard
 """The order in which prompts are used: a fresh seeded shuffle per pass over the data.
 
 The prompts of iteration i depend only on (seed, i), so a resumed run picks up exactly where the

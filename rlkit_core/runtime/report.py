@@ -1,3 +1,4 @@
+# pyright: standard
 """The end-of-run report: where reward and KL started and ended, and what the policy says now."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# pyright: standard
 """`rlkit check`'s look at the data through the environment: the first record's `reset`, before
 any training, so that an environment that cannot start an episode on the recipe's own data (a
 record without the column it reads) is found at check time, located, not after a run that trained

@@ -1,3 +1,4 @@
+# pyright: standard
 """Stage 1, rollouts: responses sampled from the current policy, scored by the reward."""
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import torch
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import shaped_scores
-from rlkit_core.interfaces import Generation
+from rlkit_core.interfaces import Generation, RewardSource
 from rlkit_core.prompts import encode_prompts
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import Processes
-from rlkit_core.runtime.engine import Engine
+from rlkit_core.runtime.engine import RolloutEngine
 from rlkit_core.runtime.episodes import episode_rollout
 from rlkit_core.runtime.faults import BadReward, checked_scores, failure_text
 
@@ -26,13 +28,14 @@ def record_columns(records: list[dict]) -> dict[str, list]:
     return {key: [r.get(key) for r in records] for key in keys}
 
 
-def rollout(engine: Engine, components, recipe: Recipe, records: list[dict], samples_per_prompt: int, max_prompt_tokens: int,
+def rollout(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], samples_per_prompt: int, max_prompt_tokens: int,
             greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
     """`samples_per_prompt` responses to each record, scored; and the stage's timings and the
     generator's metrics. Prompts are cut to `max_prompt_tokens` (0: not cut). A recipe with an
     environment plays episodes instead (`rlkit_core.runtime.episodes`)."""
     if components.environment is not None:
         return episode_rollout(engine, components, recipe, records, samples_per_prompt, greedy)
+    assert components.reward is not None  # a recipe without an environment names a reward (the recipe check)
     k, device, tokenizer = samples_per_prompt, engine.device, components.policy.tokenizer
     records = [r for r in records for _ in range(k)]
     prompts = [r["prompt"] for r in records]
@@ -46,7 +49,7 @@ def rollout(engine: Engine, components, recipe: Recipe, records: list[dict], sam
     mask = generation.response_mask  # single turn: every response token was sampled, so all of them count
     ended = torch.isin(generation.response_ids, torch.tensor(components.policy.eos_token_ids, device=device)).any(dim=1)
     responses = tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
-    scores = score(engine.processes, components, prompts, responses, columns)
+    scores = score(engine.processes, components.reward, prompts, responses, columns)
     scored = time.perf_counter()
     batch = RolloutBatch(
         prompts=prompts, columns=columns, group_ids=group_ids, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
@@ -56,7 +59,7 @@ def rollout(engine: Engine, components, recipe: Recipe, records: list[dict], sam
     return batch, {"time/generate": generated - started, "time/score": scored - generated, **components.generator.pop_metrics()}
 
 
-def generate(engine: Engine, components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool,
+def generate(engine: RolloutEngine, components: Components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool,
              sync: bool = True) -> list[Generation]:
     """The generator's output for each (prompt ids, mask) chunk, from the current weights:
     read whole (FSDP gathers them in every process), synced once into an engine of its own
@@ -70,14 +73,14 @@ def generate(engine: Engine, components, prompts: list[tuple[torch.Tensor, torch
             return [components.generator.generate(ids, mask, greedy=greedy) for ids, mask in prompts]
 
 
-def score(processes: Processes, components, prompts: list[str], responses: list[str], columns: dict) -> list[float]:
+def score(processes: Processes, reward: RewardSource, prompts: list[str], responses: list[str], columns: dict) -> list[float]:
     """The reward's scores, checked here, where every reward source passes. A reward that
     raises or breaks its contract on any process is a `BadReward` on every process, so that
     all of them stop or skip together."""
     problem: dict[str, Any] | None = None
     scores: list[float] = []
     try:
-        returned = components.reward.score(prompts, responses, **columns)
+        returned = reward.score(prompts, responses, **columns)
     except RecipeError:  # the recipe's fault (a column the data lacks): exit 2 with its located message
         raise
     except Exception as exc:  # someone else's code: whatever else it raises is the reward's failure
@@ -103,7 +106,7 @@ def shaped(recipe: Recipe, scores: torch.Tensor, ended: torch.Tensor, lengths: t
                          ppo.score_clip)
 
 
-def greedy_baseline(engine: Engine, components, recipe: Recipe, records: list[dict], batch: RolloutBatch,
+def greedy_baseline(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], batch: RolloutBatch,
                     max_prompt_tokens: int) -> tuple[RolloutBatch, dict[str, float]]:
     """`batch` with `baseline_scores`: the shaped score of the greedy response to each of `records`
     (ReMax's baseline), given to every sample of that prompt."""
@@ -119,7 +122,7 @@ def _one_per_episode(batch: RolloutBatch) -> list[str]:
     return list(dict(zip(batch.group_ids.tolist(), batch.responses)).values())
 
 
-def sample_responses(engine: Engine, components, recipe: Recipe, records: list[dict], batch_size: int, max_prompt_tokens: int,
+def sample_responses(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], batch_size: int, max_prompt_tokens: int,
                      greedy: bool = False) -> list[str]:
     """Responses of the current weights to `records`, `batch_size` at a time, without touching the
     training random stream (for before/after reports)."""

@@ -1,3 +1,4 @@
+# pyright: standard
 """`rlkit run`: a recipe from start (or a checkpoint) to report, with the tracker, metrics.jsonl
 and checkpoints kept in step."""
 
@@ -17,6 +18,7 @@ from rlkit_core.errors import RlkitError, RunError
 from rlkit_core.interfaces import Tracker
 from rlkit_core.launch import Launch
 from rlkit_core.progress import Progress
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.recipe.inventory import flatten, inventory_rows
 from rlkit_core.recipe.registry import Registry
@@ -44,7 +46,7 @@ from rlkit_core.runtime.metrics_log import MetricsLog
 from rlkit_core.runtime.plot import plot_curves
 from rlkit_core.runtime.prompt_stream import Prompts
 from rlkit_core.runtime.report import SAMPLES, print_report
-from rlkit_core.runtime.rollout import record_columns
+from rlkit_core.runtime.rollout import record_columns, sample_responses
 from rlkit_core.runtime.run_lock import RunLock, launched_as_main
 from rlkit_core.runtime.scheduling import ProducerFault
 from rlkit_core.runtime.state import RunState
@@ -171,7 +173,8 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
         outputs.tracker.finish(status)
 
     records = _sample_records(prompts)
-    after = trainer.sample_responses(records, greedy=True)  # every process: FSDP gathers the weights
+    # every process: FSDP gathers the weights
+    after = sample_responses(engine, components, recipe, records, recipe.ppo.batch_size, prompts.max_tokens, greedy=True)
     if main:
         samples = _scored(recipe, components, records, [{**before, "after": a} for before, a in zip(samples_before, after)])
         print_report(outputs.history, samples, bool(prompts.held_out), outputs.metrics_log.path, final_checkpoint, outputs.tracker, out=out)
@@ -245,7 +248,7 @@ class Checkpointer:
     """The run's checkpoints: on the schedule (`run.checkpoint_every`), when the run stops early,
     and at the end."""
 
-    def __init__(self, recipe: Recipe, engine: Engine, components, tracker, run_id: str | None):
+    def __init__(self, recipe: Recipe, engine: Engine, components: Components, tracker, run_id: str | None):
         self.recipe, self.engine, self.components, self.tracker, self.run_id = recipe, engine, components, tracker, run_id
         self.latest: tuple[int, Path] | None = None  # (iteration, folder) of the latest this run wrote
 
@@ -415,7 +418,8 @@ def _samples_before(trainer: Trainer) -> list[dict]:
     if processes.gather_objects(path.exists())[0]:
         return json.loads(path.read_text())
     records = _sample_records(trainer.prompts)
-    responses = trainer.sample_responses(records, greedy=True)
+    responses = sample_responses(trainer.engine, trainer.components, trainer.recipe, records, trainer.recipe.ppo.batch_size,
+                                 trainer.prompts.max_tokens, greedy=True)
     samples = [{"prompt": r["prompt"], "before": b} for r, b in zip(records, responses)]
     if processes.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -423,7 +427,7 @@ def _samples_before(trainer: Trainer) -> list[dict]:
     return samples
 
 
-def _scored(recipe: Recipe, components, records: list[dict], samples: list[dict]) -> list[dict]:
+def _scored(recipe: Recipe, components: Components, records: list[dict], samples: list[dict]) -> list[dict]:
     """`samples` with the reward's score of the response before and after training. The run has
     finished by now, so a reward failing here only leaves the samples unscored."""
     if components.reward is None:  # the environment's rewards alone: they belong to whole episodes, not to these texts

@@ -1,3 +1,4 @@
+# pyright: standard
 """One run per output folder: `<output_dir>/rlkit.lock` names the process that holds the folder.
 
 Two runs writing into one folder interleave their metrics and overwrite each other's checkpoints,

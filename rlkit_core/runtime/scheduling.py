@@ -1,3 +1,4 @@
+# pyright: standard
 """Rollouts made ahead of the update: the `[scheduler]` types `one-step-off` and `bounded`.
 
 Producer threads make the batch of iteration j, the prompt stream's batch j as `sync` would make
@@ -43,8 +44,11 @@ import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.runtime.distributed import SideProcesses
+from rlkit_core.runtime.engine import Engine, RolloutEngine
 from rlkit_core.runtime.faults import BadReward
+from rlkit_core.runtime.rollout import rollout
 
 CLOSE_WAIT_S = 5.0  # the longest an ordinary close waits for the batches in flight, all workers together
 
@@ -81,11 +85,11 @@ class WeightsCopy:
 
 
 class SideEngine:
-    """What stage 1 reads of the engine, for the producer's thread: the device, the run's autocast,
-    and the processes over a group of their own (`SideProcesses`). Weights are whole in every
-    process (FSDP runs `sync`), so reading them whole is nothing to do."""
+    """What stage 1 reads of the engine (a `RolloutEngine`), for the producer's thread: the device,
+    the run's autocast, and the processes over a group of their own (`SideProcesses`). Weights are
+    whole in every process (FSDP runs `sync`), so reading them whole is nothing to do."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.engine, self.device, self.processes = engine, engine.device, SideProcesses(engine.processes)
 
     def full_weights(self):
@@ -100,7 +104,7 @@ class Worker:
     """One batch in flight at a time: its own generator, on its own copy of the weights (None: the
     trainer's own, at bound 0), and the version its copy holds."""
 
-    components: object
+    components: Components
     copy: WeightsCopy | None
     engine: SideEngine  # with a process group of the worker's own: its collectives in one order everywhere
     next: int  # the next iteration it makes: worker w of k makes iterations w, w + k, w + 2k, ... (past the start)
@@ -180,11 +184,18 @@ class Producer:
         assert made.batch is not None  # made, since it carries no error
         batch, metrics = made.batch, made.metrics
         if staleness > self.bound:  # cannot happen while versions only grow; kept so the bound is a guarantee
-            batch, metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), self.trainer.components,
-                                                     self.trainer.engine)
+            batch, metrics = self._make(iteration, self.trainer.components, self.trainer.engine)
             staleness, regenerated = 0, 1
         return batch, {**metrics, "async/staleness": float(staleness), "async/regenerated": float(regenerated),
                        "time/trainer_waiting": waited, "time/generator_idle": idle}
+
+    def _make(self, iteration: int, components: Components, engine: RolloutEngine) -> tuple[RolloutBatch, dict[str, float]]:
+        """Stage 1 on the prompt stream's batch of `iteration`, as `sync` makes it, with `components`
+        and `engine`: the run's, or a worker's (a generator on a copy of the weights, collectives
+        over a process group of its own)."""
+        trainer = self.trainer
+        return rollout(engine, components, trainer.recipe, trainer.stream_records(iteration), trainer.recipe.ppo.samples_per_prompt,
+                       trainer.prompts.max_tokens)
 
     def close(self) -> None:
         """Stop the workers, waiting little: a batch in flight is made again on resume. After a stall or a worker's
@@ -223,8 +234,7 @@ class Producer:
                     worker.version = version
                 doing = "making the batch (generation, environment or reward)"
                 with torch.no_grad():
-                    made.batch, made.metrics = self.trainer.make_batch(self.trainer.stream_records(iteration), worker.components,
-                                                                       worker.engine)
+                    made.batch, made.metrics = self._make(iteration, worker.components, worker.engine)
             except (BadReward, RecipeError) as exc:  # raised where `sync` raises it: a skip or stop, or bad input (exit 2)
                 made.error = exc
             except BaseException as exc:  # handed to the trainer, located; it ends the run with a checkpoint

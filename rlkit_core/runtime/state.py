@@ -1,3 +1,4 @@
+# pyright: standard
 """The run's state between iterations: the counters a checkpoint saves and a resumed run restores.
 
 Everything else a run continues from lives elsewhere and needs no copy here: the weights,

@@ -1,3 +1,4 @@
+# pyright: standard
 """Stage 2, what the update aims at: what the rollout policy, the reference and the critic say on
 the rollouts (no-grad forward passes), the per-token rewards with the KL penalty, and the
 advantages and returns."""
@@ -10,6 +11,7 @@ import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.functional import kl_per_token, logprobs_from_logits, token_rewards
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.forward import ForwardObserver, chunks_of, lengths_of, response_view, rows_of
@@ -18,7 +20,7 @@ from rlkit_core.runtime.rollout import shaped
 
 
 @torch.no_grad()
-def with_advantages(engine: Engine, components, recipe: Recipe, batch: RolloutBatch,
+def with_advantages(engine: Engine, components: Components, recipe: Recipe, batch: RolloutBatch,
                     observe: ForwardObserver | None = None) -> RolloutBatch:
     """`batch` with old and reference log-probs, values, per-token KL and rewards, advantages and
     returns: everything the update reads.
@@ -43,7 +45,7 @@ def with_advantages(engine: Engine, components, recipe: Recipe, batch: RolloutBa
 
 
 @torch.no_grad()
-def compare_to_reference(engine: Engine, components, recipe: Recipe, batch: RolloutBatch,
+def compare_to_reference(engine: Engine, components: Components, recipe: Recipe, batch: RolloutBatch,
                          observe: ForwardObserver | None = None) -> RolloutBatch:
     """Old and reference log-probs, values and the per-token KL (zero on padding), on this
     process's rollouts."""
@@ -51,7 +53,7 @@ def compare_to_reference(engine: Engine, components, recipe: Recipe, batch: Roll
         return _compare_in_chunks(engine, components, recipe, batch, observe)
 
 
-def _compare_in_chunks(engine: Engine, components, recipe: Recipe, batch: RolloutBatch,
+def _compare_in_chunks(engine: Engine, components: Components, recipe: Recipe, batch: RolloutBatch,
                        observe: ForwardObserver | None) -> RolloutBatch:
     ppo, policy = recipe.ppo, components.policy
     temperature, suppressed = components.generator.temperature, policy.suppressed_token_ids

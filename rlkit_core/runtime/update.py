@@ -1,3 +1,4 @@
+# pyright: standard
 """Stage 3, the update, read top to bottom like the paper's loop: epochs → shuffled minibatches →
 micro-batches → forward, loss and backward → one optimiser step per minibatch.
 
@@ -21,6 +22,7 @@ from rlkit_core.batch import RolloutBatch
 from rlkit_core.functional import approx_kl, masked_mean, token_log_ratio
 from rlkit_core.interfaces import LossInputs, LossTerms
 from rlkit_core.randomness import minibatch_order_generator
+from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import StepTerms, add_terms
 from rlkit_core.runtime.engine import Engine
@@ -35,7 +37,7 @@ class UpdateResult:
     nonfinite_in_a_row: int  # the run's count of non-finite steps in a row, after this update's
 
 
-def update(engine: Engine, components, recipe: Recipe, batch: RolloutBatch, state: RunState,
+def update(engine: Engine, components: Components, recipe: Recipe, batch: RolloutBatch, state: RunState,
            observe: ForwardObserver | None = None) -> UpdateResult:
     """Epochs of shuffled minibatches over this process's rollouts, one optimiser step each.
 
@@ -145,7 +147,7 @@ def _count_nonfinite(recipe: Recipe, iteration: int, in_a_row: int, nonfinite: b
     return in_a_row
 
 
-def _micro_step(engine: Engine, components, recipe: Recipe, micro: RolloutBatch, rows,
+def _micro_step(engine: Engine, components: Components, recipe: Recipe, micro: RolloutBatch, rows,
                 token_count: torch.Tensor) -> StepTerms:
     """Forward and backward of one micro-batch; returns its share of the step's terms
     (`StepTerms.share_of`)."""
