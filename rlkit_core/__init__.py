@@ -56,7 +56,7 @@ from rlkit_core.records import (
     RunConfig,
 )
 from rlkit_core.sampling import StandardSampling
-from rlkit_core.settings import EpisodeSettings, ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings, field_of
+from rlkit_core.settings import ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings
 from rlkit_core.surrogates import SURROGATES, SurrogateTerms, registered_surrogate, surrogate
 from rlkit_core.tools import ToolEnvironment, tool, tool_schema
 
@@ -67,11 +67,11 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = [
     "AdvantageEstimator", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Environment",
-    "EpisodeSettings", "EvalConfig", "Generation", "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs",
+    "EvalConfig", "Generation", "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs",
     "LossTerms", "ModelSettings", "ModelShape", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput", "PolicySettings", "Problem",
     "Progress", "PromptLengthLimit", "PromptSource", "Recipe", "RecipeError", "Reply", "Reset", "RewardSource", "RunConfig", "RunError",
     "SURROGATES", "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "SurrogateTerms", "ToolCall", "ToolEnvironment",
-    "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "field_of", "greater_than", "hookimpl",
+    "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "greater_than", "hookimpl",
     "nested_component", "nested_components", "one_of", "registered_surrogate", "sampling_seed", "setting", "surrogate",
     "switch_off_dropout", "tool", "tool_schema",
 ]

@@ -12,6 +12,7 @@ import torch
 
 from rlkit_core import (
     Component,
+    ModelSettings,
     Policy,
     PolicyOutput,
     PolicySettings,
@@ -22,7 +23,7 @@ from rlkit_core import (
     setting,
     switch_off_dropout,
 )
-from rlkit_core.hf import context_length, settle_pad, shard_units
+from rlkit_core.hf import DTYPES, context_length, settle_pad, shard_units
 from rlkit_core.recipe.registry import Registry
 
 PLUGIN = "rlkit-contract-kit"
@@ -31,22 +32,22 @@ REWARD, TRACKER = "rlkit-contract-reward", "rlkit-contract-tracker"
 
 
 @attrs.frozen
-class StandInPolicyConfig(PolicySettings):
-    renamed = {"tokenizer": None, "dtype": None, "gradient_checkpointing": None, "trust_remote_code": None}
-
-    model: str = setting(help="a local transformers causal LM directory, with its tokenizer")
+class StandInPolicyConfig(PolicySettings, ModelSettings):
+    model: str = setting(help="a local transformers causal LM directory, with its tokenizer", kw_only=True)
 
 
 class StandInPolicy(Policy):
-    """A transformers causal LM in float32, every weight trained, a frozen copy as its reference."""
+    """A transformers causal LM, every weight trained, a frozen copy as its reference."""
 
     def __init__(self, config: StandInPolicyConfig, context=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, trust_remote_code=config.trust_remote_code)
         self.tokenizer.padding_side = "left"
-        model = AutoModelForCausalLM.from_pretrained(config.model)
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code)
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.eos_token_ids = (self.tokenizer.eos_token_id,)
         if settle_pad(self.tokenizer, self.eos_token_ids):
             self.suppressed_token_ids = (self.tokenizer.pad_token_id,)
