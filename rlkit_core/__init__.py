@@ -32,6 +32,7 @@ from rlkit_core.interfaces import (
     Loss,
     LossInputs,
     LossTerms,
+    NullTracker,
     Policy,
     PolicyOutput,
     PromptSource,
@@ -68,7 +69,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 __all__ = [
     "AdvantageEstimator", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Environment",
     "EvalConfig", "Generation", "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs",
-    "LossTerms", "ModelSettings", "ModelShape", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput", "PolicySettings", "Problem",
+    "LossTerms", "ModelSettings", "ModelShape", "NullTracker", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput", "PolicySettings", "Problem",
     "Progress", "PromptLengthLimit", "PromptSource", "Recipe", "RecipeError", "Reply", "Reset", "RewardSource", "RunConfig", "RunError",
     "SURROGATES", "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "SurrogateTerms", "ToolCall", "ToolEnvironment",
     "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "greater_than", "hookimpl",

@@ -384,6 +384,23 @@ class Tracker(ComponentBase):
         """Close the run; `status` is "FINISHED", "FAILED" or "KILLED"."""
 
 
+class NullTracker(Tracker):
+    """Records nothing, so the run's metrics.jsonl is its whole record: the `none` tracker, what the
+    processes other than the main one log to, and the contract kit's stand-in."""
+
+    def __init__(self, config: Any = None, context: Any = None):
+        pass
+
+    def start(self, *, run_name, params, tags, resume_id):
+        return None
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def finish(self, status):
+        pass
+
+
 class Environment(ComponentBase):
     """What the model talks to over the turns of an episode (a game, a tool, a user simulator).
 

@@ -13,12 +13,12 @@ import torch
 from rlkit_core import (
     Component,
     ModelSettings,
+    NullTracker,
     Policy,
     PolicyOutput,
     PolicySettings,
     PromptSource,
     RewardSource,
-    Tracker,
     __version__,
     setting,
     switch_off_dropout,
@@ -120,27 +120,11 @@ class StandInReward(RewardSource):
         return [len(response) / 100 for response in responses]
 
 
-class StandInTracker(Tracker):
-    """Records nothing."""
-
-    def __init__(self, config: NoSettings, context=None):
-        self.config = config
-
-    def start(self, *, run_name, params, tags, resume_id):
-        return None
-
-    def log_metrics(self, metrics, step):
-        pass
-
-    def finish(self, status):
-        pass
-
-
 def add_to(registry: Registry) -> None:
     """Register the stand-ins in `registry`, unless it has them already."""
     for kind, name, factory, config_class in (("policy", POLICY, StandInPolicy, StandInPolicyConfig),
                                                ("prompt_source", PROMPTS, StandInPrompts, StandInPromptsConfig),
                                                ("reward", REWARD, StandInReward, NoSettings),
-                                               ("tracker", TRACKER, StandInTracker, NoSettings)):
+                                               ("tracker", TRACKER, NullTracker, NoSettings)):
         if registry.find(kind, name) is None:
             registry.add(Component(kind, name, factory, config_class, PLUGIN, "rlkit", __version__))
