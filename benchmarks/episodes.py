@@ -59,7 +59,7 @@ def turns_against_one(trainer: Trainer, repeats: int) -> dict:
     episodes, one = statistics.median(episode_seconds), statistics.median(one_seconds)
     return {"episodes_seconds": round(episodes, 4), "one_turn_seconds": round(one, 4), "ratio": round(episodes / one, 3),
             "sampled_tokens": sampled, "rendered_tokens": rendered, "one_turn_tokens": longest * len(batch),
-            "episode_token_budget": trainer.recipe["environment"].config.episode_token_limit}
+            "episode_token_budget": trainer.recipe["environment"].config.max_episode_tokens}
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from rlkit_core import Generation, Generator, StandardSampling, at_least, hookimpl, setting
+from rlkit_core import Generation, Generator, StandardSampling, hookimpl
 from rlkit_core.functional import response_mask
 
 # The prefill runs the prompts in groups of similar length, with at most this share of a group's
@@ -34,10 +34,7 @@ PREFILL_PADDING = 0.1
 
 @attrs.frozen
 class HFGeneratorConfig(StandardSampling):
-    """The `hf` generator's settings: the sampling settings and how many prompts go into one
-    decoding loop."""
-
-    batch_size: int = setting(0, help="prompts per decoding loop, so a large rollout batch fits in memory (0: all at once)", validator=at_least(0))
+    """The `hf` generator's settings: the sampling settings, `batch_size` the prompts of one decoding loop."""
 
 
 def without_padding_columns(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +86,7 @@ class HFGenerator(Generator):
 
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
-        size = self.config.generate_batch or len(prompt_ids)  # 0 (or sampling settings alone): all at once
+        size = self.config.batch_size or len(prompt_ids)  # 0 (or sampling settings alone): all at once
         if size >= len(prompt_ids):
             return self._generate(*without_padding_columns(prompt_ids, prompt_mask), greedy)
         # Chunks of prompts of similar length, longest first, each without the columns that are

@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from rlkit_core import (
+    ModelSettings,
     ModelShape,
     Policy,
     PolicyOutput,
@@ -23,7 +24,6 @@ from rlkit_core import (
     at_least,
     building_at,
     hookimpl,
-    one_of,
     setting,
     switch_off_dropout,
 )
@@ -31,17 +31,14 @@ from rlkit_core.hf import DTYPES, LOAD_ERRORS, check_tokenizer, context_length, 
 
 
 @attrs.frozen
-class HFPolicyConfig(PolicySettings):
-    model: str = setting(help="a local model directory, or a hub name when the machine has network")
-    tokenizer: str = setting("", help="tokenizer directory or hub name (empty: the model's)")
-    dtype: str = setting("float32", help="weights dtype: float32, bfloat16 or float16", validator=one_of(*DTYPES))
+class HFPolicyConfig(PolicySettings, ModelSettings):
+    """The model, its tokenizer and weights dtype (the settings rlkit reads), then LoRA and the end tokens."""
+
     lora_r: int = setting(0, help="LoRA rank (0: train all weights)", validator=at_least(0))
     lora_alpha: int = setting(16, help="LoRA scaling α", validator=at_least(1))
     lora_target_modules: list[str] = setting(factory=list, help="module names LoRA adapts (empty: peft's default for the architecture)")
     end_tokens: list[str] = setting(
         factory=list, help="more tokens that end a response, besides the tokenizer's EOS and the model's generation_config eos ids (e.g. '<|im_end|>')")
-    gradient_checkpointing: bool = setting(False, help="trade compute for memory in the training forward pass")
-    trust_remote_code: bool = setting(False, help="allow model code from the checkpoint (only for checkpoints you trust)")
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, where: str = "$.policy"):

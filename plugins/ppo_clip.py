@@ -16,7 +16,6 @@ from rlkit_core import (
     SurrogateTerms,
     at_least,
     building_at,
-    field_of,
     greater_than,
     hookimpl,
     nested_component,
@@ -110,9 +109,9 @@ class PPOClip(Loss):
         self.needs_entropy_grad = config.entropy_coef > 0
         self.responses_per_step = context.recipe.ppo.minibatch_size
         generator = context.recipe["generator"].config
-        self.norm = config.token_sum_norm or generator.response_limit
+        self.norm = config.token_sum_norm or generator.max_new_tokens
         if config.aggregation == "seq-mean-token-sum-norm" and not self.norm:
-            raise RecipeError([f"{building_at(context, 'loss')}.token_sum_norm: the generator has no {field_of(generator, 'max_new_tokens')} to divide by; set "
+            raise RecipeError([f"{building_at(context, 'loss')}.token_sum_norm: the generator has no max_new_tokens to divide by; set "
                                "token_sum_norm to the longest response in tokens"])
 
     def aggregation(self, minibatch, token_count):

@@ -54,7 +54,7 @@ class RougeConfig:
 
 @attrs.frozen
 class WarmStartConfig(PolicySettings):
-    renamed = {"model": None, "tokenizer": None, "trust_remote_code": None, "gradient_checkpointing": None}  # the model is built, not named
+    """The model is built, not named (no `ModelSettings`); `dtype` and `gradient_checkpointing` act on it during RL."""
 
     cache_dir: str = setting(factory=default_cache_dir, help="where the warm-start model is built once and reused")
     n_layer: int = setting(2, help="transformer layers", validator=greater_than(0))
@@ -164,7 +164,8 @@ class WarmStartPolicy(Policy):
                                 sft_steps=config.sft_steps, batch_size=config.sft_batch_size, lr=config.sft_learning_rate,
                                 seed=config.seed, filler_share=config.sft_filler_share, corpus=self.corpus,
                                 progress=Progress(config.sft_steps, label="warm-start step"))
-        loaded = context.build(ComponentChoice(where.removeprefix("$."), loader, loader.config_class(model=str(path), dtype=config.dtype)))
+        hf_config = loader.config_class(model=str(path), dtype=config.dtype, gradient_checkpointing=config.gradient_checkpointing)
+        loaded = context.build(ComponentChoice(where.removeprefix("$."), loader, hf_config))
         self._loaded: Policy = loaded
         self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids
         self.suppressed_token_ids, self.context_length = loaded.suppressed_token_ids, loaded.context_length

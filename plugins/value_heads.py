@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from rlkit_core import RecipeError, ValueHead, building_at, field_of, hookimpl, one_of, setting, switch_off_dropout
+from rlkit_core import ModelSettings, RecipeError, ValueHead, building_at, hookimpl, one_of, setting, switch_off_dropout
 from rlkit_core.hf import LOAD_ERRORS, PAD_TOKEN, check_tokenizer, load_problem, vocabulary_mismatch
 
 
@@ -109,11 +109,10 @@ class SeparateValueHead(ValueHead):
         """(problems, notes) of `rlkit check`: the critic's tokenizer against the policy's."""
         problems, notes = [], []
         policy = recipe["policy"].config
-        policy_name = policy.tokenizer_name
-        if not policy_name:
+        if not isinstance(policy, ModelSettings) or not (policy.tokenizer or policy.model):  # a policy that builds its own
             return problems, notes
-        setting = "tokenizer" if policy_name != policy.model_name else "model"
-        policy_tokenizer = check_tokenizer(policy_name, f"$.policy.{field_of(policy, setting)}", problems, notes)
+        setting = "tokenizer" if policy.tokenizer else "model"
+        policy_tokenizer = check_tokenizer(policy.tokenizer or policy.model, f"$.policy.{setting}", problems, notes)
         critic_tokenizer = check_tokenizer(config.model, f"{where}.model", problems, notes)
         if policy_tokenizer is not None and critic_tokenizer is not None:
             problem = critic_vocabulary_problem(config.model, policy_tokenizer, critic_tokenizer, len(critic_tokenizer), where)

@@ -76,8 +76,6 @@ def _top_p(instance, attribute, value):
 class VLLMGeneratorConfig(StandardSampling):
     """The sampling settings the hf generator takes too (the same words in a recipe, within vLLM's ranges), then the engine's."""
 
-    renamed = {"batch_size": None}  # prompts go to the engine all at once
-
     temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed (vLLM: 0.01 to 2)",
                                  validator=between(MIN_TEMPERATURE, MAX_TEMPERATURE))
     top_p: float = setting(1.0, help="nucleus sampling mass (1.0: off; vLLM: in (0, 1]). Biases PPO like top_k", validator=_top_p)
@@ -504,7 +502,9 @@ class VLLMGenerator(Generator):
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         # vLLM refuses n > 1 at temperature 0, and greedy copies would all be alike anyway
         unique, counts = (prompts, [1] * len(prompts)) if greedy else repeat_runs(prompts)
-        samples = [sample for group in self.engine.generate(unique, counts, greedy) for sample in group]
+        step = self.config.batch_size or max(1, len(unique))  # prompts per engine call (0: all at once)
+        samples = [sample for start in range(0, len(unique), step)
+                   for group in self.engine.generate(unique[start:start + step], counts[start:start + step], greedy) for sample in group]
         if self.config.sleep_level:
             self.engine.sleep(self.config.sleep_level)
             self._asleep = True

@@ -33,6 +33,7 @@ from rlkit_core.interfaces import (
     Loss,
     LossInputs,
     LossTerms,
+    NullTracker,
     Policy,
     PolicyOutput,
     PromptSource,
@@ -57,7 +58,7 @@ from rlkit_core.records import (
     RunConfig,
 )
 from rlkit_core.sampling import StandardSampling
-from rlkit_core.settings import EpisodeSettings, ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings, field_of
+from rlkit_core.settings import ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings
 from rlkit_core.surrogates import RatioClip, Surrogate, SurrogateTerms
 from rlkit_core.tools import ToolEnvironment, tool, tool_schema
 
@@ -68,12 +69,11 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = [
     "AdvantageEstimator", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Environment",
-    "EpisodeSettings", "EvalConfig", "Generation", "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs",
-    "LossTerms", "ModelSettings", "ModelShape", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput", "PolicySettings", "Problem",
+    "EvalConfig", "Generation", "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs",
+    "LossTerms", "ModelSettings", "ModelShape", "NullTracker", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput", "PolicySettings", "Problem",
     "Progress", "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError", "Reply", "Reset", "RewardSource", "RunConfig",
     "RunError", "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "Surrogate", "SurrogateTerms", "ToolCall",
-    "ToolEnvironment", "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "field_of",
-    "greater_than", "hookimpl", "nested_component", "nested_components", "one_of", "sampling_seed", "setting", "switch_off_dropout",
+    "ToolEnvironment", "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "greater_than", "hookimpl", "nested_component", "nested_components", "one_of", "sampling_seed", "setting", "switch_off_dropout",
     "tool", "tool_schema",
 ]
 

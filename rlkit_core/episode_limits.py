@@ -1,18 +1,19 @@
-"""The episode settings every built-in environment takes: the words a recipe bounds an episode
-with, for a third-party environment to take the same ones by inheriting them."""
+"""The episode settings rlkit reads from an environment's config: the words a recipe bounds an
+episode with, which every environment takes by inheriting them (the registry refuses a config that
+does not)."""
 
 from __future__ import annotations
 
 import attrs
 
 from rlkit_core.config import at_least, greater_than, one_of, setting
-from rlkit_core.settings import EpisodeSettings
 
 
 @attrs.frozen
-class StandardEpisode(EpisodeSettings):
-    """Turns, tokens, timeouts and the chat format, all enforced by the core's episode runner.
-    Keyword-only, so that a subclass may add settings without a default."""
+class StandardEpisode:
+    """Turns, tokens, timeouts, call threads and the chat format: the bounds of an episode, which
+    the core's episode runner enforces (the environment never sees a token), and how turns are
+    rendered. Keyword-only, so that a subclass may add settings without a default."""
 
     max_turns: int = setting(4, help="most model turns in an episode", validator=greater_than(0), kw_only=True)
     max_episode_tokens: int = setting(256, help="most tokens after the first prompt, sampled and environment alike (0: the response limit "

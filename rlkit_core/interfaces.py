@@ -23,8 +23,9 @@ import attrs
 import torch
 
 from rlkit_core.batch import RolloutBatch
+from rlkit_core.episode_limits import StandardEpisode
 from rlkit_core.messages import Reply, Reset, Step
-from rlkit_core.settings import EpisodeSettings, PolicySettings, SamplingSettings
+from rlkit_core.settings import PolicySettings, SamplingSettings
 from rlkit_core.surrogates import Surrogate
 
 
@@ -392,11 +393,28 @@ class Tracker(ComponentBase):
         """Close the run; `status` is "FINISHED", "FAILED" or "KILLED"."""
 
 
+class NullTracker(Tracker):
+    """Records nothing, so the run's metrics.jsonl is its whole record: the `none` tracker, what the
+    processes other than the main one log to, and the contract kit's stand-in."""
+
+    def __init__(self, config: Any = None, context: Any = None):
+        pass
+
+    def start(self, *, run_name, params, tags, resume_id):
+        return None
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def finish(self, status):
+        pass
+
+
 class Environment(ComponentBase):
     """What the model talks to over the turns of an episode (a game, a tool, a user simulator).
 
     It speaks messages (`rlkit_core.messages`), never token ids: the core renders them, keeps what
-    the model sampled as sampled, and enforces the episode's bounds (`EpisodeSettings`: turns,
+    the model sampled as sampled, and enforces the episode's bounds (`StandardEpisode`: turns,
     tokens, timeouts), so no environment can break the token accounting. One instance serves many
     episodes at once; each episode's own state is what `reset` returns."""
 
@@ -425,7 +443,7 @@ class Kind:
     interface: type  # what its components implement: KLController
     hook: str  # the hook a plugin implements to register them (`rlkit_core.hookspecs`)
     default: str | None  # the type a recipe without the table gets; None: the table is required
-    settings: type | None = None  # the base its config classes inherit: the settings rlkit reads from them (`rlkit_core.settings`)
+    settings: type | None = None  # the base its config classes inherit: the settings rlkit reads from them, as fields (`rlkit_core.settings`)
     optional: bool = False  # True: `type = "none"` (NO_COMPONENT) builds no component of this kind
 
 
@@ -443,7 +461,7 @@ KIND_TABLE = (
     Kind("kl_controller", "kl", KLController, "register_kl_controllers", "adaptive"),
     Kind("advantage_estimator", "advantage", AdvantageEstimator, "register_advantage_estimators", "gae"),
     Kind("loss", "loss", Loss, "register_losses", "ppo-clip"),
-    Kind("environment", "environment", Environment, "register_environments", "none", EpisodeSettings, optional=True),
+    Kind("environment", "environment", Environment, "register_environments", "none", StandardEpisode, optional=True),
     Kind("prompt_source", "data", PromptSource, "register_prompt_sources", None),
     Kind("tracker", "tracker", Tracker, "register_trackers", "mlflow"),
 )

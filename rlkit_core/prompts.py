@@ -50,21 +50,20 @@ def prompt_token_ids(tokenizer, record: dict) -> list[int]:
     return ids
 
 
-def within_context(limit: PromptLengthLimit | None, context: int | None, new_tokens: int,
-                   length_setting: str = "max_new_tokens") -> PromptLengthLimit | None:
-    """The data's length limit, tightened so that a prompt and its longest response fit in the
-    policy's context (`context` positions); a longer one would fail deep inside the model mid-run.
-    `length_setting` is the generator's name for its response limit, for the errors' places."""
+def within_context(limit: PromptLengthLimit | None, context: int | None, new_tokens: int) -> PromptLengthLimit | None:
+    """The data's length limit, tightened so that a prompt and its longest response (the generator's
+    `max_new_tokens`) fit in the policy's context (`context` positions); a longer one would fail
+    deep inside the model mid-run."""
     if not context or not new_tokens:
         return limit
     room = context - new_tokens
     if room < 1:
-        raise RecipeError([f"$.generator.{length_setting}: {new_tokens} leaves no room for a prompt in the policy's context "
+        raise RecipeError([f"$.generator.max_new_tokens: {new_tokens} leaves no room for a prompt in the policy's context "
                            f"of {context} positions; lower it"])
     limit = limit or PromptLengthLimit()
     if limit.max_prompt_tokens > room:
         raise RecipeError([f"$.data.max_prompt_tokens: {limit.max_prompt_tokens} prompt tokens and {new_tokens} response tokens "
-                           f"(generator.{length_setting}) do not fit in the policy's context of {context} positions; set it to {room} or less"])
+                           f"(generator.max_new_tokens) do not fit in the policy's context of {context} positions; set it to {room} or less"])
     return limit if limit.max_prompt_tokens else attrs.evolve(limit, max_prompt_tokens=room)
 
 

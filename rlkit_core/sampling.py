@@ -9,11 +9,9 @@ from rlkit_core.settings import SamplingSettings
 
 @attrs.frozen
 class StandardSampling(SamplingSettings):
-    """Response length, temperature, top-k and top-p. A generator's config inherits it and adds its
-    own settings; one that sends every prompt to its sampler at once says so with
-    `renamed = {"batch_size": None}`, one that takes them in batches adds a `batch_size` field."""
+    """Temperature, top-k and top-p besides the settings rlkit reads (the response length, the
+    prompts per generate call). A generator's config inherits it and adds its own settings."""
 
-    max_new_tokens: int = setting(64, help="longest response in tokens", validator=greater_than(0))
     min_new_tokens: int = setting(0, help="EOS is forbidden before this many tokens (the sampler then differs from π; keep 0 for exact PPO)",
                                   validator=at_least(0))
     temperature: float = setting(1.0, help="sampling temperature, also applied when log-probs are recomputed", validator=greater_than(0))

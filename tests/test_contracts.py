@@ -415,7 +415,7 @@ def environment_check(check: str, environment: type) -> None:
     """One check of `EnvironmentContract` on `environment`, given the fixtures it asks for."""
     method = getattr(EnvironmentContract(), check)
     given = {"instance": environment(), "make": environment, "environment_records": [dict(r) for r in ECHO_RECORDS],
-             "structured_config": types.SimpleNamespace(turn_limit=4)}
+             "structured_config": types.SimpleNamespace(max_turns=4)}
     method(**{name: given[name] for name in inspect.signature(method).parameters})
 
 

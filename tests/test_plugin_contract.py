@@ -173,9 +173,8 @@ class PlainSamplerConfig:
 
 
 @attrs.frozen
-class MisnamedSamplerConfig(SamplingSettings):
-    renamed = {"max_new_tokens": "max_tokenz", "temperature": "heat"}
-    max_tokens: int = setting(16, help="longest response", validator=greater_than(0))
+class InheritingSamplerConfig(SamplingSettings):
+    heat: float = setting(1.0, help="sampling temperature", validator=greater_than(0))
 
 
 class Sampler(Generator):
@@ -188,17 +187,14 @@ class Sampler(Generator):
         raise NotImplementedError
 
 
-def test_a_generator_config_must_declare_the_settings_rlkit_reads():
-    def register_generators(register):
-        register("plain", Sampler, PlainSamplerConfig)
-        register("misnamed", Sampler, MisnamedSamplerConfig)
-
-    why = loaded("samplers", register_generators=register_generators).broken["samplers"]
+def test_a_generator_config_must_inherit_the_settings_rlkit_reads():
+    why = loaded("samplers", register_generators=lambda register: register("plain", Sampler, PlainSamplerConfig)).broken["samplers"]
     assert ("registers generator 'plain', which breaks the plugin contract: config class PlainSamplerConfig does not inherit "
-            "rlkit_core.SamplingSettings") in why
-    assert "MisnamedSamplerConfig.renamed names 'temperature', which rlkit does not read from it (it reads: max_new_tokens, batch_size)" in why
-    assert "MisnamedSamplerConfig has no field 'max_tokenz' for the setting 'max_new_tokens' that rlkit reads" in why
-    assert "MisnamedSamplerConfig has no field 'batch_size' for the setting 'batch_size'" in why
+            "rlkit_core.SamplingSettings, which declares the generator settings rlkit reads; inherit it") in why
+    registry = loaded("samplers", register_generators=lambda register: register("inheriting", Sampler, InheritingSamplerConfig))
+    assert registry.find("generator", "inheriting") is not None
+    config = InheritingSamplerConfig(max_new_tokens=16)
+    assert (config.max_new_tokens, config.batch_size, config.heat) == (16, 0, 1.0)  # the base's fields, a default kept
 
 
 class MeanLogprobLoss(Loss):
@@ -247,8 +243,7 @@ def test_packing_needs_a_policy_and_critic_that_declare_it(recipe_document):
 
 @attrs.frozen
 class TokensSamplerConfig(SamplingSettings):
-    renamed = {"max_new_tokens": "max_tokens", "batch_size": None}
-    max_tokens: int = setting(8, help="longest response", validator=greater_than(0))
+    max_new_tokens: int = setting(8, help="longest response", validator=greater_than(0))
 
 
 class EngineSampler(Sampler):

@@ -241,20 +241,20 @@ def test_the_example_packages_own_tests_pass(example):
     assert result.returncode == 0, result.stdout[-4000:]
 
 
-RENAMED = Path(__file__).parent / "data" / "rlkit_renamed_demo.py"
+BASES_DEMO = Path(__file__).parent / "data" / "rlkit_bases_demo.py"
 
 
 @pytest.fixture(scope="module")
-def renamed(request, tmp_path_factory):
-    """A plugin package whose policy, generator and estimator name their settings otherwise than the built-ins."""
-    install_module(request, tmp_path_factory.mktemp("renamed"), "rlkit-renamed-demo", "renamed-demo", RENAMED.read_text())
+def bases_demo(request, tmp_path_factory):
+    """A plugin package whose policy and generator configs inherit the settings bases, and a group estimator."""
+    install_module(request, tmp_path_factory.mktemp("bases"), "rlkit-bases-demo", "bases-demo", BASES_DEMO.read_text())
 
 
-def with_renamed_parts(document: dict, response_tokens: int) -> dict:
-    """The same recipe through the renamed plugin: the same settings under its own names."""
+def with_demo_parts(document: dict, response_tokens: int) -> dict:
+    """The same recipe through the demo plugin's policy and generator, with the same settings."""
     policy, generator = document["policy"], document["generator"]
-    document["policy"] = {"type": "renamed-lm", "checkpoint": policy["model"], "recompute": policy.get("gradient_checkpointing", False)}
-    document["generator"] = {"type": "renamed-sampler", "max_tokens": response_tokens, "prompts_per_call": generator.get("batch_size", 0)}
+    document["policy"] = {"type": "demo-lm", "model": policy["model"], "gradient_checkpointing": policy.get("gradient_checkpointing", False)}
+    document["generator"] = {"type": "demo-sampler", "max_new_tokens": response_tokens, "batch_size": generator.get("batch_size", 0)}
     return document
 
 
@@ -263,56 +263,56 @@ def plan_sections(plan: str) -> str:
     return plan[plan.index("\nmodel:"):plan.index("\ncode this recipe runs")]
 
 
-def test_a_plugin_with_its_own_setting_names_gets_the_same_size_and_memory_estimate(renamed, recipe_document, write_recipe,
-                                                                                    monkeypatch, capsys):
+def test_a_plugin_on_the_settings_bases_gets_the_same_size_and_memory_estimate(bases_demo, recipe_document, write_recipe,
+                                                                                monkeypatch, capsys):
     monkeypatch.delenv("RLKIT_PLUGINS", raising=False)
     recipe_document["policy"]["gradient_checkpointing"] = True
     recipe_document["generator"] = {"max_new_tokens": 24, "batch_size": 4}
     assert main(["check", write_recipe(recipe_document, "builtin.toml")]) == 0
     builtin = plan_sections(capsys.readouterr().out)
-    assert main(["check", write_recipe(with_renamed_parts(recipe_document, 24), "renamed.toml")]) == 0
+    assert main(["check", write_recipe(with_demo_parts(recipe_document, 24), "demo.toml")]) == 0
     plan = capsys.readouterr().out
-    assert "[policy] renamed-lm" in plan and "[generator] renamed-sampler" in plan
+    assert "[policy] demo-lm" in plan and "[generator] demo-sampler" in plan
     assert plan_sections(plan) == builtin and "memory" in builtin
 
 
-def test_a_plugin_with_its_own_setting_names_gets_every_check_at_its_names(renamed, recipe_document, write_recipe, monkeypatch, capsys):
+def test_a_plugin_on_the_settings_bases_gets_every_check(bases_demo, recipe_document, write_recipe, monkeypatch, capsys):
     monkeypatch.delenv("RLKIT_PLUGINS", raising=False)
-    document = with_renamed_parts(recipe_document, 8)
-    document["policy"].update(precision="bfloat16", run_model_code=True)
+    document = with_demo_parts(recipe_document, 8)
+    document["policy"].update(dtype="bfloat16", trust_remote_code=True)
     document["ppo"].update(overlong_buffer=16)
     document["run"].update(mixed_precision="fp16")
-    document["advantage"] = {"type": "renamed-centred"}
+    document["advantage"] = {"type": "demo-centred"}
     assert main(["check", write_recipe(document)]) == 2
     problems = capsys.readouterr().err
-    assert "$.ppo.overlong_buffer: 16 tokens is longer than generator.max_tokens = 8; use at most 8" in problems
-    assert ("$.run.mixed_precision: 'fp16' keeps float32 master weights and scales the loss, but policy.precision = 'bfloat16'; "
-            "set policy.precision = 'float32'") in problems
-    assert "$.ppo.samples_per_prompt: advantage estimator 'renamed-centred' compares the responses to each prompt" in problems
+    assert "$.ppo.overlong_buffer: 16 tokens is longer than generator.max_new_tokens = 8; use at most 8" in problems
+    assert ("$.run.mixed_precision: 'fp16' keeps float32 master weights and scales the loss, but policy.dtype = 'bfloat16'; "
+            "set policy.dtype = 'float32'") in problems
+    assert "$.ppo.samples_per_prompt: advantage estimator 'demo-centred' compares the responses to each prompt" in problems
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     document["run"].update(mixed_precision="no")
     document["ppo"].update(overlong_buffer=0, samples_per_prompt=2)
     assert main(["check", write_recipe(document)]) == 2
-    assert "$.policy.precision: 'bfloat16' weights are not run under FSDP (untested); keep policy.precision = 'float32'" in capsys.readouterr().err
+    assert "$.policy.dtype: 'bfloat16' weights are not run under FSDP (untested); keep policy.dtype = 'float32'" in capsys.readouterr().err
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert main(["check", write_recipe(document)]) == 0
     plan = capsys.readouterr().out
-    assert f"$.policy.run_model_code = true: {document['policy']['checkpoint']!r} may run Python code" in plan
+    assert f"$.policy.trust_remote_code = true: {document['policy']['model']!r} may run Python code" in plan
 
 
-def test_a_renamed_response_limit_is_checked_against_the_context_and_is_dr_grpos_norm(renamed, recipe_document, write_recipe,
-                                                                                      monkeypatch, capsys):
+def test_a_plugins_response_limit_is_checked_against_the_context_and_is_dr_grpos_norm(bases_demo, recipe_document, write_recipe,
+                                                                                       monkeypatch, capsys):
     import torch
 
     from rlkit_core.context import BuildContext
     from rlkit_core.recipe.document import parse_recipe
 
     monkeypatch.delenv("RLKIT_PLUGINS", raising=False)
-    document = with_renamed_parts(recipe_document, 128)  # the tiny model's whole context
+    document = with_demo_parts(recipe_document, 128)  # the tiny model's whole context
     assert main(["run", write_recipe(document), "--quiet"]) == 2
-    assert "$.generator.max_tokens: 128 leaves no room for a prompt in the policy's context of 128 positions; lower it" in capsys.readouterr().err
-    document["generator"]["max_tokens"] = 12
+    assert "$.generator.max_new_tokens: 128 leaves no room for a prompt in the policy's context of 128 positions; lower it" in capsys.readouterr().err
+    document["generator"]["max_new_tokens"] = 12
     document["loss"] = {"type": "ppo-clip", "aggregation": "seq-mean-token-sum-norm"}
     recipe = parse_recipe(document, load_registry())
     assert BuildContext(recipe, torch.device("cpu"), "unused", 0).build(recipe["loss"]).norm == 12

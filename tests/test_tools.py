@@ -466,9 +466,9 @@ def test_a_column_of_the_wrong_kind_is_a_located_error():
 
 def test_standard_episode_settings_are_what_the_runner_reads():
     config = environments.CounterConfig(max_turns=6, chat_format="plain")
-    assert (config.turn_limit, config.episode_token_limit, config.step_timeout, config.episode_timeout, config.format_name) == (
-        6, 256, 10.0, 60.0, "plain")
-    assert StandardEpisode().turn_limit == 4 and StandardEpisode.naming_problems() == []
+    assert (config.max_turns, config.max_episode_tokens, config.step_timeout_s, config.episode_timeout_s, config.call_threads,
+            config.chat_format) == (6, 256, 10.0, 60.0, 64, "plain")
+    assert StandardEpisode().max_turns == 4
     for bad in ({"max_turns": 0}, {"max_episode_tokens": -1}, {"step_timeout_s": -0.5}, {"episode_timeout_s": -1.0},
                 {"chat_format": "html"}):
         with pytest.raises(ValueError, match="must be"):

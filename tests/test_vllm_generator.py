@@ -616,6 +616,15 @@ def test_greedy_sends_repeated_prompts_one_by_one(tiny_model, tmp_path):
     assert generator.engine.calls[-2:] == ["generate([1, 1, 1])", "generate([2, 1])"]
 
 
+def test_batch_size_sends_the_prompts_to_the_engine_that_many_at_a_time(tiny_model, tmp_path):
+    policy = _policy(tiny_model, tmp_path)
+    generator = _generator(policy, tmp_path, batch_size=2)
+    prompt_ids, prompt_mask = encode_prompts(policy.tokenizer, [{"prompt": p} for p in ["ab", "ab", "xyz", "q", "rs"]], "cpu")
+    generation = generator.generate(prompt_ids, prompt_mask)
+    assert generator.engine.calls[-2:] == ["generate([2, 1])", "generate([1, 1])"]  # requests, each with its n samples
+    assert generation.response_ids.shape[0] == 5
+
+
 def test_a_ppo_step_through_the_seam_logs_the_sync_time_and_a_zero_gap(recipe_document, builtin_registry, monkeypatch):
     from rlkit_core.recipe.document import parse_recipe
     from rlkit_core.runtime.trainer import Trainer

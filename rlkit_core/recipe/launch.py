@@ -6,7 +6,6 @@ import torch
 
 from rlkit_core.errors import Problem
 from rlkit_core.launch import Launch
-from rlkit_core.settings import field_of
 
 
 def launch_problems(run, policy_config, launch: Launch) -> list[Problem]:
@@ -27,10 +26,9 @@ def launch_problems(run, policy_config, launch: Launch) -> list[Problem]:
         if run.device == "cpu" or not launch.cuda:
             problems.append(Problem("$.run.mixed_precision", "'fp16' needs a GPU (on a CPU accelerate would quietly run float32); "
                                                              "use 'bf16' or 'no'"))
-        if policy_config.weights_dtype != "float32":
-            dtype = field_of(policy_config, "dtype")
+        if policy_config.dtype != "float32":
             problems.append(Problem("$.run.mixed_precision", f"'fp16' keeps float32 master weights and scales the loss, but "
-                                                             f"policy.{dtype} = {policy_config.weights_dtype!r}; set policy.{dtype} = 'float32', "
+                                                             f"policy.dtype = {policy_config.dtype!r}; set policy.dtype = 'float32', "
                                                              "or run.mixed_precision = 'no' for pure low-precision weights"))
     return problems
 
@@ -48,10 +46,9 @@ def sharding_problems(policy_config, generator, launch: Launch) -> list[Problem]
     for key in [key for key, on in untested.items() if on]:
         problems.append(Problem("launch", f"the accelerate config sets {key}: true, which rlkit does not run (untested); "
                                           "set it to false (for activation checkpointing use policy.gradient_checkpointing)"))
-    if policy_config.weights_dtype != "float32":
-        dtype = field_of(policy_config, "dtype")
-        problems.append(Problem(f"$.policy.{dtype}", f"{policy_config.weights_dtype!r} weights are not run under FSDP (untested); "
-                                                     f"keep policy.{dtype} = 'float32' and set run.mixed_precision = 'bf16' for bf16 compute"))
+    if policy_config.dtype != "float32":
+        problems.append(Problem("$.policy.dtype", f"{policy_config.dtype!r} weights are not run under FSDP (untested); "
+                                                  "keep policy.dtype = 'float32' and set run.mixed_precision = 'bf16' for bf16 compute"))
     if not generator.component.factory.runs_under_fsdp:
         problems.append(Problem("$.generator.type", f"{generator.component.name!r} is not run under FSDP (it reads the weights "
                                                     "outside the engine); use the 'hf' generator, or launch with "

@@ -12,7 +12,7 @@ from rlkit_core.memory import describe as describe_memory
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.recipe.inventory import component_choices, inventory_rows
 from rlkit_core.recipe.schema import kl_warnings, output_dir_problems
-from rlkit_core.settings import ModelSettings, PolicySettings, field_of
+from rlkit_core.settings import ModelSettings
 
 # A record of the data through the environment's `reset`: (lines for the episodes section, problems, notes). The runtime gives
 # it (`rlkit_core.runtime.cli.first_reset`): it builds live components and holds the environment's contract, which this layer does not.
@@ -94,11 +94,11 @@ def code_it_runs(recipe: Recipe) -> list[str]:
 
 def remote_code_warnings(recipe: Recipe) -> list[str]:
     """A component allowed to run the Python code shipped with its model (transformers' trust_remote_code,
-    `ModelSettings.runs_model_code`)."""
-    return [f"$.{choice.table}.{field_of(choice.config, 'trust_remote_code')} = true: {choice.config.model_name or 'the model'!r} "
+    `ModelSettings.trust_remote_code`)."""
+    return [f"$.{choice.table}.trust_remote_code = true: {choice.config.model or 'the model'!r} "
             "may run Python code that ships with the model, in rlkit check as in rlkit run; keep it only for a model you trust"
             for choice in component_choices(recipe)
-            if isinstance(choice.config, ModelSettings) and choice.config.runs_model_code]
+            if isinstance(choice.config, ModelSettings) and choice.config.trust_remote_code is True]
 
 
 def component_checks(recipe: Recipe) -> tuple[list[str], list[str]]:
@@ -161,10 +161,11 @@ def episode_plan(recipe: Recipe) -> list[str]:
     from rlkit_core.hf import is_local
 
     settings = recipe["environment"].config
-    budget = settings.episode_token_limit or f"{recipe['generator'].config.response_limit} × {settings.turn_limit}"
-    lines = [f"turns               at most {settings.turn_limit}, tokens after the first prompt at most {budget}",
-             f"timeouts            {settings.step_timeout or 'none'} s a step, {settings.episode_timeout or 'none'} s an episode"]
-    name = recipe["policy"].config.tokenizer_name if isinstance(recipe["policy"].config, PolicySettings) else ""
+    budget = settings.max_episode_tokens or f"{recipe['generator'].config.max_new_tokens} × {settings.max_turns}"
+    lines = [f"turns               at most {settings.max_turns}, tokens after the first prompt at most {budget}",
+             f"timeouts            {settings.step_timeout_s or 'none'} s a step, {settings.episode_timeout_s or 'none'} s an episode"]
+    policy = recipe["policy"].config
+    name = (policy.tokenizer or policy.model) if isinstance(policy, ModelSettings) else ""  # "": the policy builds its own
     if not name or not is_local(name):
         return [*lines, "chat format         audited when the policy is built (it names no local tokenizer); "
                         "the run prints the audit"]
@@ -177,7 +178,7 @@ def episode_plan(recipe: Recipe) -> list[str]:
         generation = None
     ends = [tokenizer.eos_token_id, *(generation if isinstance(generation, list) else [generation])]
     try:
-        report = audit(tokenizer, tuple(dict.fromkeys(e for e in ends if e is not None)), settings.format_name)
+        report = audit(tokenizer, tuple(dict.fromkeys(e for e in ends if e is not None)), settings.chat_format)
     except ValueError as exc:
         raise RecipeError([f"$.environment.chat_format: {exc}"], recipe.source) from None
     return [*lines, *report.lines()]
@@ -198,10 +199,10 @@ def memory_estimate(recipe: Recipe, prompt_tokens: int, launch: Launch = ONE_PRO
     work = Workload(
         micro_batch=ppo.minibatch_size // processes // ppo.gradient_accumulation_steps,
         forward_batch=ppo.forward_batch_size or ppo.minibatch_size,
-        generate_batch=generator.generate_batch or ppo.batch_size // processes,
+        generate_batch=generator.batch_size or ppo.batch_size // processes,
         prompt_tokens=prompt_tokens,
-        response_tokens=generator.response_limit,
-        checkpointing=recipe["policy"].config.checkpoints_activations,
+        response_tokens=generator.max_new_tokens,
+        checkpointing=recipe["policy"].config.gradient_checkpointing,
         mixed_precision=recipe.run.mixed_precision,
         shards=processes if launch.sharded else 1,
         micro_tokens=ppo.max_tokens_per_microbatch,

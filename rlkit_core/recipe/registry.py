@@ -16,7 +16,6 @@ import attrs
 from rlkit_core.errors import BrokenPluginContract, PluginError, Problem, RecipeError
 from rlkit_core.interfaces import COMPONENT_HOOKS, FUNCTION_KINDS, KIND_TABLE, KINDS, NO_COMPONENT, Kind, Policy, class_flags
 from rlkit_core.records import Component
-from rlkit_core.settings import CoreSettings
 
 _KIND_NAMED = {kind.name: kind for kind in (*KIND_TABLE, *FUNCTION_KINDS)}
 
@@ -89,9 +88,9 @@ class Registry:
 def contract_problems(kind: str, factory, config_class) -> list[str]:
     """How a component breaks its kind's contract, checked when it registers: its class must derive
     from the interface and declare the optional hooks with the parameters rlkit passes them (as
-    static or class methods), the flags its interface declares (`ClassVar[bool]`) must be booleans, its config must be an attrs class, and every
-    setting its settings bases say rlkit reads must be one of the config's fields. A function kind's
-    function must take the parameters of its kind's signature."""
+    static or class methods), the flags its interface declares (`ClassVar[bool]`) must be booleans, and its config must be an attrs class
+    (which inherits its kind's settings base: the fields rlkit reads). A function kind's function must take the parameters of its
+    kind's signature."""
     if not attrs.has(config_class):
         return [f"config class {config_class!r} is not an attrs class; decorate it with @attrs.frozen"]
     if _KIND_NAMED[kind] in FUNCTION_KINDS:
@@ -103,8 +102,8 @@ def contract_problems(kind: str, factory, config_class) -> list[str]:
     problems = []
     settings = next(k.settings for k in KIND_TABLE if k.name == kind)
     if settings is not None and not issubclass(config_class, settings):
-        problems.append(f"config class {config_class.__name__} does not inherit rlkit_core.{settings.__name__}, the {kind} "
-                        "settings rlkit reads (name yours in its `renamed` when they differ)")
+        problems.append(f"config class {config_class.__name__} does not inherit rlkit_core.{settings.__name__}, which declares the {kind} "
+                        "settings rlkit reads; inherit it")
     hooks = {**COMPONENT_HOOKS, **({"shape": ("config",)} if issubclass(factory, Policy) else {})}
     for hook, parameters in hooks.items():
         if not isinstance(inspect.getattr_static(factory, hook), (staticmethod, classmethod)):
@@ -117,8 +116,6 @@ def contract_problems(kind: str, factory, config_class) -> list[str]:
     for flag in class_flags(interface):
         if not isinstance(getattr(factory, flag), bool):
             problems.append(f"{factory.__name__}.{flag} must be True or False, got {getattr(factory, flag)!r}")
-    if issubclass(config_class, CoreSettings):
-        problems += config_class.naming_problems()
     return problems
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from rlkit_core.errors import Problem
 from rlkit_core.interfaces import KIND_TABLE
 from rlkit_core.records import EvalConfig, HealthConfig, OptimConfig, PPOConfig, RunConfig, SchedulerConfig
-from rlkit_core.settings import field_of
 
 CORE_TABLES = {"run": RunConfig, "ppo": PPOConfig, "optim": OptimConfig, "eval": EvalConfig, "health": HealthConfig,
                "scheduler": SchedulerConfig}
@@ -113,16 +112,16 @@ def packing_problems(ppo: PPOConfig, policy, value_head) -> list[Problem]:
 
 def overlong_problems(ppo: PPOConfig, generator) -> list[Problem]:
     """`ppo.overlong_buffer` needs a length limit to count back from: the generator's
-    response limit (`SamplingSettings.response_limit`), at least as long as the buffer. `generator`
+    response limit (`SamplingSettings.max_new_tokens`), at least as long as the buffer. `generator`
     is the checked component table."""
     if not ppo.overlong_buffer:
         return []
-    limit, name = generator.config.response_limit, field_of(generator.config, "max_new_tokens")
+    limit = generator.config.max_new_tokens
     if not limit:
-        return [Problem("$.ppo.overlong_buffer", f"generator {generator.component.name!r} has no {name} to count "
+        return [Problem("$.ppo.overlong_buffer", f"generator {generator.component.name!r} has no max_new_tokens to count "
                                                  "back from; set overlong_buffer = 0")]
     if ppo.overlong_buffer > limit:
-        return [Problem("$.ppo.overlong_buffer", f"{ppo.overlong_buffer} tokens is longer than generator.{name} = "
+        return [Problem("$.ppo.overlong_buffer", f"{ppo.overlong_buffer} tokens is longer than generator.max_new_tokens = "
                                                  f"{limit}; use at most {limit}")]
     return []
 

@@ -126,21 +126,21 @@ class EpisodeRunner:
         policy, settings, environment = components.policy, recipe["environment"].config, components.environment
         assert environment is not None  # episodes are played in a recipe with an environment only
         self.engine, self.components, self.settings = engine, components, settings
-        self.response_limit = recipe["generator"].config.response_limit
+        self.response_limit = recipe["generator"].config.max_new_tokens
         self.environment, self.tokenizer = environment, policy.tokenizer
         self.context = policy.context_length
         self.eos = set(policy.eos_token_ids)
         try:
-            self.format: ChatFormat = chat_format_for(settings.format_name, policy.tokenizer, policy.eos_token_ids)
+            self.format: ChatFormat = chat_format_for(settings.chat_format, policy.tokenizer, policy.eos_token_ids)
         except ValueError as exc:
             raise RecipeError([f"$.environment.chat_format: {exc}"]) from None
         self.tools = self.environment.tools()
-        self.calls = pool_for(self.environment, settings.call_thread_limit)
+        self.calls = pool_for(self.environment, settings.call_threads)
 
     def token_limit(self, prompt_length: int) -> int:
         """The episode's token budget after a prompt of `prompt_length` ids, within the policy's context."""
         settings = self.settings
-        limit = settings.episode_token_limit or settings.turn_limit * self.response_limit
+        limit = settings.max_episode_tokens or settings.max_turns * self.response_limit
         if self.context:
             limit = min(limit, self.context - prompt_length)
         return limit
@@ -172,7 +172,7 @@ class EpisodeRunner:
         `RecipeError` among them, or a pool whose every thread hung, is kept for `__call__` (which
         raises it on every process) and ends this batch's episodes."""
         try:
-            return self.calls.run(calls, self.settings.step_timeout, what)
+            return self.calls.run(calls, self.settings.step_timeout_s, what)
         except (RecipeError, CallsHung) as exc:
             self.stopped_by = self.stopped_by or exc
             return [("stopped", None)] * len(calls)
@@ -197,7 +197,7 @@ class EpisodeRunner:
             episode.samples.append(Sample(prompt=self.format.opening(episode.messages, self.tools)))
             if not self.room_for_a_turn(episode.sample):
                 self._opening_overflow(episode)
-        for turn in range(1, self.settings.turn_limit + 1):
+        for turn in range(1, self.settings.max_turns + 1):
             for episode in episodes:
                 if episode.status is None and not self.room_for_a_turn(episode.sample):
                     episode.finish("overflow")
@@ -214,7 +214,7 @@ class EpisodeRunner:
             steps = self._call([(self.environment.step, (e.state, e.reply)) for e in replying], "step")
             timings["environment"] += time.perf_counter() - began
             for episode, (status, step) in zip(replying, steps):
-                self._answer(episode, status, step, last_turn=turn == self.settings.turn_limit)
+                self._answer(episode, status, step, last_turn=turn == self.settings.max_turns)
         for episode in episodes:
             if episode.status is None:
                 episode.finish("ok")
@@ -229,7 +229,7 @@ class EpisodeRunner:
             return episode.finish("error")
         if status == "timeout" and self.calls.hung and "hung" not in self.calls.said:
             self.calls.said.add("hung")
-            warnings.warn(f"the environment's {call} did not return within environment.step_timeout_s = {self.settings.step_timeout:g} s: "
+            warnings.warn(f"the environment's {call} did not return within environment.step_timeout_s = {self.settings.step_timeout_s:g} s: "
                           f"the episode ends as a timeout, and the call is left running in one of environment.call_threads = "
                           f"{self.calls.size} threads until it returns (env/hung_calls counts them; when every one is held, the run "
                           "stops)", EnvironmentFault, stacklevel=3)
@@ -309,7 +309,7 @@ class EpisodeRunner:
             return episode.finish("error")
         if step.done or last_turn:
             return episode.finish("ok")
-        if self.settings.episode_timeout and time.monotonic() - episode.started > self.settings.episode_timeout:
+        if self.settings.episode_timeout_s and time.monotonic() - episode.started > self.settings.episode_timeout_s:
             return episode.finish("timeout")
         bridge = self.format.bridge(episode.sample.prompt + episode.sample.ids, episode.messages, step.messages, self.tools)
         episode.messages += step.messages
@@ -325,7 +325,7 @@ class EpisodeRunner:
 
 def chat_audit(recipe, policy) -> TemplateAudit:
     """How the policy's chat template renders an episode's turns (`rlkit_core.chat_format.audit`)."""
-    return audit(policy.tokenizer, policy.eos_token_ids, recipe["environment"].config.format_name)
+    return audit(policy.tokenizer, policy.eos_token_ids, recipe["environment"].config.chat_format)
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

@@ -40,7 +40,7 @@ def first_reset(recipe: Recipe, launch: Launch, offline: bool) -> tuple[list[str
                         f"{type(exc).__name__}: {exc}"]
     if not records:
         return [], [], ["$.data: loaded no record: the environment's reset was not run on one"]
-    timeout = choice.config.step_timeout
+    timeout = choice.config.step_timeout_s
     try:
         [(status, answer)] = CallPool(1).run([(environment.reset, (records[0], 0))], timeout, "reset")
     except RecipeError as exc:

@@ -101,7 +101,7 @@ def score(processes: Processes, reward: RewardSource, prompts: list[str], respon
 def shaped(recipe: Recipe, scores: torch.Tensor, ended: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Scores as the rewards take them, with the recipe's penalties and clip (`shaped_scores`)."""
     ppo = recipe.ppo
-    limit = recipe["generator"].config.response_limit if ppo.overlong_buffer else 0
+    limit = recipe["generator"].config.max_new_tokens if ppo.overlong_buffer else 0
     return shaped_scores(scores, ended, lengths, ppo.missing_eos_penalty, limit, ppo.overlong_buffer, ppo.overlong_penalty,
                          ppo.score_clip)
 

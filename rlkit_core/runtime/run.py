@@ -15,7 +15,7 @@ from typing import Literal
 from rlkit_core import __version__
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RlkitError, RunError
-from rlkit_core.interfaces import Tracker
+from rlkit_core.interfaces import NullTracker
 from rlkit_core.launch import Launch
 from rlkit_core.progress import Progress
 from rlkit_core.recipe.assemble import Components
@@ -51,20 +51,6 @@ from rlkit_core.runtime.run_lock import RunLock, launched_as_main
 from rlkit_core.runtime.scheduling import ProducerFault
 from rlkit_core.runtime.state import RunState
 from rlkit_core.runtime.trainer import Trainer
-
-
-class _Untracked(Tracker):
-    """What the processes other than the main one log to: nothing (one tracked run per training run)."""
-
-    def start(self, *, run_name, params, tags, resume_id):
-        return None
-
-    def log_metrics(self, metrics, step):
-        pass
-
-    def finish(self, status):
-        pass
-
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "samples_before.json", "final_model", "curves.png", "bad_batches")
 
@@ -191,7 +177,7 @@ class RunOutputs:
     def __init__(self, recipe: Recipe, tracker, main: bool):
         self.recipe, self.main = recipe, main
         self.metrics_log = MetricsLog(Path(recipe.run.output_dir) / "metrics.jsonl")
-        self.tracker = tracker if main else _Untracked()  # one tracked run per training run
+        self.tracker = tracker if main else NullTracker()  # one tracked run per training run
         self.progress: Progress | None = None
         self.history: list[dict] = []
         self.notes: dict = {}  # text for the next row of metrics.jsonl

@@ -38,7 +38,6 @@ from rlkit_core.runtime.forward import ForwardObserver
 from rlkit_core.runtime.prompt_stream import Prompts, PromptStream
 from rlkit_core.runtime.scheduling import Producer
 from rlkit_core.runtime.state import RunState
-from rlkit_core.settings import field_of
 
 
 @attrs.frozen
@@ -88,7 +87,7 @@ class Trainer:
         recipe, policy = self.recipe, self.components.policy
         limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
         generator = recipe["generator"].config
-        limit = within_context(limit, policy.context_length, generator.response_limit, field_of(generator, "max_new_tokens"))
+        limit = within_context(limit, policy.context_length, generator.max_new_tokens)
         records, counts = prepare_prompts(self.components.data.load(), policy.tokenizer, limit)
         held_out, train = hold_out(records, recipe.eval.size, recipe.run.seed)
         if process:  # every process built the same components; now each samples its own

@@ -717,7 +717,7 @@ class EnvironmentContract(ComponentContract):
         """The runner steps an episode until it is done, fails or reaches its turn limit."""
         for name in self.replies:
             state = self.reset(instance, environment_records[0], 0).state
-            for turn in range(1, structured_config.turn_limit + 1):
+            for turn in range(1, structured_config.max_turns + 1):
                 answer = self.step(instance, state, name, turn)
                 if answer.done or answer.status == "error":
                     break

@@ -12,17 +12,18 @@ import torch
 
 from rlkit_core import (
     Component,
+    ModelSettings,
+    NullTracker,
     Policy,
     PolicyOutput,
     PolicySettings,
     PromptSource,
     RewardSource,
-    Tracker,
     __version__,
     setting,
     switch_off_dropout,
 )
-from rlkit_core.hf import context_length, settle_pad, shard_units
+from rlkit_core.hf import DTYPES, context_length, settle_pad, shard_units
 from rlkit_core.recipe.registry import Registry
 
 PLUGIN = "rlkit-contract-kit"
@@ -31,22 +32,22 @@ REWARD, TRACKER = "rlkit-contract-reward", "rlkit-contract-tracker"
 
 
 @attrs.frozen
-class StandInPolicyConfig(PolicySettings):
-    renamed = {"tokenizer": None, "dtype": None, "gradient_checkpointing": None, "trust_remote_code": None}
-
-    model: str = setting(help="a local transformers causal LM directory, with its tokenizer")
+class StandInPolicyConfig(PolicySettings, ModelSettings):
+    model: str = setting(help="a local transformers causal LM directory, with its tokenizer", kw_only=True)
 
 
 class StandInPolicy(Policy):
-    """A transformers causal LM in float32, every weight trained, a frozen copy as its reference."""
+    """A transformers causal LM, every weight trained, a frozen copy as its reference."""
 
     def __init__(self, config: StandInPolicyConfig, context=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, trust_remote_code=config.trust_remote_code)
         self.tokenizer.padding_side = "left"
-        model = AutoModelForCausalLM.from_pretrained(config.model)
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code)
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.eos_token_ids = (self.tokenizer.eos_token_id,)
         if settle_pad(self.tokenizer, self.eos_token_ids):
             self.suppressed_token_ids = (self.tokenizer.pad_token_id,)
@@ -119,27 +120,11 @@ class StandInReward(RewardSource):
         return [len(response) / 100 for response in responses]
 
 
-class StandInTracker(Tracker):
-    """Records nothing."""
-
-    def __init__(self, config: NoSettings, context=None):
-        self.config = config
-
-    def start(self, *, run_name, params, tags, resume_id):
-        return None
-
-    def log_metrics(self, metrics, step):
-        pass
-
-    def finish(self, status):
-        pass
-
-
 def add_to(registry: Registry) -> None:
     """Register the stand-ins in `registry`, unless it has them already."""
     for kind, name, factory, config_class in (("policy", POLICY, StandInPolicy, StandInPolicyConfig),
                                                ("prompt_source", PROMPTS, StandInPrompts, StandInPromptsConfig),
                                                ("reward", REWARD, StandInReward, NoSettings),
-                                               ("tracker", TRACKER, StandInTracker, NoSettings)):
+                                               ("tracker", TRACKER, NullTracker, NoSettings)):
         if registry.find(kind, name) is None:
             registry.add(Component(kind, name, factory, config_class, PLUGIN, "rlkit", __version__))

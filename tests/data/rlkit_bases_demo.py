@@ -1,6 +1,7 @@
-"""A third-party plugin whose settings are named otherwise than the built-ins' (tests/test_third_party.py
-installs it): a policy, a generator and a group estimator written with `rlkit_core`'s one import.
-The policy and generator hand their work to the built-in `hf` classes under the built-in names."""
+"""A third-party plugin written with `rlkit_core`'s one import (tests/test_third_party.py installs
+it): a policy and a generator whose configs inherit the settings bases, so that rlkit reads their
+model, dtype, checkpointing and response length as it reads the built-ins', and a group estimator.
+The policy and generator hand their work to the built-in `hf` classes."""
 
 import attrs
 import torch
@@ -9,28 +10,23 @@ from rlkit_plugins.hf_policy import HFPolicy, HFPolicyConfig
 
 from rlkit_core import (
     AdvantageEstimator,
+    ModelSettings,
     PolicySettings,
     SamplingSettings,
     greater_than,
     hookimpl,
-    one_of,
     setting,
 )
 
 
 @attrs.frozen
-class LMConfig(PolicySettings):
-    renamed = {"model": "checkpoint", "dtype": "precision", "gradient_checkpointing": "recompute",
-               "trust_remote_code": "run_model_code", "tokenizer": None}
-    checkpoint: str = setting(help="the model directory")
-    precision: str = setting("float32", help="weights dtype", validator=one_of("float32", "bfloat16", "float16"))
-    recompute: bool = setting(False, help="recompute activations in the backward pass")
-    run_model_code: bool = setting(False, help="let transformers run the model's own code")
+class LMConfig(PolicySettings, ModelSettings):
+    pass
 
 
 def as_hf(config: LMConfig) -> HFPolicyConfig:
-    return HFPolicyConfig(model=config.checkpoint, dtype=config.precision, gradient_checkpointing=config.recompute,
-                          trust_remote_code=config.run_model_code)
+    return HFPolicyConfig(model=config.model, tokenizer=config.tokenizer, dtype=config.dtype,
+                          gradient_checkpointing=config.gradient_checkpointing, trust_remote_code=config.trust_remote_code)
 
 
 class LM(HFPolicy):
@@ -52,14 +48,12 @@ class LM(HFPolicy):
 
 @attrs.frozen
 class SamplerConfig(SamplingSettings):
-    renamed = {"max_new_tokens": "max_tokens", "batch_size": "prompts_per_call"}
-    max_tokens: int = setting(16, help="longest response in tokens", validator=greater_than(0))
-    prompts_per_call: int = setting(0, help="prompts per generate call (0: all)")
+    max_new_tokens: int = setting(16, help="longest response in tokens", validator=greater_than(0))
 
 
 class Sampler(HFGenerator):
     def __init__(self, config: SamplerConfig, context):
-        super().__init__(HFGeneratorConfig(max_new_tokens=config.max_tokens, batch_size=config.prompts_per_call), context)
+        super().__init__(HFGeneratorConfig(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size), context)
 
 
 @attrs.frozen
@@ -85,15 +79,14 @@ class Centred(AdvantageEstimator):
 
 @hookimpl
 def register_policies(register):
-    register("renamed-lm", LM, LMConfig)
+    register("demo-lm", LM, LMConfig)
 
 
 @hookimpl
 def register_generators(register):
-    register("renamed-sampler", Sampler, SamplerConfig)
+    register("demo-sampler", Sampler, SamplerConfig)
 
 
 @hookimpl
 def register_advantage_estimators(register):
-    register("renamed-centred", Centred, CentredConfig)
-
+    register("demo-centred", Centred, CentredConfig)
