@@ -69,12 +69,12 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = [
     "AdvantageEstimator", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Environment",
-    "EvalConfig", "Generation", "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs",
-    "LossTerms", "ModelSettings", "ModelShape", "NullTracker", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput", "PolicySettings", "Problem",
-    "Progress", "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError", "Reply", "Reset", "RewardSource", "RunConfig",
-    "RunError", "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "Surrogate", "SurrogateTerms", "ToolCall",
-    "ToolEnvironment", "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "greater_than", "hookimpl", "nested_component", "nested_components", "one_of", "sampling_seed", "setting", "switch_off_dropout",
-    "tool", "tool_schema",
+    "EvalConfig", "Generation", "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs", "LossTerms", "ModelSettings",
+    "ModelShape", "NullTracker", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput", "PolicySettings", "Problem", "Progress",
+    "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError", "Reply", "Reset", "RewardSource", "RunConfig", "RunError",
+    "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "Surrogate", "SurrogateTerms", "ToolCall", "ToolEnvironment",
+    "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "greater_than", "hookimpl",
+    "nested_component", "nested_components", "one_of", "sampling_seed", "setting", "switch_off_dropout", "tool", "tool_schema",
 ]
 
 
