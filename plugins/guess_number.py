@@ -35,7 +35,7 @@ from rlkit_core import (
     setting,
 )
 
-from .summarize import WarmStartConfig, WarmStartPolicy
+from .warm_start import Example, WarmStartConfig, WarmStartPolicy
 
 NUMBER = re.compile(r"\s*(\d{1,3})\s*")
 
@@ -133,7 +133,7 @@ def random_game(rng: random.Random, low: int, high: int, max_turns: int) -> list
     return turns
 
 
-def sft_examples(tokenizer, size: int, seed: int, low: int = 1, high: int = 16, max_turns: int = 5) -> list[tuple[list[int], list[bool]]]:
+def sft_examples(tokenizer, size: int, seed: int, low: int = 1, high: int = 16, max_turns: int = 5) -> list[Example]:
     """Games played at random, rendered by the same chat format as the episodes (so the warm start
     sees the tokens it will meet), each with the mask of the tokens the loss counts: the guesses and
     their end tokens."""
@@ -161,17 +161,24 @@ def sft_examples(tokenizer, size: int, seed: int, low: int = 1, high: int = 16, 
 @attrs.frozen
 class GuesserConfig(WarmStartConfig):
     sft_steps: int = setting(600, help="supervised steps on games played at random", validator=at_least(0))
-    sft_filler_share: float = setting(0.0, help="unused by the guesser (its games have no filler)")
 
 
 class WarmStartGuesser(WarmStartPolicy):
-    """The byte-level GPT-2 of `warm-start-summarizer`, supervised on random games instead."""
-
-    corpus = "guess-number"
+    """The warm start supervised on games played at random (`sft_examples`)."""
 
     @staticmethod
     def folder_name(config) -> str:
         return f"guesser-l{config.n_layer}-d{config.n_embd}-h{config.n_head}-s{config.sft_steps}-seed{config.seed}"
+
+    @staticmethod
+    def corpus(config) -> dict:
+        # as its builds have recorded it since the warm start knew no task but the summaries (whose
+        # prompt separator and filler share it holds): kept, so that cached builds are reused
+        return {"prompt_separator": "\nSummary: ", "filler_share": 0.0, "corpus": "guess-number"}
+
+    @staticmethod
+    def examples(config, tokenizer, size: int, seed: int) -> list[Example]:
+        return sft_examples(tokenizer, size, seed)
 
 
 @hookimpl

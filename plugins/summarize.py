@@ -5,18 +5,12 @@ small byte-level GPT-2 warm-started by supervised fine-tuning, built once and ca
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Callable
-from pathlib import Path
+import random
+from collections.abc import Callable, Sequence
 
 import attrs
 
 from rlkit_core import (
-    ComponentChoice,
-    Policy,
-    PolicySettings,
-    Progress,
     PromptLengthLimit,
     PromptSource,
     RecipeError,
@@ -29,13 +23,9 @@ from rlkit_core import (
     one_of,
     setting,
 )
-from rlkit_core.hf import DTYPES
 
 from . import summarize_task
-
-
-def default_cache_dir() -> str:
-    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlkit")
+from .warm_start import EOS_ID, Example, WarmStartConfig, WarmStartPolicy
 
 
 @attrs.frozen
@@ -50,25 +40,6 @@ class RougeConfig:
     reference_field: str = setting("reference", help="data column holding the reference summary")
     rouge_l_weight: float = setting(0.0, help="share of ROUGE-L F1 in the score; the rest is ROUGE-1 F1", validator=between(0.0, 1.0))
     fact_bonus: float = setting(0.0, help="added to the score of a summary that copies every part of the fact (see fact-copied)", validator=at_least(0))
-
-
-@attrs.frozen
-class WarmStartConfig(PolicySettings):
-    """The model is built, not named (no `ModelSettings`); `dtype` and `gradient_checkpointing` act on it during RL."""
-
-    cache_dir: str = setting(factory=default_cache_dir, help="where the warm-start model is built once and reused")
-    n_layer: int = setting(2, help="transformer layers", validator=greater_than(0))
-    n_embd: int = setting(128, help="model width", validator=greater_than(0))
-    n_head: int = setting(4, help="attention heads (must divide n_embd)", validator=greater_than(0))
-    sft_steps: int = setting(800, help="supervised steps of the warm start; too few, and the model never copies a whole fact for PPO to reinforce",
-                             validator=at_least(0))
-    sft_batch_size: int = setting(32, help="examples per supervised step", validator=greater_than(0))
-    sft_learning_rate: float = setting(3e-3, help="AdamW learning rate of the supervised warm start", validator=greater_than(0))
-    seed: int = setting(0, help="seed of the initial weights and the supervised data order")
-    sft_filler_share: float = setting(
-        0.0, help="share of supervised summaries that carelessly go on with a filler sentence of the document (the reward still wants the clean reference)",
-        validator=between(0.0, 1.0))
-    dtype: str = setting("float32", help="weights dtype during RL", validator=one_of(*DTYPES))
 
 
 class ToySummaries(PromptSource):
@@ -134,66 +105,63 @@ class ExactSummary(ReferenceMetric):
     measure = staticmethod(summarize_task.exact_summary)
 
 
-class WarmStartPolicy(Policy):
-    """Build the warm start on first use (minutes on two CPU cores), then load it with the installed
-    `hf` policy (found in the registry, as any plugin finds another's component) and pass every
-    call on to it."""
+@attrs.frozen
+class SummarizerConfig(WarmStartConfig):
+    sft_filler_share: float = setting(
+        0.0, help="share of supervised summaries that carelessly go on with a filler sentence of the document (the reward still wants the clean reference)",
+        validator=between(0.0, 1.0))
 
-    packs_sequences = True  # as the `hf` policy it passes its calls on to
-    corpus = "summaries"  # what the warm start is supervised on (`warm_start.build_warm_start`)
+
+def summary_examples(tokenizer, records: Sequence[dict], filler_share: float, rng: random.Random) -> list[Example]:
+    """(prompt ids + summary ids + EOS, which of them the loss counts: the summary and EOS) for each
+    record; a `filler_share` of the summaries go on with one filler sentence of the document."""
+    examples = []
+    for record in records:
+        prompt = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]  # ByT5Tokenizer appends EOS unless told not to
+        summary = record["reference"]
+        if rng.random() < filler_share:
+            summary += " " + rng.choice(summarize_task.filler_sentences(record))
+        target = tokenizer(summary, add_special_tokens=False)["input_ids"] + [EOS_ID]
+        ids = prompt + target
+        examples.append((ids, [False] * len(prompt) + [True] * len(target)))
+    return examples
+
+
+class WarmStartSummarizer(WarmStartPolicy):
+    """The warm start supervised on prompt + reference summary + EOS of `summarize_task.make_corpus`.
+
+    The supervised summary is the reference, except that a share `sft_filler_share` of them go on
+    with one filler sentence of the document ("The baker sold bread in Paris. The sky was grey."):
+    careless human summaries, of the kind real SFT data holds. The reward still compares against
+    the clean reference, so PPO has a flaw to fix that a reader sees at once, besides wrong facts.
+    The warm start is measured the way PPO sees it: the first iterations of the default recipe
+    report its sampled score.
+
+    It is deliberately short: the policy should write summary-shaped text with facts often wrong,
+    so PPO has room to improve on it. Measured on a 2-core CPU (2 layers, width 128, 4 heads: 0.48 M
+    parameters; AdamW, batch 32, lr 3e-3), summaries sampled at temperature 1 unless said otherwise:
+    - `sft_filler_share` 0 (the defaults, the algorithm-variant recipes): SFT crosses into copying
+      facts between 700 and 800 steps. At 700 the summaries score a mean ROUGE-1 F1 of 0.40 and never
+      copy a whole fact, and 150 PPO iterations leave them there (0.40 -> 0.42); at 800 they score
+      0.72 and one in eight copies the whole fact (one in three greedy summaries), which PPO then raises.
+    - `sft_filler_share` 0.75 (the default recipe): the filler delays copying; at 800 steps no greedy
+      summary copies a fact, at 1100 three in five do, half of the sampled ones, and every greedy
+      summary goes on with a filler sentence.
+    Fewer steps leave more room on paper but none that PPO can use.
+    """
 
     @staticmethod
     def folder_name(config) -> str:
-        """The cache folder of the build these settings make."""
         return (f"summarizer-l{config.n_layer}-d{config.n_embd}-h{config.n_head}-s{config.sft_steps}-f{config.sft_filler_share:g}"
                 f"-seed{config.seed}")
 
-    def __init__(self, config: WarmStartConfig, context):
-        from .warm_start import build_warm_start
+    @staticmethod
+    def corpus(config) -> dict:
+        return {"prompt_separator": summarize_task.PROMPT_SEPARATOR, "filler_share": config.sft_filler_share}
 
-        where = building_at(context, "policy")
-        if config.n_embd % config.n_head:
-            raise RecipeError([f"{where}.n_head: {config.n_head} does not divide n_embd={config.n_embd}"])
-        loader = context.registry.find("policy", "hf") if context.registry is not None else None
-        if loader is None:
-            raise RecipeError([f"{where}.type: {type(self).__name__} loads its model with the 'hf' policy, which is not installed"])
-        folder = Path(config.cache_dir) / self.folder_name(config)
-        if not (folder / "warm_start.json").exists():
-            print(f"rlkit: building the warm-start policy in {folder} (once; later runs reuse it)", file=sys.stderr, flush=True)
-        path = build_warm_start(folder, n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head,
-                                sft_steps=config.sft_steps, batch_size=config.sft_batch_size, lr=config.sft_learning_rate,
-                                seed=config.seed, filler_share=config.sft_filler_share, corpus=self.corpus,
-                                progress=Progress(config.sft_steps, label="warm-start step"))
-        hf_config = loader.config_class(model=str(path), dtype=config.dtype, gradient_checkpointing=config.gradient_checkpointing)
-        loaded = context.build(ComponentChoice(where.removeprefix("$."), loader, hf_config))
-        self._loaded: Policy = loaded
-        self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids
-        self.suppressed_token_ids, self.context_length = loaded.suppressed_token_ids, loaded.context_length
-
-    @property
-    def model(self):
-        return self._loaded.model
-
-    def forward(self, input_ids, attention_mask, position_ids, start: int = 0):
-        return self._loaded.forward(input_ids, attention_mask, position_ids, start)
-
-    def reference_logits(self, input_ids, attention_mask, position_ids, start: int = 0):
-        return self._loaded.reference_logits(input_ids, attention_mask, position_ids, start)
-
-    def parameters(self):
-        return self._loaded.parameters()
-
-    def state_dict(self):
-        return self._loaded.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self._loaded.load_state_dict(state)
-
-    def save_pretrained(self, path: str, merge_adapters: bool = True) -> None:
-        self._loaded.save_pretrained(path, merge_adapters)
-
-    def shard_units(self) -> list[type]:
-        return self._loaded.shard_units()
+    @staticmethod
+    def examples(config, tokenizer, size: int, seed: int) -> list[Example]:
+        return summary_examples(tokenizer, summarize_task.make_corpus(size, seed), config.sft_filler_share, random.Random(f"filler/{seed}"))
 
 
 @hookimpl
@@ -210,4 +178,4 @@ def register_rewards(register):
 
 @hookimpl
 def register_policies(register):
-    register("warm-start-summarizer", WarmStartPolicy, WarmStartConfig)
+    register("warm-start-summarizer", WarmStartSummarizer, SummarizerConfig)

@@ -12,7 +12,7 @@ at a random position, so the summary is a small rewriting job, not a fixed slice
 
 The reference summary is always the canonical active sentence: ``"The baker sold bread in Paris."``
 ``filler_sentences(record)`` gives a document's other sentences; the default recipe's warm start
-learns from careless summaries that copy one of them after the fact (see ``warm_start``).
+learns from careless summaries that copy one of them after the fact (see ``summarize.WarmStartSummarizer``).
 
 Words are drawn from lists of 30 occupations x 20 verbs x 30 objects x 30 cities = 540,000
 distinct facts, far more than any training run sees, so a policy has to read the document.

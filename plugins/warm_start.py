@@ -1,39 +1,22 @@
-"""The warm-start policy of the default recipe: a tiny byte-level GPT-2, briefly supervised.
+"""The warm-start policy of the toy recipes: a tiny byte-level GPT-2, briefly supervised on a
+task's examples before RL, built once and cached. A task subclasses `WarmStartPolicy` with the
+examples it supervises on; this module imports no task.
 
 ``build_warm_start`` creates a randomly initialised ``GPT2LMHeadModel`` over the ``ByT5Tokenizer``
-byte vocabulary and fine-tunes it (SFT) on prompt + summary + EOS from
-``summarize_task.make_corpus``, the loss counting only the summary tokens (and the EOS). It is
-deliberately short: the policy should write summary-shaped text with facts often wrong, so PPO has
-room to improve on it. The model and the tokenizer are saved together, so
-``AutoModelForCausalLM.from_pretrained(path)`` and ``AutoTokenizer.from_pretrained(path)`` work
-offline.
-
-The supervised summary is the reference, except that a share ``filler_share`` of them go on with
-one filler sentence of the document ("The baker sold bread in Paris. The sky was grey."): careless
-human summaries, of the kind real SFT data holds. The reward still compares against the clean
-reference, so PPO has a flaw to fix that a reader sees at once, besides wrong facts.
+byte vocabulary and fine-tunes it (SFT) on the task's examples: token ids, and which of them the
+loss counts (what the model is to say, never the prompt). The model and the tokenizer are saved
+together, so ``AutoModelForCausalLM.from_pretrained(path)`` and ``AutoTokenizer.from_pretrained(path)``
+work offline.
 
 Padding: batches are right-padded for SFT, so positions start at 0 for every row without any
-position_ids bookkeeping. The warm start is measured the way PPO sees it: the first iterations of
-the default recipe report its sampled score.
+position_ids bookkeeping.
 
 The build is written to a hidden temporary directory beside ``out_dir`` and renamed into place
-only when complete, with a ``warm_start.json`` recording its settings. A later call with the same
-settings reuses the directory; with different settings it rebuilds and replaces it. A directory at
-``out_dir`` that lacks ``warm_start.json`` is not ours and is never touched. (Bump the
-``format`` number in ``_settings`` whenever the corpus or the training loop changes, so old builds
-are not reused.)
-
-Measured on a 2-core CPU (2 layers, width 128, 4 heads: 0.48 M parameters; AdamW, batch 32, lr
-3e-3), summaries sampled at temperature 1 unless said otherwise:
-- ``filler_share`` 0 (the defaults, the algorithm-variant recipes): SFT crosses into copying facts
-  between 700 and 800 steps. At 700 the summaries score a mean ROUGE-1 F1 of 0.40 and never copy a
-  whole fact, and 150 PPO iterations leave them there (0.40 -> 0.42); at 800 they score 0.72 and
-  one in eight copies the whole fact (one in three greedy summaries), which PPO then raises.
-- ``filler_share`` 0.75 (the default recipe): the filler delays copying; at 800 steps no greedy
-  summary copies a fact, at 1100 three in five do, half of the sampled ones, and every greedy
-  summary goes on with a filler sentence.
-Fewer steps leave more room on paper but none that PPO can use.
+only when complete, with a ``warm_start.json`` recording its settings, the task's ``corpus``
+among them. A later call with the same settings reuses the directory; with different settings it
+rebuilds and replaces it. A directory at ``out_dir`` that lacks ``warm_start.json`` is not ours and
+is never touched. (Bump the ``format`` number in ``build_warm_start`` whenever the training loop
+changes, and a task's ``corpus`` whenever its examples do, so old builds are not reused.)
 """
 
 from __future__ import annotations
@@ -42,20 +25,37 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from abc import abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any
 
+import attrs
 import torch
 
-from . import summarize_task
+from rlkit_core import (
+    ComponentChoice,
+    Policy,
+    PolicySettings,
+    Progress,
+    RecipeError,
+    at_least,
+    building_at,
+    greater_than,
+    setting,
+)
 
 MARKER_FILE = "warm_start.json"
 PAD_ID = 0
 EOS_ID = 1
 VOCAB_SIZE = 384
 N_POSITIONS = 256
+
+Example = tuple[list[int], list[bool]]  # token ids, and which of them the loss counts
 
 
 def _tokenizer():
@@ -64,27 +64,7 @@ def _tokenizer():
     return ByT5Tokenizer()
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    # ByT5Tokenizer appends EOS unless told not to.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _sft_examples(tokenizer, records: Sequence[dict], filler_share: float, rng: random.Random) -> list[tuple[list[int], list[bool]]]:
-    """(prompt ids + summary ids + EOS, which of them the loss counts: the summary and EOS) for each
-    record; a `filler_share` of the summaries go on with one filler sentence of the document."""
-    examples = []
-    for record in records:
-        prompt = _encode(tokenizer, record["prompt"])
-        summary = record["reference"]
-        if rng.random() < filler_share:
-            summary += " " + rng.choice(summarize_task.filler_sentences(record))
-        target = _encode(tokenizer, summary) + [EOS_ID]
-        ids = prompt + target
-        examples.append((ids, [False] * len(prompt) + [True] * len(target)))
-    return examples
-
-
-def _collate_right_padded(batch: Sequence[tuple[list[int], list[bool]]]):
+def _collate_right_padded(batch: Sequence[Example]):
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -96,20 +76,6 @@ def _collate_right_padded(batch: Sequence[tuple[list[int], list[bool]]]):
     return input_ids, attention_mask, labels
 
 
-def _examples(corpus: str, tokenizer, size: int, seed: int, filler_share: float) -> list[tuple[list[int], list[bool]]]:
-    """The supervised examples of `corpus`: "summaries" (the default recipe's) or "guess-number"
-    (the multi-turn recipe's games, `guess_number.sft_examples`)."""
-    if corpus == "guess-number":
-        from . import guess_number
-
-        return guess_number.sft_examples(tokenizer, size, seed)
-    return _sft_examples(tokenizer, summarize_task.make_corpus(size, seed), filler_share, random.Random(f"filler/{seed}"))
-
-
-def _settings(**kwargs) -> dict:
-    return {"format": 1, "prompt_separator": summarize_task.PROMPT_SEPARATOR, **kwargs}
-
-
 def _existing_settings(path: Path) -> dict | None:
     try:
         return json.loads((path / MARKER_FILE).read_text())["settings"]
@@ -119,6 +85,8 @@ def _existing_settings(path: Path) -> dict | None:
 
 def build_warm_start(
     out_dir: str | os.PathLike,
+    examples: Callable[[Any, int, int], list[Example]],
+    corpus: Mapping[str, Any],
     *,
     n_layer: int = 2,
     n_embd: int = 128,
@@ -128,16 +96,15 @@ def build_warm_start(
     lr: float = 3e-3,
     seed: int = 0,
     corpus_size: int = 20000,
-    filler_share: float = 0.0,
-    corpus: str = "summaries",
     progress=None,
 ) -> Path:
     """Build (or reuse) the warm-start policy at ``out_dir``; return its path.
 
-    SFT: AdamW (``lr``, weight decay 0.01, betas (0.9, 0.95)), linear warm-up over the first 10% of
-    ``sft_steps`` then constant, gradient norm clipped at 1.0, ``batch_size`` examples per step drawn
-    without replacement from ``make_corpus(corpus_size, seed)`` (reshuffled each epoch), a share
-    ``filler_share`` of their summaries going on with a filler sentence (see above).
+    ``examples(tokenizer, corpus_size, seed)`` makes the task's supervised examples (only when it
+    builds); ``corpus`` is what they depend on besides their number and seed, recorded with the
+    build. SFT: AdamW (``lr``, weight decay 0.01, betas (0.9, 0.95)), linear warm-up over the
+    first 10% of ``sft_steps`` then constant, gradient norm clipped at 1.0, ``batch_size`` examples
+    per step drawn without replacement (reshuffled each epoch).
     ``progress`` (an ``rlkit_core.progress.Progress``) shows the step, loss and time left.
 
     Builders of one ``out_dir`` take turns through a lock file beside it, so the processes of a
@@ -146,33 +113,29 @@ def build_warm_start(
     from filelock import FileLock
 
     out = Path(out_dir)
-    settings = _settings(
-        n_layer=n_layer, n_embd=n_embd, n_head=n_head, sft_steps=sft_steps,
-        batch_size=batch_size, lr=lr, seed=seed, corpus_size=corpus_size, filler_share=filler_share,
-    )
-    if corpus != "summaries":  # the summarizer's settings as they were, so that its builds are reused
-        settings["corpus"] = corpus
+    settings = {"format": 1, "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "sft_steps": sft_steps,
+                "batch_size": batch_size, "lr": lr, "seed": seed, "corpus_size": corpus_size, **corpus}
     out.parent.mkdir(parents=True, exist_ok=True)
     # Its own random stream: a run that builds the warm start must continue with the same draws
     # (critic initialisation, sampling) as a later run that finds it cached.
     with FileLock(out.parent / f".{out.name}.lock"), torch.random.fork_rng(devices=[]):
-        return _build(out, settings, progress)
+        return _build(out, settings, examples, progress)
 
 
-def _build(out: Path, settings: dict, progress) -> Path:
+def _build(out: Path, settings: dict, examples: Callable[[Any, int, int], list[Example]], progress) -> Path:
     """`build_warm_start`'s work, with the lock held."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    n_layer, n_embd, n_head, sft_steps, batch_size, lr, seed, corpus_size, filler_share = (settings[k] for k in (
-        "n_layer", "n_embd", "n_head", "sft_steps", "batch_size", "lr", "seed", "corpus_size", "filler_share"))
+    n_layer, n_embd, n_head, sft_steps, batch_size, lr, seed, corpus_size = (settings[k] for k in (
+        "n_layer", "n_embd", "n_head", "sft_steps", "batch_size", "lr", "seed", "corpus_size"))
     if out.exists():
         existing = _existing_settings(out)
         if existing is None:
             raise FileExistsError(f"{out} exists and is not a warm-start directory; not touching it")
         if existing == settings:
             return out
-    if sft_steps < 0 or batch_size < 1 or corpus_size < 1 or not 0.0 <= filler_share <= 1.0:
-        raise ValueError("sft_steps >= 0, batch_size >= 1, corpus_size >= 1 and 0 <= filler_share <= 1 are required")
+    if sft_steps < 0 or batch_size < 1 or corpus_size < 1:
+        raise ValueError("sft_steps >= 0, batch_size >= 1 and corpus_size >= 1 are required")
 
     started = time.perf_counter()
     torch.manual_seed(seed)
@@ -184,8 +147,8 @@ def _build(out: Path, settings: dict, progress) -> Path:
         bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
     )
     model = GPT2LMHeadModel(config)
-    examples = _examples(settings.get("corpus", "summaries"), tokenizer, corpus_size, seed, filler_share)
-    if any(len(ids) > N_POSITIONS for ids, _ in examples):
+    made = examples(tokenizer, corpus_size, seed)  # after the model's initial weights: the streams stay as they were
+    if any(len(ids) > N_POSITIONS for ids, _ in made):
         raise ValueError(f"an example exceeds n_positions={N_POSITIONS}")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -197,11 +160,11 @@ def _build(out: Path, settings: dict, progress) -> Path:
     losses: list[float] = []
     for step in range(sft_steps):
         if len(order) < batch_size:
-            fresh = list(range(len(examples)))
+            fresh = list(range(len(made)))
             rng.shuffle(fresh)
             order.extend(fresh)
         picked, order = order[:batch_size], order[batch_size:]
-        input_ids, attention_mask, labels = _collate_right_padded([examples[i] for i in picked])
+        input_ids, attention_mask, labels = _collate_right_padded([made[i] for i in picked])
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -241,3 +204,90 @@ def _build(out: Path, settings: dict, progress) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def default_cache_dir() -> str:
+    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlkit")
+
+
+@attrs.frozen
+class WarmStartConfig(PolicySettings):
+    """The model is built, not named (no `ModelSettings`); `dtype` and `gradient_checkpointing` act on it during RL."""
+
+    cache_dir: str = setting(factory=default_cache_dir, help="where the warm-start model is built once and reused")
+    n_layer: int = setting(2, help="transformer layers", validator=greater_than(0))
+    n_embd: int = setting(128, help="model width", validator=greater_than(0))
+    n_head: int = setting(4, help="attention heads (must divide n_embd)", validator=greater_than(0))
+    sft_steps: int = setting(800, help="supervised steps of the warm start (too few leave PPO no good behaviour to reinforce)", validator=at_least(0))
+    sft_batch_size: int = setting(32, help="examples per supervised step", validator=greater_than(0))
+    sft_learning_rate: float = setting(3e-3, help="AdamW learning rate of the supervised warm start", validator=greater_than(0))
+    seed: int = setting(0, help="seed of the initial weights and the supervised data order")
+
+
+class WarmStartPolicy(Policy):
+    """Build the warm start on first use (minutes on two CPU cores), then load it with the installed
+    `hf` policy (found in the registry, as any plugin finds another's component) and pass every
+    call on to it. A task subclasses it with its supervised examples (`examples`), what they depend
+    on (`corpus`) and the name of its cache folder (`folder_name`)."""
+
+    packs_sequences = True  # as the `hf` policy it passes its calls on to
+
+    @staticmethod
+    @abstractmethod
+    def folder_name(config) -> str:
+        """The cache folder of the build these settings make."""
+
+    @staticmethod
+    @abstractmethod
+    def corpus(config) -> dict[str, Any]:
+        """What the examples depend on besides their number and seed, recorded with the build: a build
+        recorded with other values is made again."""
+
+    @staticmethod
+    @abstractmethod
+    def examples(config, tokenizer, size: int, seed: int) -> list[Example]:
+        """`size` supervised examples, drawn from `seed`, in the byte-level `tokenizer`'s ids."""
+
+    def __init__(self, config: WarmStartConfig, context):
+        where = building_at(context, "policy")
+        if config.n_embd % config.n_head:
+            raise RecipeError([f"{where}.n_head: {config.n_head} does not divide n_embd={config.n_embd}"])
+        loader = context.registry.find("policy", "hf") if context.registry is not None else None
+        if loader is None:
+            raise RecipeError([f"{where}.type: {type(self).__name__} loads its model with the 'hf' policy, which is not installed"])
+        folder = Path(config.cache_dir) / self.folder_name(config)
+        if not (folder / MARKER_FILE).exists():
+            print(f"rlkit: building the warm-start policy in {folder} (once; later runs reuse it)", file=sys.stderr, flush=True)
+        path = build_warm_start(folder, partial(self.examples, config), self.corpus(config), n_layer=config.n_layer, n_embd=config.n_embd,
+                                n_head=config.n_head, sft_steps=config.sft_steps, batch_size=config.sft_batch_size,
+                                lr=config.sft_learning_rate, seed=config.seed, progress=Progress(config.sft_steps, label="warm-start step"))
+        hf_config = loader.config_class(model=str(path), dtype=config.dtype, gradient_checkpointing=config.gradient_checkpointing)
+        loaded = context.build(ComponentChoice(where.removeprefix("$."), loader, hf_config))
+        self._loaded: Policy = loaded
+        self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids
+        self.suppressed_token_ids, self.context_length = loaded.suppressed_token_ids, loaded.context_length
+
+    @property
+    def model(self):
+        return self._loaded.model
+
+    def forward(self, input_ids, attention_mask, position_ids, start: int = 0):
+        return self._loaded.forward(input_ids, attention_mask, position_ids, start)
+
+    def reference_logits(self, input_ids, attention_mask, position_ids, start: int = 0):
+        return self._loaded.reference_logits(input_ids, attention_mask, position_ids, start)
+
+    def parameters(self):
+        return self._loaded.parameters()
+
+    def state_dict(self):
+        return self._loaded.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self._loaded.load_state_dict(state)
+
+    def save_pretrained(self, path: str, merge_adapters: bool = True) -> None:
+        self._loaded.save_pretrained(path, merge_adapters)
+
+    def shard_units(self) -> list[type]:
+        return self._loaded.shard_units()

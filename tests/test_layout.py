@@ -1,6 +1,8 @@
 """The layout is the architecture: imports run one way, runtime → recipe → plugin API, and plugins
-import only the API: `rlkit_core` itself and its declared helper modules, never another plugin. An
-import under `if TYPE_CHECKING:` runs for type checkers only and is allowed."""
+import only the API: `rlkit_core` itself and its declared helper modules, never another plugin. The
+modules of plugins/ that no entry point names are helpers the plugins share, which import no module
+of plugins/, so no import among the built-ins circles back. An import under `if TYPE_CHECKING:` runs
+for type checkers only and is allowed."""
 
 import ast
 import sys
@@ -18,12 +20,10 @@ else:  # pragma: no cover
 
 # the modules of `rlkit_core` a plugin may import besides `rlkit_core` itself (its docstring says so)
 HELPER_MODULES = ("rlkit_core.functional", "rlkit_core.hf", "rlkit_core.testing")
-# the built-in plugins, each an entry point of the `rlkit` group, and the modules of their own they import
+# the built-in plugins, each an entry point of the `rlkit` group, and the helper modules they share (the rest of plugins/)
 PLUGINS = {module.removeprefix("rlkit_plugins.") for module in
            tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["rlkit"].values()}
-# (guess_number is a plugin of its own whose policy is the summarizer's warm start, supervised on its games)
-OWN_MODULES = {"summarize_task": "summarize", "warm_start": "summarize", "guess_number": "summarize", "mlflow_tracker": "trackers",
-               "cispo": "ppo_clip"}
+HELPERS = {path.stem for path in (ROOT / "plugins").glob("*.py")} - PLUGINS - {"__init__"}
 EXAMPLE_PACKAGE = ROOT / "examples" / "rlkit-example-plugins" / "src" / "rlkit_example_plugins"
 
 # layer -> the layers its modules may import
@@ -119,26 +119,28 @@ def test_the_checker_sees_a_wrong_way_import():
 
 
 def plugin_problems(source: str, plugin: str | None) -> list[str]:
-    """The imports of a plugin's module that reach past the API: a module of `rlkit_core` other than
-    the package and its helper modules, or another plugin's module (`plugin` None: any plugin's)."""
+    """The imports of the module `plugin` of plugins/ that reach past the API: a module of
+    `rlkit_core` other than the package and its helper modules, or another plugin (a helper module:
+    any module of plugins/; `plugin` None, a package of its own: any module of plugins/)."""
     problems = []
     for module, line in imported_modules(ast.parse(source)):
         top, _, rest = module.partition(".")
         if top == "rlkit_core" and module != "rlkit_core" and not module.startswith(tuple(f"{h}." for h in HELPER_MODULES) + HELPER_MODULES):
             problems.append((line, f"line {line}: {module} (import it from rlkit_core, or use a helper module: {', '.join(HELPER_MODULES)})"))
-        elif top == "rlkit_plugins" and rest and OWN_MODULES.get(rest.split(".")[0], rest.split(".")[0]) != plugin:
+        elif top == "rlkit_plugins" and rest and plugin in HELPERS:
+            problems.append((line, f"line {line}: {module} (a helper module imports no module of plugins/)"))
+        elif top == "rlkit_plugins" and rest and (plugin is None or rest.split(".")[0] not in HELPERS | {plugin}):
             problems.append((line, f"line {line}: {module} (another plugin's)"))
     return [problem for _, problem in sorted(problems)]
 
 
-def test_every_plugin_module_is_a_plugin_or_one_of_its_own():
-    modules = {path.stem for path in (ROOT / "plugins").glob("*.py")} - {"__init__"}
-    assert modules == PLUGINS | set(OWN_MODULES) and set(OWN_MODULES.values()) <= PLUGINS
+def test_every_entry_point_is_a_module_of_plugins():
+    assert PLUGINS <= {path.stem for path in (ROOT / "plugins").glob("*.py")} and HELPERS
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "plugins").glob("*.py")), ids=lambda path: path.name)
-def test_plugins_import_only_the_api_and_their_own_modules(path):
-    wrong = plugin_problems(path.read_text(), OWN_MODULES.get(path.stem, path.stem))
+def test_plugins_import_only_the_api_and_the_helper_modules(path):
+    wrong = plugin_problems(path.read_text(), path.stem)
     assert not wrong, f"plugins/{path.name}: {wrong}"
 
 
@@ -156,5 +158,5 @@ def test_the_plugin_checker_sees_what_reaches_past_the_api():
         "line 4: rlkit_core.randomness (import it from rlkit_core, or use a helper module: rlkit_core.functional, rlkit_core.hf, rlkit_core.testing)",
         "line 5: rlkit_core.prompts (import it from rlkit_core, or use a helper module: rlkit_core.functional, rlkit_core.hf, rlkit_core.testing)",
         "line 7: rlkit_plugins.hf_policy (another plugin's)"]
-    assert plugin_problems(source, "trackers")[-2:] == ["line 6: rlkit_plugins.summarize_task (another plugin's)",
-                                                        "line 7: rlkit_plugins.hf_policy (another plugin's)"]
+    assert plugin_problems(source, "warm_start")[-2:] == ["line 6: rlkit_plugins.summarize_task (a helper module imports no module of plugins/)",
+                                                          "line 7: rlkit_plugins.hf_policy (a helper module imports no module of plugins/)"]

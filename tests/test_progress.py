@@ -1,6 +1,7 @@
 """The progress line: shown at a terminal, silent in a pipe or with --quiet."""
 
 import io
+from functools import partial
 
 from rlkit_core.progress import Progress
 
@@ -31,10 +32,12 @@ def test_pipe_and_quiet_print_nothing():
 
 
 def test_warm_start_shows_its_steps_and_loss(tmp_path):
+    from rlkit_plugins.guess_number import GuesserConfig, WarmStartGuesser
     from rlkit_plugins.warm_start import build_warm_start
 
     stream = Terminal()
-    build_warm_start(tmp_path / "ws", n_layer=1, n_embd=16, n_head=2, sft_steps=3, batch_size=4, corpus_size=20,
-                     progress=Progress(3, stream=stream, label="warm-start step"))
+    config = GuesserConfig()
+    build_warm_start(tmp_path / "ws", partial(WarmStartGuesser.examples, config), WarmStartGuesser.corpus(config), n_layer=1, n_embd=16,
+                     n_head=2, sft_steps=3, batch_size=4, corpus_size=20, progress=Progress(3, stream=stream, label="warm-start step"))
     text = stream.getvalue()
     assert "warm-start step 3/3" in text and "ETA" in text and "loss " in text and text.endswith("\n")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 from rlkit_plugins import summarize_task as st
 from rlkit_plugins import warm_start as ws
+from rlkit_plugins.summarize import SummarizerConfig, WarmStartSummarizer
 
 REF = "The baker sold bread in Paris."  # words: the baker sold bread in paris (6)
 
@@ -138,6 +140,12 @@ def test_filler_sentences_are_the_ones_without_the_event():
 TINY = dict(n_layer=1, n_embd=32, n_head=2, sft_steps=5, batch_size=4, lr=1e-3, seed=0, corpus_size=16)
 
 
+def summaries(filler_share: float = 0.0):
+    """The summarizer's (examples, corpus), as `warm-start-summarizer` builds with them."""
+    config = SummarizerConfig(sft_filler_share=filler_share)
+    return partial(WarmStartSummarizer.examples, config), WarmStartSummarizer.corpus(config)
+
+
 def built_here(folder) -> list[str]:
     """What a build left in `folder`, besides the lock file that builders of one folder share."""
     return sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
@@ -146,7 +154,7 @@ def built_here(folder) -> list[str]:
 def test_tiny_warm_start_builds_loads_and_is_reused(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = ws.build_warm_start(tmp_path / "policy", **TINY)
+    out = ws.build_warm_start(tmp_path / "policy", *summaries(), **TINY)
     assert out == tmp_path / "policy"
     assert built_here(tmp_path) == ["policy"]  # no temp dir left behind
 
@@ -159,9 +167,9 @@ def test_tiny_warm_start_builds_loads_and_is_reused(tmp_path):
 
     # Same settings: reused, not rebuilt. Other settings: rebuilt in place.
     stamp = (out / "model.safetensors").stat().st_mtime_ns
-    assert ws.build_warm_start(out, **TINY) == out
+    assert ws.build_warm_start(out, *summaries(), **TINY) == out
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
-    ws.build_warm_start(out, **{**TINY, "sft_steps": 2})
+    ws.build_warm_start(out, *summaries(), **{**TINY, "sft_steps": 2})
     assert '"sft_steps": 2' in (out / ws.MARKER_FILE).read_text()
     assert built_here(tmp_path) == ["policy"]
 
@@ -169,11 +177,13 @@ def test_tiny_warm_start_builds_loads_and_is_reused(tmp_path):
 def test_supervised_summaries_go_on_with_filler_at_the_share_asked():
     import random
 
+    from rlkit_plugins.summarize import summary_examples
+
     tokenizer = ws._tokenizer()
     records = st.make_corpus(2000, seed=0)
 
     def summaries(share):
-        examples = ws._sft_examples(tokenizer, records, share, random.Random(0))
+        examples = summary_examples(tokenizer, records, share, random.Random(0))
         assert all(ids[-1] == ws.EOS_ID for ids, _ in examples)
         return [tokenizer.decode([i for i, counted in zip(ids[:-1], counts) if counted]) for ids, counts in examples]
 
@@ -185,19 +195,19 @@ def test_supervised_summaries_go_on_with_filler_at_the_share_asked():
 
 
 def test_filler_share_is_part_of_the_build_settings(tmp_path):
-    out = ws.build_warm_start(tmp_path / "policy", **TINY)
-    ws.build_warm_start(out, **TINY, filler_share=0.5)
+    out = ws.build_warm_start(tmp_path / "policy", *summaries(), **TINY)
+    ws.build_warm_start(out, *summaries(0.5), **TINY)
     assert '"filler_share": 0.5' in (out / ws.MARKER_FILE).read_text()
-    with pytest.raises(ValueError, match="filler_share"):
-        ws.build_warm_start(tmp_path / "other", **TINY, filler_share=1.5)
+    with pytest.raises(ValueError, match="between 0.0 and 1.0"):
+        SummarizerConfig(sft_filler_share=1.5)
 
 
 def test_warm_start_is_deterministic(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    a = AutoModelForCausalLM.from_pretrained(ws.build_warm_start(tmp_path / "a", **TINY))
-    b = AutoModelForCausalLM.from_pretrained(ws.build_warm_start(tmp_path / "b", **TINY))
+    a = AutoModelForCausalLM.from_pretrained(ws.build_warm_start(tmp_path / "a", *summaries(), **TINY))
+    b = AutoModelForCausalLM.from_pretrained(ws.build_warm_start(tmp_path / "b", *summaries(), **TINY))
     for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(pa, pb), name
 
@@ -209,7 +219,7 @@ def test_building_the_warm_start_leaves_the_callers_random_stream_alone(tmp_path
     torch.manual_seed(3)
     cached_run_draw = torch.rand(4)
     torch.manual_seed(3)
-    ws.build_warm_start(tmp_path / "policy", **TINY)
+    ws.build_warm_start(tmp_path / "policy", *summaries(), **TINY)
     assert torch.equal(torch.rand(4), cached_run_draw)
 
 
@@ -222,7 +232,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        ws.build_warm_start(tmp_path / "policy", **TINY)
+        ws.build_warm_start(tmp_path / "policy", *summaries(), **TINY)
     assert built_here(tmp_path) == []
 
 
@@ -230,7 +240,7 @@ def test_foreign_directory_is_never_overwritten(tmp_path):
     (tmp_path / "policy").mkdir()
     (tmp_path / "policy" / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError):
-        ws.build_warm_start(tmp_path / "policy", **TINY)
+        ws.build_warm_start(tmp_path / "policy", *summaries(), **TINY)
     assert (tmp_path / "policy" / "keep.txt").read_text() == "mine"
 
 
@@ -244,12 +254,10 @@ def test_rouge_reward_names_a_missing_reference_column():
 
 
 def test_warm_start_n_head_must_divide_width(tmp_path):
-    from rlkit_plugins.summarize import WarmStartConfig, WarmStartPolicy
-
     from rlkit_core.errors import RecipeError
 
     with pytest.raises(RecipeError, match=r"\$.policy.n_head: 3 does not divide n_embd=16"):
-        WarmStartPolicy(WarmStartConfig(cache_dir=str(tmp_path), n_embd=16, n_head=3), None)
+        WarmStartSummarizer(SummarizerConfig(cache_dir=str(tmp_path), n_embd=16, n_head=3), None)
 
 
 def test_fact_copied_needs_every_part_of_the_fact():
@@ -287,8 +295,10 @@ def test_rouge_fact_bonus_is_added_only_for_a_whole_fact():
 
 BUILDER = """
 import sys, time
+from functools import partial
 from pathlib import Path
 from rlkit_plugins import warm_start as ws
+from rlkit_plugins.summarize import SummarizerConfig, WarmStartSummarizer
 
 folder, me = Path(sys.argv[1]), sys.argv[2]
 
@@ -302,7 +312,9 @@ class StepLog:  # records every SFT step this process runs
 (folder / f"ready-{me}").touch()
 while len(list(folder.glob("ready-*"))) < 2:  # both processes start building together
     time.sleep(0.01)
-ws.build_warm_start(folder / "policy", progress=StepLog(), **%r)
+config = SummarizerConfig()
+ws.build_warm_start(folder / "policy", partial(WarmStartSummarizer.examples, config), WarmStartSummarizer.corpus(config),
+                    progress=StepLog(), **%r)
 """
 
 
