@@ -290,6 +290,7 @@ def test_bad_input_is_refused_with_a_located_fix_and_nothing_written(case, in_sa
 SUBPROCESS_SAMPLE = ["model-path-not-a-hub-name", "reward-wrong-signature", "output-dir-is-a-file", "kl-type-switched-by-set"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SUBPROCESS_SAMPLE)
 def test_the_real_command_refuses_a_sample(name, sandbox):
     """The same cases through a fresh interpreter, as a shell runs `rlkit`: `rlkit run` only, which

@@ -26,6 +26,7 @@ def rlkit(*args, cwd):
     return subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_shipped_guess_number_recipe_starts_an_episode(tmp_path):
     done = rlkit("check", str(SHIPPED), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -33,6 +34,7 @@ def test_the_shipped_guess_number_recipe_starts_an_episode(tmp_path):
     assert episodes.splitlines()[-1] == OK_LINE, episodes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offline", [[], ["--offline"]])  # reading a local record and calling reset is local work
 def test_records_without_the_column_the_environment_reads_exit_2_located(prompt_file, tmp_path, offline):
     done = rlkit("check", str(SHIPPED), "--set", f'data={{type="jsonl", path={json.dumps(str(prompt_file))}}}', *offline, cwd=tmp_path)

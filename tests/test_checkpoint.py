@@ -77,6 +77,7 @@ def test_export_writes_a_model_from_pretrained_loads(recipe_document, builtin_re
         export_checkpoint(str(source), str(target), builtin_registry)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_auto(recipe_document, write_recipe, tmp_path):
     env = {**os.environ, "RLKIT_PLUGINS": "none"}
     command = [sys.executable, "-m", "rlkit_core.runtime.cli", "run", "--quiet"]

@@ -93,6 +93,7 @@ def test_resume_auto_passes_over_a_damaged_checkpoint_to_the_previous_one(two_ch
         checkpoint.choose(str(latest), output_dir)
 
 
+@pytest.mark.slow
 def test_the_real_command_resumes_from_the_previous_checkpoint_and_trains_the_same_iterations(two_checkpoints):
     recipe, output_dir = two_checkpoints
     straight = rows_of(output_dir)
@@ -106,6 +107,7 @@ def test_the_real_command_resumes_from_the_previous_checkpoint_and_trains_the_sa
     assert checkpoint.damage(latest) is None  # rewritten whole
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["zero-byte weights", "a missing manifest"])
 def test_resume_from_a_damaged_path_is_refused_with_the_usable_one_named(two_checkpoints, how):
     recipe, output_dir = two_checkpoints
@@ -119,6 +121,7 @@ def test_resume_from_a_damaged_path_is_refused_with_the_usable_one_named(two_che
     assert rows_of(output_dir) == before
 
 
+@pytest.mark.slow
 def test_check_checkpoint_verifies_without_a_run(two_checkpoints):
     _, output_dir = two_checkpoints
     latest, previous = checkpoint.complete_checkpoints(output_dir)[::-1]
@@ -133,6 +136,7 @@ def test_check_checkpoint_verifies_without_a_run(two_checkpoints):
                                           f"--resume auto would resume from {previous}"]
 
 
+@pytest.mark.slow
 def test_no_usable_checkpoint_at_all_is_a_located_refusal(two_checkpoints):
     recipe, output_dir = two_checkpoints
     latest, previous = checkpoint.complete_checkpoints(output_dir)[::-1]

@@ -9,6 +9,8 @@ import pytest
 
 from rlkit_core.recipe.plugins import HOOKS
 
+pytestmark = pytest.mark.slow  # every test starts the rlkit command
+
 
 def rlkit(*args, cwd=None):
     env = {**os.environ, "RLKIT_PLUGINS": "none"}

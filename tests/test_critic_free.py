@@ -289,6 +289,7 @@ def rlkit(*args):
     return subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_rlkit_check_refuses_a_critic_with_grpo_and_plugins_lists_the_new_parts(recipe_document, write_recipe):
     document = critic_free(recipe_document)
     document["value_head"] = {"type": "separate", "model": "x"}

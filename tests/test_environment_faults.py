@@ -105,6 +105,7 @@ def rows_of(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_run_whose_every_episode_fails_says_so_and_exits_3(plugin_path, faulty_recipe):
     recipe, output_dir = faulty_recipe("every call raises", steps=3)
     done = rlkit(plugin_path, "run", recipe, "--quiet")
@@ -121,6 +122,7 @@ def test_a_run_whose_every_episode_fails_says_so_and_exits_3(plugin_path, faulty
     assert all(row["env/status_error"] == 1.0 for row in trained)
 
 
+@pytest.mark.slow
 def test_a_fault_is_shown_once_over_a_run_that_trains(plugin_path, faulty_recipe):
     """Python's own once-only record is reset by any warnings filter (the optimiser's schedule
     step set one at every step): rlkit keeps its own."""
@@ -132,6 +134,7 @@ def test_a_fault_is_shown_once_over_a_run_that_trains(plugin_path, faulty_recipe
     assert all(0 < row["env/status_error"] < 1 and "score/mean" in row for row in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_streak_of_iterations_that_train_nothing_stops_the_run(plugin_path, faulty_recipe, processes):
     recipe, output_dir = faulty_recipe("every call raises", steps=6, max_skips_in_a_row=2)
@@ -141,6 +144,7 @@ def test_a_streak_of_iterations_that_train_nothing_stops_the_run(plugin_path, fa
     assert [row["iteration"] for row in rows_of(output_dir)] == [1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes, scheduler", [(1, "sync"), (1, "one-step-off"), (2, "sync")])
 def test_a_recipe_error_from_an_environment_is_bad_input_on_every_process(plugin_path, faulty_recipe, processes, scheduler):
     fault = "reset finds the record wrong" if processes == 1 else "process 1 finds the record wrong"
@@ -156,6 +160,7 @@ def test_a_recipe_error_from_an_environment_is_bad_input_on_every_process(plugin
     assert not (output_dir / "final_model").exists() and not (output_dir / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_the_built_in_environments_own_recipe_error_exits_2(recipe_document, write_recipe, ending_tiny_model):
     prompts = recipe_document["data"]  # prompts without the 'secret' column guess-number reads
     document = episode_document(recipe_document, ending_tiny_model)
@@ -166,6 +171,7 @@ def test_the_built_in_environments_own_recipe_error_exits_2(recipe_document, wri
     assert "$.environment: a record's 'secret' column is None, not a number from 1 to 16" in done.stderr
 
 
+@pytest.mark.slow
 def test_an_opening_past_the_context_ends_its_episodes_as_overflow(plugin_path, faulty_recipe):
     recipe, output_dir = faulty_recipe("opening past the context", steps=2)
     done = rlkit(plugin_path, "run", recipe, "--quiet")
@@ -174,6 +180,7 @@ def test_an_opening_past_the_context_ends_its_episodes_as_overflow(plugin_path, 
     assert "env/status_overflow = 1.00" in done.stderr
 
 
+@pytest.mark.slow
 def test_hung_calls_are_bounded_and_end_the_run_with_a_checkpoint_when_they_hold_every_thread(plugin_path, faulty_recipe):
     recipe, output_dir = faulty_recipe("step hangs on half the episodes", steps=6, checkpoint_every=1)
     recipe_text = Path(recipe).read_text().replace('step_timeout_s = 1.0', 'step_timeout_s = 0.5\ncall_threads = 12')

@@ -13,6 +13,8 @@ import pytest
 
 from rlkit_core.runtime import checkpoint
 
+pytestmark = pytest.mark.slow  # real rlkit runs in subprocesses, stopped, killed and resumed
+
 COMMAND = [sys.executable, "-m", "rlkit_core.runtime.cli", "run", "--quiet"]
 ENV = {**os.environ, "RLKIT_PLUGINS": "none"}
 

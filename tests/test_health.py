@@ -202,6 +202,7 @@ def rows_of(output_dir):
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_check_is_reported_once_on_the_terminal_in_metrics_jsonl_and_the_tracker(recipe_document, write_recipe, constant_reward,
                                                                                      tmp_path):
     from mlflow import MlflowClient
@@ -224,6 +225,7 @@ def test_a_check_is_reported_once_on_the_terminal_in_metrics_jsonl_and_the_track
     assert run.data.metrics["health/zero_reward_variance"] == 0.0
 
 
+@pytest.mark.slow
 def test_stop_on_ends_the_run_with_exit_3_and_a_checkpoint_to_resume(recipe_document, write_recipe, constant_reward, tmp_path):
     output_dir = tmp_path / "stopped"
     document = dict(recipe_document, reward=constant_reward, run={**recipe_document["run"], "steps": 3, "output_dir": str(output_dir)},

@@ -97,6 +97,7 @@ def sqlite_uri(tmp_path_factory):
     return f"sqlite:///{tmp_path_factory.mktemp('store')}/mlflow.db"
 
 
+@pytest.mark.slow
 def test_sqlite_store_records_a_run_and_resume_appends(sqlite_uri, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
@@ -251,6 +252,7 @@ def server(mlflow_server):
     return mlflow_server
 
 
+@pytest.mark.slow
 def test_tracking_server_records_a_run(server, tmp_path):
     tracker = make_tracker(server.url, tmp_path, experiment="over-http")
     run_id = log_a_run(tracker, tmp_path)
@@ -259,6 +261,7 @@ def test_tracking_server_records_a_run(server, tmp_path):
     assert list((server.root / "artifacts").rglob("recipe.toml")), "artifacts did not go through the server"
 
 
+@pytest.mark.slow
 def test_server_outage_costs_one_warning_and_loses_nothing(server, tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     client = MlflowClient(server.url)

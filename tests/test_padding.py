@@ -274,6 +274,7 @@ def test_generation_in_length_ordered_chunks_gives_each_prompt_its_own_response(
     assert [columns for columns, _ in seen] == [lengths[0], lengths[3], lengths[6]]  # no column of padding only
 
 
+@pytest.mark.slow
 def test_rlkit_check_estimates_the_update_with_the_token_budget(recipe_document, write_recipe, builtin_registry):
     import re
     import subprocess

@@ -90,6 +90,7 @@ def test_without_dynamic_sampling_nothing_is_logged_about_it(recipe_document, bu
     assert not [name for name in row if name.startswith("batch/")]
 
 
+@pytest.mark.slow
 def test_two_processes_agree_on_extra_rounds(grpo_document, write_recipe, tmp_path):
     """Process 1 never gets a group with signal, process 0 always fills its share in the first
     round: process 0 must generate along in every extra round (scoring is a collective), or the

@@ -289,6 +289,7 @@ def last_metrics(output_dir):
     return len(lines), json.loads(lines[-1])
 
 
+@pytest.mark.slow
 def test_run_padless_policy_with_separate_critic_and_reward_model(recipe_document, write_recipe, gpt2_lm, gpt2_classifier, tmp_path):
     recipe = write_recipe(document(recipe_document, policy={"model": str(gpt2_lm)},
                                    value_head={"type": "separate", "model": str(gpt2_classifier)},
@@ -299,6 +300,7 @@ def test_run_padless_policy_with_separate_critic_and_reward_model(recipe_documen
     assert count == 2 and metrics["check/logprob_gap"] < 1e-4
 
 
+@pytest.mark.slow
 def test_run_chat_policy_with_two_end_ids_and_a_reward_model_of_another_tokenizer(
         recipe_document, write_recipe, chat_lm, gpt2_classifier, chat_prompts, tmp_path):
     recipe = write_recipe(document(recipe_document, policy={"model": str(chat_lm)},
@@ -312,6 +314,7 @@ def test_run_chat_policy_with_two_end_ids_and_a_reward_model_of_another_tokenize
     assert count == 2 and metrics["check/logprob_gap"] < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ppo_tldr_pythia", "ppo_sentiment_gpt2"])
 def test_real_model_recipes_pass_check_offline(name, tmp_path):
     from pathlib import Path
@@ -378,6 +381,7 @@ def test_critic_free_estimators_on_real_style_tokenizers(recipe_document, builti
     assert trainer.components.policy.tokenizer.pad_token_id not in iteration.batch.response_ids[iteration.batch.response_mask.bool()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator, samples, model", [("remax", 1, "chat_lm"), ("grpo", 2, "gpt2_lm")])
 def test_two_processes_run_critic_free_estimators_on_real_style_tokenizers(recipe_document, write_recipe, chat_prompts, tmp_path,
                                                                           request, estimator, samples, model):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.resume_check import recipe_changes
 from rlkit_core.runtime import checkpoint
@@ -72,6 +74,7 @@ def trained_two(recipe_document, registry, write_recipe, tmp_path, tracker=None)
     return write_recipe(document), output_dir
 
 
+@pytest.mark.slow
 def test_a_changed_recipe_is_refused_before_anything_is_trained(recipe_document, builtin_registry, write_recipe, tmp_path):
     recipe, output_dir = trained_two(recipe_document, builtin_registry, write_recipe, tmp_path)
     before = (output_dir / "metrics.jsonl").read_text()
@@ -90,6 +93,7 @@ def test_a_changed_recipe_is_refused_before_anything_is_trained(recipe_document,
     assert alone.returncode == 2 and "--allow-changes: only with --resume" in alone.stderr
 
 
+@pytest.mark.slow
 def test_allowed_changes_are_recorded_in_the_tracker_and_the_next_row(recipe_document, builtin_registry, write_recipe, tmp_path):
     from mlflow import MlflowClient
 
@@ -110,6 +114,7 @@ def test_allowed_changes_are_recorded_in_the_tracker_and_the_next_row(recipe_doc
     assert run.data.metrics["run/recipe_changes"] == 1
 
 
+@pytest.mark.slow
 def test_extending_a_run_and_changing_what_only_logs_pass(recipe_document, builtin_registry, write_recipe, tmp_path):
     recipe, output_dir = trained_two(recipe_document, builtin_registry, write_recipe, tmp_path)
     result = subprocess.run(RUN + [recipe, "--resume", "auto", "--set", "run.steps=3", "--set", "run.sample_every=1",

@@ -383,6 +383,7 @@ def http_recipe(recipe_document, write_recipe):
     return make
 
 
+@pytest.mark.slow
 def test_rlkit_check_probes_the_service_and_offline_skips_the_probe(server, http_recipe, capsys, monkeypatch):
     from rlkit_core.runtime.cli import main
 
@@ -404,6 +405,7 @@ def test_rlkit_check_probes_the_service_and_offline_skips_the_probe(server, http
     assert "(rlkit check --offline skips this probe)" in failed.stderr
 
 
+@pytest.mark.slow
 def test_check_and_run_refuse_a_credential_variable_that_is_not_set(server, http_recipe, tmp_path, capsys):
     from rlkit_core.runtime.cli import main
 
@@ -447,6 +449,7 @@ server.serve_forever()
 '''
 
 
+@pytest.mark.slow
 def test_a_batch_the_service_fails_is_skipped_and_counted_under_the_skip_policy(server, http_recipe, tmp_path):
     server.plan = ["ok", ("status", 502), ("status", 502)]  # iteration 2: both attempts fail
     result = cli("run", "--quiet", http_recipe(server.url, steps=3, retries=1, on_bad_reward="skip"), env=ENV)
@@ -458,6 +461,7 @@ def test_a_batch_the_service_fails_is_skipped_and_counted_under_the_skip_policy(
     assert "score/mean" not in rows[1] and (tmp_path / "run" / "bad_batches" / "iter_000002.json").is_file()
 
 
+@pytest.mark.slow
 def test_two_processes_each_send_their_share_and_stop_together_when_one_request_fails(server, http_recipe, tmp_path):
     from rlkit_core.runtime import checkpoint
 
@@ -480,6 +484,7 @@ def serve(script, answers, port, env):
     return process, process.stdout.readline().strip()
 
 
+@pytest.mark.slow
 def test_a_server_that_dies_mid_run_stops_the_run_as_a_bad_reward_without_leaking_the_token(http_recipe, tmp_path):
     script = tmp_path / "dying_server.py"
     script.write_text(DYING_SERVER)
@@ -530,6 +535,7 @@ def warm_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("warm-start-cache")
 
 
+@pytest.mark.slow
 def test_the_http_recipe_against_the_example_server_trains_exactly_as_the_in_process_reward(tmp_path, warm_cache):
     import io
 
@@ -557,6 +563,7 @@ def test_the_http_recipe_against_the_example_server_trains_exactly_as_the_in_pro
     assert json.dumps(over_http) == json.dumps(in_process)
 
 
+@pytest.mark.slow
 def test_a_run_graded_by_the_example_judge(example_server, tmp_path, warm_cache):
     import io
 

@@ -78,6 +78,7 @@ def gated(prompts, responses, letter):
 '''
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_into_one_folder_one_trains_the_other_is_refused(recipe_document, write_recipe, tmp_path):
     output_dir, gate = tmp_path / "shared", tmp_path / "gate"
     (tmp_path / "gated_reward.py").write_text(GATED_REWARD)
@@ -103,6 +104,7 @@ def test_two_runs_started_together_into_one_folder_one_trains_the_other_is_refus
     assert not (output_dir / LOCK).exists()
 
 
+@pytest.mark.slow
 def test_a_sigkilled_holders_lock_is_taken_over_with_one_line(recipe_document, write_recipe, tmp_path):
     output_dir = tmp_path / "killed"
     recipe = recipe_for(recipe_document, write_recipe, output_dir, steps=3)
@@ -122,6 +124,7 @@ def test_a_sigkilled_holders_lock_is_taken_over_with_one_line(recipe_document, w
     assert iterations(output_dir) == [1, 2, 3] and not (output_dir / LOCK).exists()
 
 
+@pytest.mark.slow
 def test_the_lock_is_released_when_a_run_is_stopped_or_fails(recipe_document, write_recipe, tmp_path):
     output_dir = tmp_path / "stopped"
     recipe = recipe_for(recipe_document, write_recipe, output_dir, steps=50)
@@ -142,6 +145,7 @@ def torchrun(recipe, *args):
     return subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_two_processes_take_one_lock_and_verify_checkpoints_as_one_does(recipe_document, write_recipe, tmp_path):
     output_dir = tmp_path / "two"
     recipe = recipe_for(recipe_document, write_recipe, output_dir, steps=2, checkpoint_every=1)
@@ -164,6 +168,7 @@ def test_two_processes_take_one_lock_and_verify_checkpoints_as_one_does(recipe_d
     assert iterations(output_dir) == [1, 2] and checkpoint.damage(latest) is None and not (output_dir / LOCK).exists()
 
 
+@pytest.mark.slow
 def test_a_two_process_launch_into_a_held_folder_is_refused_by_its_main_process(recipe_document, write_recipe, tmp_path):
     output_dir = tmp_path / "held"
     recipe = recipe_for(recipe_document, write_recipe, output_dir, steps=1)

@@ -75,10 +75,12 @@ def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
     return recipe_document
 
 
+@pytest.mark.slow
 def test_two_processes_make_one_update_identical_everywhere(two_process_document, tmp_path):
     assert assert_two_processes_update_as_one(two_process_document, tmp_path, WORKER)["held"] == 1  # DDP: every weight everywhere
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["full", "separate-critic-checkpointing", "lora", "bf16", "padless-gpt2", "packed-token-budgets"])
 def test_two_fsdp_processes_make_the_update_of_one(variant, recipe_document, tiny_reward_model, tmp_path):
     """FSDP2 shards the policy's blocks, the rest of it and the critic over two processes; the
@@ -131,6 +133,7 @@ def assert_two_processes_update_as_one(document, tmp_path, *launch, environment=
     return two
 
 
+@pytest.mark.slow
 def test_two_process_run_writes_once_and_resumes_exactly(recipe_document, write_recipe, tmp_path):
     output_dir = tmp_path / "run"
     recipe_document["run"].update({"output_dir": str(output_dir), "checkpoint_every": 1})
@@ -160,6 +163,7 @@ def test_two_process_run_writes_once_and_resumes_exactly(recipe_document, write_
     assert without_timing(resumed) == without_timing(rows)
 
 
+@pytest.mark.slow
 def test_two_fsdp_processes_checkpoint_their_shards_and_resume_exactly(recipe_document, write_recipe, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -270,6 +274,7 @@ print(json.dumps({"dtypes": sorted(seen), "weights": sorted({str(p.dtype) for p 
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_autocasts_with_float32_weights(recipe_document, precision):
     if precision == "fp16" and not torch.cuda.is_available():
@@ -299,6 +304,7 @@ def test_the_shipped_configs_are_ones_accelerate_reads(name, engine):
         assert environment["ACCELERATE_USE_FSDP"] == "true" and environment["FSDP_VERSION"] == "2"
 
 
+@pytest.mark.slow
 def test_fsdp_on_cpus_is_refused_at_start_as_accelerate_would_run_ddp(recipe_document, write_recipe):
     done = subprocess.run([rlkit_script(), "run", write_recipe(recipe_document), "--quiet"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **fsdp_on_cpu.launch_environment()})
@@ -354,6 +360,7 @@ def test_memory_estimate_against_hand_computed_bytes():
     }
 
 
+@pytest.mark.slow
 def test_rlkit_check_plans_for_the_accelerate_config_it_is_given(recipe_document, write_recipe):
     done = subprocess.run([rlkit_script(), "check", write_recipe(recipe_document), "--accelerate-config",
                            str(fsdp_on_cpu.FSDP_CONFIG)], capture_output=True, text=True, timeout=300)

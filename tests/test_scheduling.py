@@ -152,6 +152,7 @@ def rlkit(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedPr
     return subprocess.run([str(Path(sys.executable).with_name("rlkit")), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_a_stalled_reward_ends_the_run_with_a_checkpoint_not_a_hang(recipe_document, write_recipe, tmp_path):
     reward, counter = tmp_path / "stall.py", tmp_path / "calls.txt"
     counter.write_text("0")
@@ -168,6 +169,7 @@ def test_a_stalled_reward_ends_the_run_with_a_checkpoint_not_a_hang(recipe_docum
     assert (Path(recipe_document["run"]["output_dir"]) / "checkpoints" / "iter_000002").is_dir()
 
 
+@pytest.mark.slow
 def test_killed_mid_run_and_resumed_it_trains_every_prompt_once_in_order(recipe_document, write_recipe, tmp_path):
     reward = tmp_path / "slow.py"
     reward.write_text(SLOW_REWARD.format(most=0.2, counter=tmp_path / "unused"))
@@ -242,6 +244,7 @@ def test_episodes_made_one_step_off_train_their_own_prompts(recipe_document, bui
         assert row.metrics["env/turns"] > 1 and row.batch.turn_rewards is not None
 
 
+@pytest.mark.slow
 def test_two_processes_make_batches_ahead_with_the_prompts_of_sync(recipe_document, write_recipe, tmp_path):
     """Under torchrun each process runs its workers; each worker's collectives (the reward's
     gathered problems) go over a process group of its own, beside the update's all-reduces."""

@@ -62,6 +62,7 @@ def finished_run(tmp_path_factory, tiny_model, prompt_file, reward_file):
     return root, document, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_secrets_from_the_environment_are_nowhere_in_the_store_or_the_run(finished_run):
     root, _, console = finished_run
     files = [path for path in root.rglob("*") if path.is_file()]
@@ -73,6 +74,7 @@ def test_secrets_from_the_environment_are_nowhere_in_the_store_or_the_run(finish
             assert secret.encode() not in path.read_bytes(), f"{name} found in {path}"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_carries_code_is_refused_and_runs_none(finished_run, tmp_path, monkeypatch, capsys):
     root, document, _ = finished_run
     checkpoint = tmp_path / "iter_000001"

@@ -8,6 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a 200-iteration rlkit run
+
 STEPS = 200
 # Growth allowed per iteration: the run keeps each iteration's metrics (a few KB measured, 4.1 KB
 # on this machine); keeping every rollout batch alive instead measured 28 KB per iteration.

@@ -318,6 +318,7 @@ ws.build_warm_start(folder / "policy", partial(WarmStartSummarizer.examples, con
 """
 
 
+@pytest.mark.slow
 def test_two_processes_building_one_folder_build_it_once(tmp_path):
     """The processes of a torchrun launch all build the warm start on first use: one builds, the
     other waits and reuses it (without the lock, both trained and one swapped the folder away

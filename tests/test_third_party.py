@@ -17,6 +17,8 @@ from rlkit_core.errors import RecipeError
 from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.runtime.cli import main
 
+pytestmark = pytest.mark.slow  # pip-installs into this environment and starts rlkit
+
 EXAMPLE = Path(__file__).parents[1] / "examples" / "rlkit-example-plugins"
 
 

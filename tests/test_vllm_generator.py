@@ -355,6 +355,7 @@ def _received(weights) -> dict[str, torch.Tensor]:
 DEEP_LORA = [("gpt2", ["c_attn"]), ("llama", ["q_proj", "v_proj", "down_proj"])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, targets", DEEP_LORA)
 def test_a_lora_push_sends_every_merged_weight_to_a_receiver_that_frees_each(kind, targets, tmp_path):
     """Merged weights are temporaries: freed by the receiver, their memory is handed to the next
