@@ -36,7 +36,7 @@ class CallPool:
         self.changed = threading.Condition()
         self.running = 0  # calls whose thread has not returned, this batch's and hung ones alike
         self.hung = 0  # calls past their timeout whose thread has not returned
-        self.said: set[str] = set()  # the texts of this environment's faults shown already (shown once each)
+        self.said: set[str] = set()  # what was said of this environment's faults already, each said once (`EpisodeRunner._say_once`)
         self.owner: Any = None  # the environment, kept alive where it cannot be weakly referenced (`pool_for`)
 
     def run(self, calls: list[tuple[Callable, tuple]], timeout: float, what: str = "call") -> list[tuple[str, Any]]:

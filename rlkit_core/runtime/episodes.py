@@ -81,17 +81,6 @@ class Episode:
     def finish(self, status: str) -> None:
         self.status = status
 
-    def fail(self, status: str, why: Any, call: str, said: set[str]) -> None:
-        """End the episode for the environment's fault: `status` "timeout", or else an error whose
-        text `why` is shown once per environment (`said`: the texts shown already)."""
-        if status == "timeout":
-            return self.finish("timeout")
-        text = f"the environment's {call} {'raised ' if status == 'error' else ''}{why}; the episode is kept out of training (env/status_error)"
-        if text not in said:  # our own record: Python's once-only registry is reset by any library's warnings filter
-            said.add(text)
-            warnings.warn(text, EnvironmentFault, stacklevel=2)
-        return self.finish("error")
-
 
 class EnvironmentFault(UserWarning):
     """An environment's reset or step failed: the episode ends with status "error"."""
@@ -223,17 +212,27 @@ class EpisodeRunner:
         return episodes
 
     def _fail(self, episode: Episode, status: str, why: Any, call: str) -> None:
-        """`Episode.fail`, shown once per environment; an episode stopped by another's recipe error
-        ends silently (the run is about to stop with that error)."""
-        if status == "stopped":
-            return episode.finish("error")
-        if status == "timeout" and self.calls.hung and "hung" not in self.calls.said:
-            self.calls.said.add("hung")
-            warnings.warn(f"the environment's {call} did not return within environment.step_timeout_s = {self.settings.step_timeout_s:g} s: "
-                          f"the episode ends as a timeout, and the call is left running in one of environment.call_threads = "
-                          f"{self.calls.size} threads until it returns (env/hung_calls counts them; when every one is held, the run "
-                          "stops)", EnvironmentFault, stacklevel=3)
-        episode.fail(status, why, call, self.calls.said)
+        """End the episode for the environment's fault: "timeout", or else "error" with the text
+        `why` shown once per environment. An episode stopped by another's recipe error ("stopped")
+        ends silently: the run is about to stop with that error."""
+        if status == "timeout":
+            if self.calls.hung:
+                self._say_once("hung", f"the environment's {call} did not return within environment.step_timeout_s = "
+                                       f"{self.settings.step_timeout_s:g} s: the episode ends as a timeout, and the call is left running in "
+                                       f"one of environment.call_threads = {self.calls.size} threads until it returns (env/hung_calls counts "
+                                       "them; when every one is held, the run stops)")
+            return episode.finish("timeout")
+        if status != "stopped":
+            text = f"the environment's {call} {'raised ' if status == 'error' else ''}{why}; the episode is kept out of training (env/status_error)"
+            self._say_once(text, text)
+        return episode.finish("error")
+
+    def _say_once(self, key: str, text: str) -> None:
+        """Warn of an environment's fault once per environment, by rlkit's own record of what it said
+        (`CallPool.said`): Python's once-only registry is reset by any library's warnings filter."""
+        if key not in self.calls.said:
+            self.calls.said.add(key)
+            warnings.warn(text, EnvironmentFault, stacklevel=4)
 
     def _unplayed(self, prompt: list[int]) -> Sample:
         """A sample for an episode that samples nothing, its prompt cut from the left to fit the
@@ -247,9 +246,7 @@ class EpisodeRunner:
         text = (f"the environment's reset returned opening messages that render to {length} tokens, which with a turn of "
                 f"{self.response_limit} (generator.max_new_tokens) do not fit the policy's context of {self.context} tokens; "
                 "such episodes end as overflow before they sample (env/status_overflow): shorten the opening messages")
-        if "opening" not in self.calls.said:
-            self.calls.said.add("opening")
-            warnings.warn(text, EnvironmentFault, stacklevel=3)
+        self._say_once("opening", text)
         episode.samples[-1] = self._unplayed(episode.sample.prompt)
         episode.finish("overflow")
 
