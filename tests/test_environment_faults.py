@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import attrs
 import pytest
+import torch
 
 from rlkit_core.messages import Reset
 from rlkit_core.runtime.after_update import data_checksum
@@ -248,3 +249,38 @@ def test_the_data_checksum_tells_games_of_one_prompt_apart(recipe_document, buil
     first, second = (rollout_with(trainer, trainer.stream.batch(i))[0] for i in range(2))
     assert set(first.prompts) == set(second.prompts) == {first.prompts[0]}
     assert data_checksum(first) != data_checksum(second)
+
+
+class LongOpeningsOrFailingResets(Faulty):
+    """By the record's `fault`: an opening past the context, a reset that raises, or a good game."""
+
+    def reset(self, record, seed):
+        if record["fault"] == "long opening":
+            return Reset([{"role": "user", "content": "tell me a long story " * 40}], {"fault": "none"})
+        return super().reset(record, seed)
+
+
+def test_on_a_chat_template_tokenizer_untrainable_rows_neither_crash_nor_train(recipe_document, builtin_registry, tmp_path):
+    """The Qwen-style tokenizer (a chat template, two end ids, no pad of its own): an opening past
+    the context is cut to fit as a row that never trains, beside episodes that train, through the
+    whole iteration; and a batch where nothing trains leaves the weights and β as they were."""
+    from rlkit_core.testing.offline_models import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "chatml", "chatml")
+    trainer = make_trainer(episode_document(recipe_document, path, max_turns=2), builtin_registry)
+    trainer.components = attrs.evolve(trainer.components, environment=LongOpeningsOrFailingResets())
+    context = trainer.components.policy.context_length
+    trainer.stream.batch = lambda iteration: [{"prompt": "p", "fault": "long opening" if i % 2 else "none"} for i in range(8)]
+    with pytest.warns(UserWarning, match="do not fit the policy's context of 256 tokens"):
+        done = trainer.iterate()
+    overflowed = ~done.batch.loss_mask.any(dim=1)
+    assert done.trained and done.metrics["env/status_overflow"] >= 0.5 and overflowed.any() and not overflowed.all()
+    assert int(done.batch.prompt_mask.sum(dim=1).max()) < context  # the cut opening fits
+    weights = [p.detach().clone() for p in trainer.components.policy.parameters()]
+    beta = trainer.components.kl.beta
+    trainer.stream.batch = lambda iteration: [{"prompt": "p", "fault": "reset raises"}] * 8
+    with pytest.warns(UserWarning, match="no such game"):
+        nothing = trainer.iterate()
+    assert not nothing.trained and "score/mean" not in nothing.metrics and nothing.metrics["run/untrained_batches"] == 1
+    assert trainer.components.kl.beta == beta
+    assert all(torch.equal(a, b) for a, b in zip(weights, trainer.components.policy.parameters()))
