@@ -52,6 +52,7 @@ class RolloutBatch:
     ended: torch.Tensor | None = None  # [B] bool: the response contains an EOS
     scores: torch.Tensor | None = None  # [B] float: the reward source's score (an episode's: its environment's rewards too)
     turn_rewards: torch.Tensor | None = None  # [B, R] an episode's per-turn rewards at each turn's last sampled token, 0 elsewhere
+    episode_ids: torch.Tensor | None = None  # [B] long: the samples of one episode share an id, rows in the order played (`by_episode`)
     baseline_scores: torch.Tensor | None = None  # [B] float: the shaped score of a greedy response to the same prompt (ReMax)
     old_logprobs: torch.Tensor | None = None  # [B, R] log π_old with the training code path
     ref_logprobs: torch.Tensor | None = None  # [B, R] log π_ref
@@ -115,8 +116,65 @@ class RolloutBatch:
 
         return self.map_fields(cut, lambda column: column)
 
+    def by_episode(self) -> EpisodeView:
+        """The batch with a row per episode (`EpisodeView`)."""
+        return EpisodeView.of(self)
+
 
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
 RESPONSE_FIELDS = ("response_ids", "response_mask", "loss_mask", "sampled_logprobs", "turn_rewards", "old_logprobs", "ref_logprobs", "values",
                    "kl", "rewards", "advantages", "returns")  # [B, R]: every field cut by `trimmed` at the last response column
 
+
+
+@attrs.frozen
+class EpisodeView:
+    """A batch whose rows are whole episodes, for credit and for what an iteration reports.
+
+    An episode whose chat template rewrote its history is several samples, a row each (each with
+    the prompt the model saw). Credit is one trajectory's all the same: here the episode's rows
+    stand end to end in one response region (row after row, each `R` wide), so the score is paid
+    once, at the episode's last sampled token, GAE bootstraps a sample's end from the next
+    sample's first value (it steps over the padding between them), and a group counts the episode
+    once. The per-rollout fields are the episode's first sample's; the prompt fields do not belong
+    to the joined response, so the view is never forwarded. `rows` takes a [E, k·R] result back to
+    the batch's [B, R] rows. A batch whose episodes are one row each is its own view.
+    """
+
+    batch: RolloutBatch
+    slots: torch.Tensor | None = None  # [B] long: each row's place in the view, episode · k + its sample's index; None: the view is the batch
+    samples: int = 1  # k: the most rows of one episode
+
+    @classmethod
+    def of(cls, batch: RolloutBatch) -> EpisodeView:
+        ids = batch.episode_ids
+        if ids is None or len(ids.unique()) == len(ids):
+            return cls(batch)
+        place: dict[int, int] = {}  # episode id -> its row in the view
+        heads, taken, places = [], [], []  # each episode's first row and its rows so far; each row's (episode, sample)
+        for row, episode in enumerate(ids.tolist()):
+            if episode not in place:
+                place[episode] = len(heads)
+                heads.append(row)
+                taken.append(0)
+            places.append((place[episode], taken[place[episode]]))
+            taken[place[episode]] += 1
+        k, count = max(taken), len(heads)
+        slots = torch.tensor([episode * k + sample for episode, sample in places], device=ids.device)
+        width = batch.response_ids.shape[1]
+
+        def joined(name: str, value: torch.Tensor) -> torch.Tensor:
+            if name not in RESPONSE_FIELDS:
+                return value
+            rows = value.new_zeros((count * k, width))
+            rows[slots] = getattr(batch, name)
+            return rows.view(count, k * width)
+
+        first_rows = batch.select(torch.tensor(heads, device=ids.device))
+        return cls(first_rows.map_fields(joined, lambda column: column), slots, k)
+
+    def rows(self, joined: torch.Tensor) -> torch.Tensor:
+        """[E, k·R] over the view's episodes -> [B, R] over the batch's rows."""
+        if self.slots is None:
+            return joined
+        return joined.reshape(-1, joined.shape[1] // self.samples)[self.slots]

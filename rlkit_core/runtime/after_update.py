@@ -23,11 +23,12 @@ from rlkit_core.runtime.engine import Engine
 
 def after_update(engine: Engine, components: Components, batch: RolloutBatch,
                  timings: dict[str, float]) -> tuple[RolloutBatch, dict[str, float]]:
-    """(the global batch, the iteration's metrics after the update's) for this process's `batch`,
-    scored, compared with the reference and trained on; β is stepped on the KL per sequence of
-    the rollouts that trained. `timings`: the iteration's `time/forward`, `time/train` and
+    """(the global batch, a row per episode, and the iteration's metrics after the update's) for
+    this process's `batch`, scored, compared with the reference and trained on; β is stepped on the
+    KL per sequence of the rollouts that trained. `timings`: the iteration's `time/forward`, `time/train` and
     `time/iteration` (seconds, up to the end of the update), reported with the rest."""
-    batch = engine.processes.gather_batch(batch, components.policy.tokenizer.pad_token_id)  # the metrics are global
+    # the metrics are global, and count an episode that split once (its samples joined: `RolloutBatch.by_episode`)
+    batch = engine.processes.gather_batch(batch, components.policy.tokenizer.pad_token_id).by_episode().batch
     # the rollouts that train (some do, `Trainer._untrained` otherwise): an episode kept out of training (a fault) has no counted token
     trained = batch.loss_mask.any(dim=1)
     batch_trained = batch if trained.all() else batch.select(trained.nonzero().squeeze(1))

@@ -13,7 +13,9 @@ A sample becomes one row of the `RolloutBatch`: its prompt in the prompt region,
 response region. `response_mask` covers the whole stream, `loss_mask` only the sampled tokens of an
 episode that ended well, so every consumer (losses and their token counts, KL, GAE, lengths)
 counts the sampled tokens alone. A turn's reward sits at the turn's last sampled token
-(`turn_rewards`); the recipe's reward, if any, scores the whole transcript at the sample's end.
+(`turn_rewards`); the recipe's reward, if any, scores the whole transcript at the episode's end.
+The samples of an episode that split share an `episode_ids` entry, and credit treats them as one
+trajectory (`RolloutBatch.by_episode`): one score, one member of its group.
 
 An episode ends with a status (`rlkit_core.messages.STATUSES`), counted in `env/status_<status>`.
 One that the model cut off (a turn without its end token, or past the token budget) trains like a
@@ -345,9 +347,12 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     return metrics
 
 
-def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, device) -> RolloutBatch:
-    """The episodes' samples as rows (see the module), with the episode's score on each."""
+def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, device, first_id: int = 0) -> RolloutBatch:
+    """The episodes' samples as rows (see the module), with the episode's score on each and its
+    id (`first_id` + its index) in `episode_ids`: the score is paid once per episode
+    (`RolloutBatch.by_episode`)."""
     rows = [(e, s, score) for e, score in zip(episodes, scores) for s in e.samples]
+    episode_ids = [first_id + index for index, e in enumerate(episodes) for _ in e.samples]
     prompt_width = max(len(s.prompt) for _, s, _ in rows)
     width = max(1, max(len(s.ids) for _, s, _ in rows))
     count = len(rows)
@@ -380,7 +385,7 @@ def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, devic
         response_mask=response_mask.to(device), loss_mask=loss_mask.to(device), sampled_logprobs=logprobs.to(device),
         ended=torch.tensor([e.status == "ok" for e, _, _ in rows], device=device),
         scores=torch.tensor([score for _, _, score in rows], dtype=torch.float32, device=device),
-        turn_rewards=turn_rewards.to(device),
+        turn_rewards=turn_rewards.to(device), episode_ids=torch.tensor(episode_ids, dtype=torch.long, device=device),
     )
 
 
@@ -408,7 +413,7 @@ def episode_rollout(engine: RolloutEngine, components: Components, recipe: Recip
         extra = score(processes, components.reward, [str(r["prompt"]) for r in records], transcripts, record_columns(records))
         scores = [a + b for a, b in zip(scores, extra)]
     finished = time.perf_counter()
-    batch = episodes_batch(episodes, scores, tokenizer.pad_token_id, engine.device)
+    batch = episodes_batch(episodes, scores, tokenizer.pad_token_id, engine.device, first_id=processes.index * len(episodes))
     batch = batch.with_(responses=[text for e, text in zip(episodes, transcripts) for _ in e.samples])
     gathered = processes.gather_objects((episode_metrics(episodes), runner.hung_calls))
     metrics = {name: sum(values) / len(values) for name, values in _by_name([m for m, _ in gathered]).items()}
@@ -419,9 +424,15 @@ def episode_rollout(engine: RolloutEngine, components: Components, recipe: Recip
 
 
 def transcript(tokenizer, episode: Episode) -> str:
-    """What the episode said after its first prompt, as text for a reward: its samples' streams
-    decoded (a sample that a history rewrite started adds its own stream, not the re-rendered history)."""
-    return "".join(tokenizer.decode(s.ids, skip_special_tokens=True) for s in episode.samples)
+    """What the episode said after its first prompt, as text for a reward: its stream decoded. An
+    episode that split has the conversation as its last sample's prompt renders it after the first
+    prompt (the environment's messages included, earlier turns as the template rewrote them), then
+    that sample's stream."""
+    first, last = episode.samples[0], episode.samples[-1]
+    if len(episode.samples) == 1:
+        return tokenizer.decode(first.ids, skip_special_tokens=True)
+    shared = next((i for i, (a, b) in enumerate(zip(first.prompt, last.prompt)) if a != b), min(len(first.prompt), len(last.prompt)))
+    return tokenizer.decode(last.prompt[shared:] + last.ids, skip_special_tokens=True)
 
 
 def _by_name(per_process: list[dict[str, float]]) -> dict[str, list[float]]:

@@ -6,11 +6,13 @@ advantages and returns."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.functional import kl_per_token, logprobs_from_logits, token_rewards
+from rlkit_core.interfaces import AdvantageEstimator
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.engine import Engine
@@ -29,19 +31,33 @@ def with_advantages(engine: Engine, components: Components, recipe: Recipe, batc
     global batch (whitening statistics, groups), and this process keeps its rows of them."""
     processes = engine.processes
     batch = compare_to_reference(engine, components, recipe, batch, observe)
-    assert batch.scores is not None and batch.ended is not None and batch.kl is not None  # scored, then compared
-    mask = batch.loss_mask
     kl_coef = components.kl.beta if recipe.ppo.kl_penalty == "reward" else 0.0
-    scores = shaped(recipe, batch.scores, batch.ended, mask.sum(dim=1))
-    if batch.turn_rewards is None:
-        rewards = token_rewards(scores, batch.kl, mask, kl_coef)
+    whole = processes.gather_batch(batch, components.policy.tokenizer.pad_token_id)
+    rewards, advantages, returns = credit(whole, components.advantage, kl_coef, lambda *scored: shaped(recipe, *scored))
+    mine = batch.loss_mask
+    return batch.with_(rewards=processes.local_rows(rewards, mine), advantages=processes.local_rows(advantages, mine),
+                       returns=processes.local_rows(returns, mine))
+
+
+def credit(batch: RolloutBatch, estimator: AdvantageEstimator, kl_coef: float,
+           shape: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([B, R] per-token rewards, advantages, returns) of the global `batch`, compared with the
+    reference: each rollout's shaped score (`shape(scores, ended, counted tokens)`) at its last
+    counted token, an episode's turn rewards where they were given (the rest of its score at its
+    end), −kl_coef·KL at every token, and the estimator's advantages and returns over them. An
+    episode that split is credited as one trajectory (`RolloutBatch.by_episode`)."""
+    view = batch.by_episode()
+    episodes = view.batch
+    assert episodes.scores is not None and episodes.ended is not None and episodes.kl is not None  # scored, then compared
+    mask = episodes.loss_mask
+    scores = shape(episodes.scores, episodes.ended, mask.sum(dim=1))
+    if episodes.turn_rewards is None:
+        rewards = token_rewards(scores, episodes.kl, mask, kl_coef)
     else:  # an episode's: each turn's reward where it was given, the rest of its score at its end
-        turns = torch.where(mask.bool(), batch.turn_rewards, torch.zeros_like(batch.turn_rewards))
-        rewards = token_rewards(scores - turns.sum(dim=1), batch.kl, mask, kl_coef) + turns
-    batch = batch.with_(rewards=rewards)
-    advantages, returns = components.advantage.estimate(processes.gather_batch(batch, components.policy.tokenizer.pad_token_id))
-    return batch.with_(advantages=processes.local_rows(advantages, rewards),
-                       returns=processes.local_rows(returns, rewards))
+        turns = torch.where(mask.bool(), episodes.turn_rewards, torch.zeros_like(episodes.turn_rewards))
+        rewards = token_rewards(scores - turns.sum(dim=1), episodes.kl, mask, kl_coef) + turns
+    advantages, returns = estimator.estimate(episodes.with_(rewards=rewards))
+    return view.rows(rewards), view.rows(advantages), view.rows(returns)
 
 
 @torch.no_grad()

@@ -151,7 +151,7 @@ class Trainer:
         update, the KL controller and β as they were, no score or KL that was not measured; the
         rollout's own figures (`env/status_...`), counted in the state (the run stops on a streak of
         them: `rlkit_core.runtime.run`)."""
-        batch = self.engine.processes.gather_batch(batch, self.components.policy.tokenizer.pad_token_id)
+        batch = self.engine.processes.gather_batch(batch, self.components.policy.tokenizer.pad_token_id).by_episode().batch
         self.state = self.state.untrained()
         metrics.update({"run/untrained_batches": float(self.state.untrained_batches), "data/prompts_crc": data_checksum(batch),
                         "time/iteration": time.perf_counter() - started})
