@@ -136,7 +136,7 @@ def kl_per_token(
 
 @torch.no_grad()
 def gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float, lam_per_turn: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation: [B, R] rewards, values, mask -> ([B, R] advantages, [B, R] returns).
 
@@ -146,6 +146,10 @@ def gae(
     tokens inside an episode) carry no reward and no value and the recursion steps over them, so
     the result on the counted positions is GAE over the response with those positions deleted.
     Both outputs are zero outside the mask, and what it holds there cannot leak in.
+    `lam_per_turn`: λ weighs the next turn's advantage, not the next token's: within a run of
+    counted positions (one turn of an episode) the recursion takes λ = 1, and λ where uncounted
+    positions (what the environment and the template said) come next. A turn's credit then does not
+    fade with its distance in tokens from the end, only in turns.
     No gradient: advantages and returns are targets. Loops backwards over R (short), vectorised over B.
     """
     counted = mask.bool()
@@ -153,9 +157,14 @@ def gae(
     next_value = torch.zeros_like(values[:, 0])
     next_advantage = torch.zeros_like(values[:, 0])
     advantages = []
-    for t in reversed(range(rewards.shape[1])):
+    width = rewards.shape[1]
+    for t in reversed(range(width)):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = delta + gamma * lam * next_advantage
+        if lam_per_turn:  # λ only where the turn ends (the next position is not counted)
+            within = counted[:, t + 1] if t + 1 < width else torch.zeros_like(counted[:, t])
+            advantage = delta + gamma * torch.where(within, 1.0, lam) * next_advantage
+        else:
+            advantage = delta + gamma * lam * next_advantage
         next_advantage = torch.where(counted[:, t], advantage, next_advantage)  # an uncounted position passes both on
         next_value = torch.where(counted[:, t], values[:, t], next_value)
         advantages.append(torch.where(counted[:, t], advantage, 0.0))

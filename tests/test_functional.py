@@ -441,3 +441,23 @@ def test_token_rewards_by_hand():
     assert token_rewards(scores, kl, mask, kl_coef=0.5).flatten().tolist() == approx([-0.05, -0.1, 1.85, -0.2 - 1.0, 0.0, 0.0])
     # no KL in the reward: the score alone, at each row's last counted token
     assert token_rewards(scores, kl, mask).tolist() == [[0.0, 0.0, 2.0], [-1.0, 0.0, 0.0]]
+
+
+def test_gae_with_lam_per_turn_fades_credit_by_turns_not_tokens():
+    """Two turns of two counted tokens with one rendered token between; γ = 1, λ = 0.5, reward 1 at
+    the end, V = 0.1, 0.2, (none), 0.3, 0.4. λ applies only where the turn ends (after t1):
+      t4: δ = 1 − 0.4 = 0.6,        A = 0.6
+      t3: δ = 0.4 − 0.3 = 0.1,      A = 0.1 + 1·0.6 = 0.7   (within the turn: λ = 1)
+      t1: δ = 0.3 − 0.2 = 0.1,      A = 0.1 + 0.5·0.7 = 0.45 (the turn ends: λ)
+      t0: δ = 0.2 − 0.1 = 0.1,      A = 0.1 + 1·0.45 = 0.55
+    Per token, the same rewards with V = 0 give 0.125, 0.25, 0.5, 1; per turn 0.5, 0.5, 1, 1."""
+    mask = torch.tensor([[1, 1, 0, 1, 1]])
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.1, 0.2, 9.0, 0.3, 0.4]])
+    advantages, returns = gae(rewards, values, mask, 1.0, 0.5, lam_per_turn=True)
+    torch.testing.assert_close(advantages, torch.tensor([[0.55, 0.45, 0.0, 0.7, 0.6]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.65, 0.65, 0.0, 1.0, 1.0]]))
+    per_turn, _ = gae(rewards, torch.zeros_like(values), mask, 1.0, 0.5, lam_per_turn=True)
+    per_token, _ = gae(rewards, torch.zeros_like(values), mask, 1.0, 0.5)
+    torch.testing.assert_close(per_turn, torch.tensor([[0.5, 0.5, 0.0, 1.0, 1.0]]))
+    torch.testing.assert_close(per_token, torch.tensor([[0.125, 0.25, 0.0, 0.5, 1.0]]))
