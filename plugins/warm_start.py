@@ -2,8 +2,9 @@
 task's examples before RL, built once and cached. A task subclasses `WarmStartPolicy` with the
 examples it supervises on; this module imports no task.
 
-``build_warm_start`` creates a randomly initialised ``GPT2LMHeadModel`` over the ``ByT5Tokenizer``
-byte vocabulary and fine-tunes it (SFT) on the task's examples: token ids, and which of them the
+``build_warm_start`` creates a randomly initialised model (by default a ``GPT2LMHeadModel`` over the
+``ByT5Tokenizer`` byte vocabulary; a task may bring its own tokenizer and architecture) and
+fine-tunes it (SFT) on the task's examples: token ids, and which of them the
 loss counts (what the model is to say, never the prompt). The model and the tokenizer are saved
 together, so ``AutoModelForCausalLM.from_pretrained(path)`` and ``AutoTokenizer.from_pretrained(path)``
 work offline.
@@ -83,11 +84,28 @@ def _existing_settings(path: Path) -> dict | None:
         return None
 
 
+def byte_level_gpt2(n_layer: int, n_embd: int, n_head: int):
+    """(tokenizer, model) of the toy recipes: the file-free ByT5 byte tokenizer and a fresh GPT-2."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB_SIZE, n_positions=N_POSITIONS, n_embd=n_embd, n_layer=n_layer,
+        n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )
+    model = GPT2LMHeadModel(config)
+    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.bos_token_id = EOS_ID
+    return _tokenizer(), model
+
+
 def build_warm_start(
     out_dir: str | os.PathLike,
     examples: Callable[[Any, int, int], list[Example]],
     corpus: Mapping[str, Any],
     *,
+    make: Callable[[int, int, int], tuple[Any, Any]] = byte_level_gpt2,
     n_layer: int = 2,
     n_embd: int = 128,
     n_head: int = 4,
@@ -106,6 +124,8 @@ def build_warm_start(
     first 10% of ``sft_steps`` then constant, gradient norm clipped at 1.0, ``batch_size`` examples
     per step drawn without replacement (reshuffled each epoch).
     ``progress`` (an ``rlkit_core.progress.Progress``) shows the step, loss and time left.
+    ``make(n_layer, n_embd, n_head)`` gives the tokenizer and the fresh model, its generation
+    config set (default: ``byte_level_gpt2``); the examples' length limit is the model's context.
 
     Builders of one ``out_dir`` take turns through a lock file beside it, so the processes of a
     multi-process launch (or two runs started together) build it once and the others reuse it.
@@ -119,13 +139,11 @@ def build_warm_start(
     # Its own random stream: a run that builds the warm start must continue with the same draws
     # (critic initialisation, sampling) as a later run that finds it cached.
     with FileLock(out.parent / f".{out.name}.lock"), torch.random.fork_rng(devices=[]):
-        return _build(out, settings, examples, progress)
+        return _build(out, settings, examples, make, progress)
 
 
-def _build(out: Path, settings: dict, examples: Callable[[Any, int, int], list[Example]], progress) -> Path:
+def _build(out: Path, settings: dict, examples: Callable[[Any, int, int], list[Example]], make, progress) -> Path:
     """`build_warm_start`'s work, with the lock held."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     n_layer, n_embd, n_head, sft_steps, batch_size, lr, seed, corpus_size = (settings[k] for k in (
         "n_layer", "n_embd", "n_head", "sft_steps", "batch_size", "lr", "seed", "corpus_size"))
     if out.exists():
@@ -140,16 +158,11 @@ def _build(out: Path, settings: dict, examples: Callable[[Any, int, int], list[E
     started = time.perf_counter()
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    tokenizer = _tokenizer()
-    config = GPT2Config(
-        vocab_size=VOCAB_SIZE, n_positions=N_POSITIONS, n_embd=n_embd, n_layer=n_layer,
-        n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-    )
-    model = GPT2LMHeadModel(config)
+    tokenizer, model = make(n_layer, n_embd, n_head)
     made = examples(tokenizer, corpus_size, seed)  # after the model's initial weights: the streams stay as they were
-    if any(len(ids) > N_POSITIONS for ids, _ in made):
-        raise ValueError(f"an example exceeds n_positions={N_POSITIONS}")
+    context = model.config.max_position_embeddings
+    if any(len(ids) > context for ids, _ in made):
+        raise ValueError(f"an example exceeds the model's context of {context} positions")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, sft_steps // 10)
@@ -177,9 +190,6 @@ def _build(out: Path, settings: dict, examples: Callable[[Any, int, int], list[E
     if progress is not None:
         progress.close()
     model.eval()
-    model.generation_config.pad_token_id = PAD_ID
-    model.generation_config.eos_token_id = EOS_ID
-    model.generation_config.bos_token_id = EOS_ID
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -246,7 +256,13 @@ class WarmStartPolicy(Policy):
     @staticmethod
     @abstractmethod
     def examples(config, tokenizer, size: int, seed: int) -> list[Example]:
-        """`size` supervised examples, drawn from `seed`, in the byte-level `tokenizer`'s ids."""
+        """`size` supervised examples, drawn from `seed`, in the ids of `tokenizer` (`model_maker`'s)."""
+
+    @staticmethod
+    def model_maker(config) -> Callable[[int, int, int], tuple[Any, Any]]:
+        """What makes the tokenizer and the fresh model (`build_warm_start`'s `make`): the byte-level
+        GPT-2 unless a task brings its own."""
+        return byte_level_gpt2
 
     def __init__(self, config: WarmStartConfig, context):
         where = building_at(context, "policy")
@@ -260,7 +276,8 @@ class WarmStartPolicy(Policy):
             print(f"rlkit: building the warm-start policy in {folder} (once; later runs reuse it)", file=sys.stderr, flush=True)
         path = build_warm_start(folder, partial(self.examples, config), self.corpus(config), n_layer=config.n_layer, n_embd=config.n_embd,
                                 n_head=config.n_head, sft_steps=config.sft_steps, batch_size=config.sft_batch_size,
-                                lr=config.sft_learning_rate, seed=config.seed, progress=Progress(config.sft_steps, label="warm-start step"))
+                                lr=config.sft_learning_rate, seed=config.seed, make=self.model_maker(config),
+                                progress=Progress(config.sft_steps, label="warm-start step"))
         hf_config = loader.config_class(model=str(path), dtype=config.dtype, gradient_checkpointing=config.gradient_checkpointing)
         loaded = context.build(ComponentChoice(where.removeprefix("$."), loader, hf_config))
         self._loaded: Policy = loaded
