@@ -4,7 +4,9 @@ What a plugin author needs is importable from here: the interface of each kind (
 hooks every component class may declare), the settings bases whose settings rlkit reads, `setting`
 and its validators for config classes, nested component tables, `hookimpl`, the errors a plugin
 raises and `building_at` for their places, what a policy-gradient surrogate takes and returns
-(`Surrogate`, `RatioClip`, `SurrogateTerms`; registered by a `register_surrogates` hook),
+(`Surrogate`, `RatioClip`, `SurrogateTerms`; registered by a `register_surrogates` hook), what a
+tool-call format implements (`ToolCallFormat`, with `typed_arguments` and `parse_tool_calls`;
+registered by a `register_tool_call_formats` hook),
 and the records a factory reads through its `BuildContext` (the `Recipe` and its tables). An
 environment speaks the messages of `Reply`, `Reset` and `Step`; `ToolEnvironment` and `tool` make
 typed methods its tools.
@@ -17,7 +19,7 @@ nothing else of `rlkit_core`; `tests/test_layout.py` holds the built-ins to it):
 
 from importlib.metadata import PackageNotFoundError, version
 
-from rlkit_core.chat_format import ChatFormat, chat_format_for
+from rlkit_core.chat_format import ChatFormat, chat_format_for, parse_tool_calls
 from rlkit_core.config import at_least, between, greater_than, nested_component, nested_components, one_of, setting
 from rlkit_core.context import BuildContext, building_at
 from rlkit_core.episode_limits import StandardEpisode
@@ -60,6 +62,7 @@ from rlkit_core.records import (
 from rlkit_core.sampling import StandardSampling
 from rlkit_core.settings import ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings
 from rlkit_core.surrogates import RatioClip, Surrogate, SurrogateTerms
+from rlkit_core.tool_call_formats import ToolCallFormat, typed_arguments
 from rlkit_core.tools import ToolEnvironment, tool, tool_schema
 
 try:
@@ -72,9 +75,10 @@ __all__ = [
     "EvalConfig", "Generation", "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs", "LossTerms", "ModelSettings",
     "ModelShape", "NullTracker", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput", "PolicySettings", "Problem", "Progress",
     "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError", "Reply", "Reset", "RewardSource", "RunConfig", "RunError",
-    "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "Surrogate", "SurrogateTerms", "ToolCall", "ToolEnvironment",
-    "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "greater_than", "hookimpl",
-    "nested_component", "nested_components", "one_of", "sampling_seed", "setting", "switch_off_dropout", "tool", "tool_schema",
+    "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "Surrogate", "SurrogateTerms", "ToolCall", "ToolCallFormat",
+    "ToolEnvironment", "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "greater_than",
+    "hookimpl", "nested_component", "nested_components", "one_of", "parse_tool_calls", "sampling_seed", "setting", "switch_off_dropout",
+    "tool", "tool_schema", "typed_arguments",
 ]
 
 

@@ -22,11 +22,14 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
+from rlkit_core.errors import RecipeError
 from rlkit_core.messages import Reply, ToolCall
+from rlkit_core.tool_call_formats import ToolCallFormat, call_entry, chosen_format
 
 FORMATS = ("auto", "template", "plain")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -68,11 +71,6 @@ def parse_tool_calls(text: str) -> tuple[tuple[ToolCall, ...], str | None]:
     return tuple(calls), None
 
 
-def _call_entry(call: ToolCall) -> dict[str, Any]:
-    """A call as chat templates read an assistant message's `tool_calls` (the OpenAI layout)."""
-    return {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
 def _tool_signature(tool: dict[str, Any]) -> str:
     function = tool.get("function", tool)
     parameters = function.get("parameters") or {}
@@ -81,13 +79,16 @@ def _tool_signature(tool: dict[str, Any]) -> str:
 
 class ChatFormat(ABC):
     """Renders what is not sampled and reads what is. `eos_token_ids`: every id a turn may end on
-    (a chat model's end of turn is often not its tokenizer's EOS)."""
+    (a chat model's end of turn is often not its tokenizer's EOS). `tool_calls`: the markup the
+    model writes its calls in (`rlkit_core.ToolCallFormat`); None reads `<tool_call>{json}</tool_call>`
+    blocks with `parse_tool_calls`, as the built-in `hermes` format does."""
 
     name: str
 
-    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], tool_calls: ToolCallFormat | None = None):
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
+        self.tool_calls = tool_calls
         self.end_texts = tuple(dict.fromkeys(self.decode([i]) for i in self.eos_token_ids))
 
     @abstractmethod
@@ -118,24 +119,33 @@ class ChatFormat(ABC):
         """Ids of the first prompt of a sample, its generation prompt included."""
         return self.encode(self.render(messages, tools, True))
 
-    def read(self, sampled_ids: list[int], turn: int) -> Reply:
+    def read(self, sampled_ids: list[int], turn: int, tools: Sequence[dict] = ()) -> Reply:
         """The model's turn as an environment reads it: its trailing end token dropped, every other
-        token kept as text (tool and reasoning tags even where a tokenizer marks them special)."""
+        token kept as text (tool and reasoning tags even where a tokenizer marks them special), its
+        calls read in the tool-call format (`tools`: the schemas, for a format that types values by them)."""
         ids = list(sampled_ids)
         if ids and ids[-1] in self.eos_token_ids:
             ids = ids[:-1]
         text = self.decode(ids)
-        calls, error = parse_tool_calls(text)
+        calls, error = self.tool_calls.read(text, tools) if self.tool_calls else parse_tool_calls(text)
         return Reply(text=text, turn=turn, tool_calls=calls, parse_error=error)
 
     def assistant_message(self, reply: Reply) -> dict:
         """The turn as the history records it. Read calls move from the text to `tool_calls` (with
         the blocks removed from the content), where a template renders them; a turn whose markup
         could not be read keeps its text as written."""
+        if self.tool_calls:
+            return self.tool_calls.assistant_message(reply)
         if not reply.tool_calls:
             return {"role": "assistant", "content": reply.text}
         return {"role": "assistant", "content": _CALL_BLOCK.sub("", reply.text).strip(),
-                "tool_calls": [_call_entry(call) for call in reply.tool_calls]}
+                "tool_calls": [call_entry(call) for call in reply.tool_calls]}
+
+    def written_calls(self, calls: list[ToolCall]) -> str:
+        """Calls as the model writes them in the tool-call format."""
+        if self.tool_calls:
+            return self.tool_calls.write(calls)
+        return "".join(CALL_OPEN + json.dumps({"name": c.name, "arguments": c.arguments}) + CALL_CLOSE for c in calls)
 
 
 class TemplateFormat(ChatFormat):
@@ -163,7 +173,7 @@ class TemplateFormat(ChatFormat):
 class PlainFormat(ChatFormat):
     """Messages as lines of text, no role markers: for byte-level toy models without a template.
     A non-assistant message is its content and a newline; tools, when given, one opening line; an
-    assistant turn is what the model wrote and its end token. The stream is the format itself, never
+    assistant turn is its content, its calls as the tool-call format writes them, and its end token. The stream is the format itself, never
     a render of the history (whose calls an opening writes in a form of its own): the bridge appends
     the new messages' lines and is never None."""
 
@@ -176,17 +186,18 @@ class PlainFormat(ChatFormat):
                 parts.append(f"{message.get('content') or ''}\n")
                 continue
             calls = [entry.get("function", entry) for entry in message.get("tool_calls") or []]
-            blocks = [CALL_OPEN + json.dumps({"name": c["name"], "arguments": c.get("arguments", {})}) + CALL_CLOSE for c in calls]
-            parts.append((message.get("content") or "") + "".join(blocks) + self.end_texts[0])
+            written = self.written_calls([ToolCall(name=c["name"], arguments=c.get("arguments", {})) for c in calls])
+            parts.append((message.get("content") or "") + written + self.end_texts[0])
         return "".join(parts)
 
     def bridge(self, stream: list[int], history: list[dict], new: list[dict], tools: list[dict]) -> list[int] | None:
         return self.encode(self.render(new, [], False))
 
 
-def chat_format_for(name: str, tokenizer, eos_token_ids: tuple[int, ...]) -> ChatFormat:
+def chat_format_for(name: str, tokenizer, eos_token_ids: tuple[int, ...], tool_calls: ToolCallFormat | None = None) -> ChatFormat:
     """The format `name` ("auto", "template" or "plain"); "auto" takes the template when the
-    tokenizer has one. Raises ValueError with the fix for a name or tokenizer that cannot work."""
+    tokenizer has one. `tool_calls`: how turns write their calls (None: `parse_tool_calls`'s markup).
+    Raises ValueError with the fix for a name or tokenizer that cannot work."""
     if name not in FORMATS:
         raise ValueError(f"unknown chat format {name!r}: use one of {', '.join(FORMATS)}")
     if not eos_token_ids:
@@ -196,8 +207,25 @@ def chat_format_for(name: str, tokenizer, eos_token_ids: tuple[int, ...]) -> Cha
         raise ValueError("the tokenizer has no chat template: give it one (`chat_template` in its tokenizer_config.json, or "
                          "a chat_template.jinja file beside it), or set chat_format = \"plain\"")
     if name == "template" or (name == "auto" and has_template):
-        return TemplateFormat(tokenizer, eos_token_ids)
-    return PlainFormat(tokenizer, eos_token_ids)
+        return TemplateFormat(tokenizer, eos_token_ids, tool_calls)
+    return PlainFormat(tokenizer, eos_token_ids, tool_calls)
+
+
+
+def episode_format(settings, tokenizer, eos_token_ids: tuple[int, ...], registry) -> tuple[ChatFormat, str]:
+    """The chat format an environment's `settings` (`StandardEpisode`) name, reading calls in their
+    `tool_call_format` ("auto": the one the chat template writes, when the format renders with the
+    template; `chosen_format`), and how that format was picked. A RecipeError located at the setting
+    that cannot work."""
+    try:
+        chat = chat_format_for(settings.chat_format, tokenizer, eos_token_ids)
+    except ValueError as exc:
+        raise RecipeError([f"$.environment.chat_format: {exc}"]) from None
+    try:
+        chat.tool_calls, how = chosen_format(settings.tool_call_format, tokenizer.chat_template if chat.name == "template" else None, registry)
+    except ValueError as exc:
+        raise RecipeError([f"$.environment.tool_call_format: {exc}"]) from None
+    return chat, how
 
 
 PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_lookup", "description": "looks a word up",
@@ -208,7 +236,7 @@ PROBE_OPENING = [{"role": "system", "content": "answer briefly"}, {"role": "user
 # (the model's turn as a history records it, what the environment answers; None after the last turn)
 PROBE_TURNS: list[tuple[dict, list[dict] | None]] = [
     ({"role": "assistant", "content": "",
-      "tool_calls": [_call_entry(ToolCall("probe_lookup", {"word": "fox"}))]},
+      "tool_calls": [call_entry(ToolCall("probe_lookup", {"word": "fox"}))]},
      [{"role": "tool", "name": "probe_lookup", "content": PROBE_RESULT}]),
     ({"role": "assistant", "content": "a small wild dog"}, [{"role": "user", "content": "and a wolf?"}]),
     ({"role": "assistant", "content": "a large wild dog"}, None),
@@ -238,6 +266,7 @@ class TemplateAudit:
     stream_length: int  # ids of the stream `differences` compares, else of the last sample
     parted_after: int  # the turn after which `differences` were taken (0: none)
     differences: tuple[tuple[int, int, int | None], ...]
+    tool_call_format: str = ""  # the tool-call format and how it was picked ("": parse_tool_calls's markup)
 
     @property
     def matches(self) -> bool:
@@ -272,11 +301,15 @@ class TemplateAudit:
                      else "boundary after the end token: none")
         lines.append("tool results: rendered" if self.tool_content_rendered
                      else "tool results: NOT rendered: the template drops tool messages' content, so the model never sees it")
+        if self.tool_call_format:
+            lines.append(f"tool-call format: {self.tool_call_format}")
+        expected = (f"the {self.tool_call_format.split()[0]} format does not read it: set environment.tool_call_format to the one the "
+                    "template writes" if self.tool_call_format else f"{CALL_OPEN}{{json}}{CALL_CLOSE} expected")
         if not self.tool_calls_rendered:
             lines.append("tool calls: not rendered by the template: the history shows the model's turns without its calls")
         else:
             lines.append("tool calls: rendered and read back" if self.tool_calls_read
-                         else f"tool calls: rendered in a form the reader does not parse ({CALL_OPEN}{{json}}{CALL_CLOSE} expected)")
+                         else f"tool calls: rendered in a form the reader does not parse ({expected})")
         if self.matches:
             lines.append(f"stream vs the conversation rendered at once: a token prefix at every turn ({self.stream_length} ids "
                          "in the last sample)")
@@ -344,7 +377,7 @@ def _play(chat: ChatFormat, think: bool) -> _Probe:
         sampled, found = _written(chat, history, message, tools, think)
         end_found &= found
         sample += sampled
-        recorded = chat.assistant_message(chat.read(sampled, turn))
+        recorded = chat.assistant_message(chat.read(sampled, turn, tools))
         if message.get("tool_calls"):
             calls_rendered = "probe_lookup" in chat.decode(sampled)
             calls_read = recorded.get("tool_calls") == message["tool_calls"]
@@ -374,12 +407,14 @@ def _play(chat: ChatFormat, think: bool) -> _Probe:
                   rendered=chat.render(history, tools, False))
 
 
-def audit(tokenizer, eos_token_ids: tuple[int, ...], name: str = "auto") -> TemplateAudit:
+def audit(tokenizer, eos_token_ids: tuple[int, ...], name: str = "auto", tool_calls: ToolCallFormat | None = None,
+          tool_call_format: str = "") -> TemplateAudit:
     """Plays the probe conversation (a tool call and its result, an answer, another user message)
     the way an episode does, through the runner's bridge, twice: each turn's ids as a model of the
     template's family writes them (the template's render of that turn), without a think block, then
-    with one (`PROBE_THINK`) opening each turn, which some templates strip from the history."""
-    chat = chat_format_for(name, tokenizer, eos_token_ids)
+    with one (`PROBE_THINK`) opening each turn, which some templates strip from the history. The
+    calls are read in `tool_calls`, picked as `tool_call_format` says (`rlkit_core.tool_call_formats.chosen_format`)."""
+    chat = chat_format_for(name, tokenizer, eos_token_ids, tool_calls)
     plain, thinking = _play(chat, False), _play(chat, True)
     only_think = [p for t, p in zip(thinking.splits, thinking.partings) if t not in plain.splits]
     return TemplateAudit(format=chat.name, mode="split" if plain.splits else "merge", boundary_ids=plain.boundary,
@@ -387,4 +422,5 @@ def audit(tokenizer, eos_token_ids: tuple[int, ...], name: str = "auto") -> Temp
                          think_split_turns=thinking.splits, parting=plain.partings[0] if plain.partings else "",
                          think_parting=only_think[0] if only_think else "", tool_calls_rendered=plain.calls_rendered,
                          tool_calls_read=plain.calls_read, tool_content_rendered=PROBE_RESULT in plain.rendered,
-                         stream_length=plain.stream_length, parted_after=plain.parted_after, differences=plain.differences)
+                         stream_length=plain.stream_length, parted_after=plain.parted_after, differences=plain.differences,
+                         tool_call_format=tool_call_format)

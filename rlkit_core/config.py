@@ -46,15 +46,15 @@ def setting(default=attrs.NOTHING, *, help, validator=None, factory=None, kw_onl
 
 
 def nested_component(kind: str, *, help, extra: type | None = None, default=attrs.NOTHING, validator=None,
-                     default_type: str | None = None) -> Any:
+                     default_type: str | None = None, kw_only: bool = False) -> Any:
     """A setting that holds one component table of `kind`: `[reward.judge]` with a `type` and that
     component's settings. The recipe loader puts a `rlkit_core.ComponentChoice` here
     (annotate the field so); `default=None` makes the table optional. With `default_type`, a
     recipe that leaves the table out gets that type with its default settings, and one may write
     a type alone as the setting's value (`surrogate = "gspo"`); the field's own default is then
-    None, which only a config built outside a recipe holds."""
+    None, which only a config built outside a recipe holds. `kw_only` as for `setting`."""
     metadata = {HELP: help, NESTED: Nested(kind, many=False, extra=extra, default_type=default_type)}
-    return attrs.field(default=None if default_type else default, validator=validator, metadata=metadata)
+    return attrs.field(default=None if default_type else default, validator=validator, metadata=metadata, kw_only=kw_only)
 
 
 def nested_components(kind: str, *, help, extra: type | None = None, validator=None):

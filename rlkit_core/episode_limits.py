@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import attrs
 
-from rlkit_core.config import at_least, greater_than, one_of, setting
+from rlkit_core.config import at_least, greater_than, nested_component, one_of, setting
+from rlkit_core.records import ComponentChoice
 
 
 @attrs.frozen
 class StandardEpisode:
-    """Turns, tokens, timeouts, call threads and the chat format: the bounds of an episode, which
-    the core's episode runner enforces (the environment never sees a token), and how turns are
-    rendered. Keyword-only, so that a subclass may add settings without a default."""
+    """Turns, tokens, timeouts, call threads, the chat format and the tool-call format: the bounds
+    of an episode, which the core's episode runner enforces (the environment never sees a token),
+    and how turns are rendered and read. Keyword-only, so that a subclass may add settings without a default."""
 
     max_turns: int = setting(4, help="most model turns in an episode", validator=greater_than(0), kw_only=True)
     max_episode_tokens: int = setting(256, help="most tokens after the first prompt, sampled and environment alike (0: the response limit "
@@ -27,3 +28,7 @@ class StandardEpisode:
     chat_format: str = setting("auto", help="how messages become tokens: 'template' (the tokenizer's chat template), 'plain' (text lines) "
                                             "or 'auto' (the template when the tokenizer has one)",
                                validator=one_of("auto", "template", "plain"), kw_only=True)
+    tool_call_format: ComponentChoice | None = nested_component(
+        "tool_call_format", help="the markup the model writes tool calls in: 'hermes' (<tool_call>{json}</tool_call>), 'qwen3-coder', "
+                                 "'llama3-json', 'glm45', another registered format, or 'auto' (the one the chat template writes, else hermes)",
+        default_type="auto", kw_only=True)

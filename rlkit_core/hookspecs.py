@@ -1,6 +1,6 @@
 """The hooks a plugin implements: one per component kind, in the order of
-`rlkit_core.interfaces.KIND_TABLE`, then one per function kind (`FUNCTION_KINDS`), written out for
-readers and pluggy; a test holds them to the two tables.
+`rlkit_core.interfaces.KIND_TABLE`, then one per function kind (`FUNCTION_KINDS`) and one per
+nested class kind (`NESTED_KINDS`), written out for readers and pluggy; a test holds them to the tables.
 
 Each hook receives a `register(name, factory, config_class)` callable. The factory is called as
 `factory(config, context)` with an instance of `config_class` (a frozen attrs class) and a
@@ -8,6 +8,7 @@ Each hook receives a `register(name, factory, config_class)` callable. The facto
 registry refuses one that breaks the contract (`rlkit_core.recipe.registry.contract_problems`).
 A function kind's `register(name, function, config_class)` takes a function over the kind's
 signature instead, which the component holding its table calls with an instance of `config_class`.
+A nested class kind's factory is a class of the kind's interface that the core builds as `factory(config)`.
 """
 
 import pluggy
@@ -70,3 +71,8 @@ def register_trackers(register):
 @hookspec
 def register_surrogates(register):
     """Register policy-gradient surrogates (`rlkit_core.interfaces.Surrogate`), functions chosen in `[loss.surrogate]`."""
+
+
+@hookspec
+def register_tool_call_formats(register):
+    """Register tool-call formats (`rlkit_core.interfaces.ToolCallFormat`), chosen by `tool_call_format` in `[environment]`."""

@@ -5,7 +5,8 @@ component's class (never from an instance, so before and after the build alike),
 default; the registry checks a registered class against them, and against the flags (`ClassVar[bool]`)
 its interface declares. `KIND_TABLE` at the end is the one
 list of component kinds: their recipe tables, hooks, defaults and interfaces; `FUNCTION_KINDS`
-after it lists what plugins register as functions, chosen in a nested table of a component.
+after it lists what plugins register as functions, chosen in a nested table of a component, and
+`NESTED_KINDS` the classes chosen so that the core builds itself (tool-call formats).
 
 Shapes follow `rlkit_core.batch`: B rollouts, L = P + R sequence positions, V vocabulary entries.
 """
@@ -27,6 +28,7 @@ from rlkit_core.episode_limits import StandardEpisode
 from rlkit_core.messages import Reply, Reset, Step
 from rlkit_core.settings import PolicySettings, SamplingSettings
 from rlkit_core.surrogates import Surrogate
+from rlkit_core.tool_call_formats import ToolCallFormat
 
 
 @attrs.frozen
@@ -473,4 +475,11 @@ KIND_OF_TABLE = {kind.table: kind for kind in KIND_TABLE}
 # builds nothing from them, the component calls them
 FUNCTION_KINDS = (
     Kind("surrogate", "loss.surrogate", Surrogate, "register_surrogates", None),
+)
+# kinds that plugins register as classes of `interface` (with a config class), each chosen in a
+# nested table of a component of another kind (`table`), which the core builds itself as
+# `cls(config)` where it needs one, never through `BuildContext.build`; `default` is the type the
+# holding setting takes when a recipe leaves it out, one that the core answers for
+NESTED_KINDS = (
+    Kind("tool_call_format", "environment.tool_call_format", ToolCallFormat, "register_tool_call_formats", "auto"),
 )

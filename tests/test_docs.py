@@ -29,13 +29,13 @@ def sections(markdown: str) -> dict[tuple[str, str], str]:
 
 
 def test_every_core_and_builtin_setting_has_a_row():
-    from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE
+    from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE, NESTED_KINDS
     from rlkit_core.recipe.plugins import BUILTIN_DISTRIBUTION, load_registry
 
     hook = load_hook()
     page = sections(hook.reference_markdown())
     expected = {("Core tables", f"`[{table}]`"): cls for table, cls in hook.core_tables().items()}
-    table_of = {kind.name: f"[{kind.table}]" for kind in (*KIND_TABLE, *FUNCTION_KINDS)}
+    table_of = {kind.name: f"[{kind.table}]" for kind in (*KIND_TABLE, *FUNCTION_KINDS, *NESTED_KINDS)}
     expected |= {(table_of[c.kind], f'`type = "{c.name}"`'): c.config_class
                  for c in load_registry().all() if c.distribution == BUILTIN_DISTRIBUTION}
     assert set(expected) <= set(page), set(expected) - set(page)

@@ -12,7 +12,7 @@ from test_plugins import EmptyConfig, plugin_module
 from rlkit_core import hookspecs
 from rlkit_core.config import greater_than, setting
 from rlkit_core.errors import RecipeError
-from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE, AdvantageEstimator, Generator, Loss, LossTerms, RewardSource, class_flags
+from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE, NESTED_KINDS, AdvantageEstimator, Generator, Loss, LossTerms, RewardSource, class_flags
 from rlkit_core.launch import Launch
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import parse_recipe
@@ -29,7 +29,7 @@ def loaded(name, **hooks):
 def test_the_hookspecs_are_the_table_of_kinds():
     """hookspecs.py is written out for readers and pluggy; it must say what the tables say."""
     specs = {name: function for name, function in vars(hookspecs).items() if getattr(function, "rlkit_spec", None)}
-    kinds = (*KIND_TABLE, *FUNCTION_KINDS)
+    kinds = (*KIND_TABLE, *FUNCTION_KINDS, *NESTED_KINDS)
     assert list(specs) == sorted(specs, key=[kind.hook for kind in kinds].index)  # in the tables' order
     assert set(specs) == {kind.hook for kind in kinds}
     for kind in kinds:
@@ -38,7 +38,7 @@ def test_the_hookspecs_are_the_table_of_kinds():
 
 
 def test_hooks_tables_defaults_and_components_come_from_the_table():
-    assert HOOKS == {kind.hook: kind.name for kind in (*KIND_TABLE, *FUNCTION_KINDS)}
+    assert HOOKS == {kind.hook: kind.name for kind in (*KIND_TABLE, *FUNCTION_KINDS, *NESTED_KINDS)}
     assert COMPONENT_TABLES == {kind.table: (kind.name, kind.default) for kind in KIND_TABLE}
     fields = attrs.fields(Components)
     assert [f.name for f in fields] == [kind.table for kind in KIND_TABLE]

@@ -13,7 +13,7 @@ from rlkit_core.recipe.registry import Registry
 from rlkit_core.records import Component
 
 KINDS_WITH_BUILTINS = ["policy", "value_head", "reward", "kl_controller", "advantage_estimator", "loss", "generator", "prompt_source", "tracker",
-                       "surrogate"]
+                       "surrogate", "tool_call_format"]
 
 
 @attrs.frozen

@@ -51,16 +51,18 @@ def settings_table(fields: list[dict[str, Any]]) -> str:
 
 def reference_markdown() -> str:
     """The reference's generated part: the core tables, then every built-in component by kind."""
-    from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE
+    from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE, NESTED_KINDS
     from rlkit_core.recipe.inventory import core_table_rows
 
     out = ["## Core tables\n"]
     for table in core_table_rows():
         out += [f"### `[{table['table']}]`\n", settings_table(table["fields"])]
     rows = builtin_rows()
-    for kind in (*KIND_TABLE, *FUNCTION_KINDS):
+    for kind in (*KIND_TABLE, *FUNCTION_KINDS, *NESTED_KINDS):
         if kind in FUNCTION_KINDS:  # a table nested in another component's, whose setting says the default
             default = f"a registered function, picked by `type` inside `[{kind.table.partition('.')[0]}]`"
+        elif kind in NESTED_KINDS:
+            default = f"a registered class, picked inside `[{kind.table.partition('.')[0]}]`; default type `{kind.default}`"
         elif kind.default:
             default = f"default type `{kind.default}`"
         elif kind.optional:  # the reward: `none` beside an environment, whose own rewards then train

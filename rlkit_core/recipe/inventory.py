@@ -10,7 +10,7 @@ import attrs
 
 from rlkit_core import __version__
 from rlkit_core.config import fields_help, nested_spec
-from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE, KINDS, NO_COMPONENT, Kind
+from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE, KINDS, NESTED_KINDS, NO_COMPONENT, Kind
 from rlkit_core.recipe.document import ComponentChoice, Recipe
 from rlkit_core.recipe.plugins import BUILTIN_DISTRIBUTION
 from rlkit_core.recipe.registry import Registry
@@ -66,10 +66,10 @@ def core_table_rows() -> list[dict[str, Any]]:
 
 
 def registry_rows(registry: Registry) -> list[dict[str, Any]]:
-    """Every registered component (and function: surrogates) with its config fields, for `rlkit
-    plugins`, and the `none` of each optional kind."""
+    """Every registered component (and function: surrogates; and nested class: tool-call formats,
+    the core's `auto` among them) with its config fields, for `rlkit plugins`, and the `none` of each optional kind."""
     rows = []
-    for kind in (*KIND_TABLE, *FUNCTION_KINDS):
+    for kind in (*KIND_TABLE, *FUNCTION_KINDS, *NESTED_KINDS):
         found = [{"kind": c.kind, "name": c.name, "plugin": c.plugin, "distribution": c.distribution, "version": c.version,
                   "fields": field_rows(c.config_class)} for c in registry.all() if c.kind == kind.name]
         nothing = {"kind": kind.name, "name": NO_COMPONENT, **{k: v for k, v in _nothing_row(kind).items() if k != "type"}, "fields": []}

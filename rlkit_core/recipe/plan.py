@@ -157,7 +157,7 @@ def _scheduler_line(recipe: Recipe) -> str:
 def episode_plan(recipe: Recipe) -> list[str]:
     """An episode's bounds, and the audit of how the policy's chat template renders turns (which
     decides whether an episode stays one training sample), when the policy names a local tokenizer."""
-    from rlkit_core.chat_format import audit
+    from rlkit_core.chat_format import audit, episode_format
     from rlkit_core.hf import is_local
 
     settings = recipe["environment"].config
@@ -176,11 +176,13 @@ def episode_plan(recipe: Recipe) -> list[str]:
         generation = GenerationConfig.from_pretrained(name).eos_token_id
     except OSError:  # no generation config: the tokenizer's end token alone
         generation = None
-    ends = [tokenizer.eos_token_id, *(generation if isinstance(generation, list) else [generation])]
+    ends = tuple(dict.fromkeys(e for e in [tokenizer.eos_token_id, *(generation if isinstance(generation, list) else [generation])]
+                               if e is not None))
     try:
-        report = audit(tokenizer, tuple(dict.fromkeys(e for e in ends if e is not None)), settings.chat_format)
-    except ValueError as exc:
-        raise RecipeError([f"$.environment.chat_format: {exc}"], recipe.source) from None
+        chat, how = episode_format(settings, tokenizer, ends, recipe.registry)
+        report = audit(tokenizer, ends, settings.chat_format, chat.tool_calls, how)
+    except RecipeError as exc:
+        raise RecipeError(exc.problems, recipe.source) from None
     return [*lines, *report.lines()]
 
 

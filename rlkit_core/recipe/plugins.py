@@ -22,13 +22,13 @@ import pluggy
 
 from rlkit_core import hookspecs
 from rlkit_core.errors import BrokenPluginContract, PluginError
-from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE
+from rlkit_core.interfaces import FUNCTION_KINDS, KIND_TABLE, NESTED_KINDS
 from rlkit_core.recipe.registry import Registry
 from rlkit_core.records import Component
 
 ENTRY_POINT_GROUP = "rlkit"
 BUILTIN_DISTRIBUTION = "rlkit"
-HOOKS = {kind.hook: kind.name for kind in (*KIND_TABLE, *FUNCTION_KINDS)}  # hook name -> kind, as `rlkit_core.hookspecs` declares them
+HOOKS = {kind.hook: kind.name for kind in (*KIND_TABLE, *FUNCTION_KINDS, *NESTED_KINDS)}  # hook name -> kind, as `rlkit_core.hookspecs` declares them
 
 
 def _allowed_third_party(environ) -> set[str] | None:

@@ -3,7 +3,9 @@
 A component is known by (kind, name). The registry remembers which plugin, distribution and version
 supplied each one, so that a run can be traced to the code that produced it, and it refuses a
 second component under a taken name instead of silently shadowing the first. A function kind's
-functions (`rlkit_core.interfaces.FUNCTION_KINDS`: surrogates) are held and checked the same way.
+functions (`rlkit_core.interfaces.FUNCTION_KINDS`: surrogates) and a nested class kind's classes
+(`NESTED_KINDS`: tool-call formats) are held and checked the same way. The one component the core
+answers for itself, the tool-call format `auto`, is in every registry from the start.
 """
 
 from __future__ import annotations
@@ -13,16 +15,22 @@ import inspect
 
 import attrs
 
+from rlkit_core import __version__
 from rlkit_core.errors import BrokenPluginContract, PluginError, Problem, RecipeError
-from rlkit_core.interfaces import COMPONENT_HOOKS, FUNCTION_KINDS, KIND_TABLE, KINDS, NO_COMPONENT, Kind, Policy, class_flags
+from rlkit_core.interfaces import COMPONENT_HOOKS, FUNCTION_KINDS, KIND_TABLE, KINDS, NESTED_KINDS, NO_COMPONENT, Kind, Policy, class_flags
 from rlkit_core.records import Component
+from rlkit_core.tool_call_formats import AUTO, KIND, AutoSettings, ToolCallFormat
 
-_KIND_NAMED = {kind.name: kind for kind in (*KIND_TABLE, *FUNCTION_KINDS)}
+_KIND_NAMED = {kind.name: kind for kind in (*KIND_TABLE, *FUNCTION_KINDS, *NESTED_KINDS)}
+# the core's own: `tool_call_format = "auto"`, the format the chat template writes (`rlkit_core.tool_call_formats.chosen_format`)
+CORE_PLUGIN = "core: the format the chat template writes"
+AUTO_FORMAT = Component(KIND, AUTO, ToolCallFormat, AutoSettings, CORE_PLUGIN, "rlkit", __version__)
 
 
 class Registry:
     def __init__(self):
         self._components: dict[str, dict[str, Component]] = {kind: {} for kind in _KIND_NAMED}
+        self._components[KIND][AUTO] = AUTO_FORMAT
         self.broken: dict[str, str] = {}  # plugin name -> why it could not be loaded
         self.filtered: dict[str, str] = {}  # plugin name -> "distribution version", installed but left out by RLKIT_PLUGINS
 
@@ -95,6 +103,8 @@ def contract_problems(kind: str, factory, config_class) -> list[str]:
         return [f"config class {config_class!r} is not an attrs class; decorate it with @attrs.frozen"]
     if _KIND_NAMED[kind] in FUNCTION_KINDS:
         return function_problems(_KIND_NAMED[kind], factory)
+    if _KIND_NAMED[kind] in NESTED_KINDS:
+        return nested_class_problems(_KIND_NAMED[kind], factory)
     interface = KINDS[kind]
     if not (isinstance(factory, type) and issubclass(factory, interface)):
         return [f"its factory {factory!r} is not a class deriving from rlkit_core.{interface.__name__}; "
@@ -131,3 +141,18 @@ def function_problems(kind: Kind, function) -> list[str]:
     except TypeError as exc:
         return [f"{getattr(function, '__qualname__', function)!r} must take ({', '.join(parameters)}): {exc}"]
     return []
+
+
+def nested_class_problems(kind: Kind, factory) -> list[str]:
+    """How a class registered for a nested class kind breaks its contract: it must derive from the
+    kind's interface, implement its abstract methods and keep `recognises(template)` a static or class method."""
+    interface = kind.interface
+    if not (isinstance(factory, type) and issubclass(factory, interface)):
+        return [f"its factory {factory!r} is not a class deriving from rlkit_core.{interface.__name__}; "
+                f"register a subclass of {interface.__name__} whose __init__ takes (config)"]
+    problems = []
+    if abstract := sorted(getattr(factory, "__abstractmethods__", ())):
+        problems.append(f"{factory.__name__} does not implement {', '.join(abstract)}")
+    if not isinstance(inspect.getattr_static(factory, "recognises"), (staticmethod, classmethod)):
+        problems.append(f"{factory.__name__}.recognises must be a @staticmethod recognises(template) or a @classmethod")
+    return problems

@@ -34,7 +34,7 @@ import attrs
 import torch
 
 from rlkit_core.batch import RolloutBatch
-from rlkit_core.chat_format import ChatFormat, TemplateAudit, audit, chat_format_for
+from rlkit_core.chat_format import ChatFormat, TemplateAudit, audit, episode_format
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.messages import STATUSES, TRAINED_STATUSES, Reply, Reset, Step
 from rlkit_core.recipe.assemble import Components
@@ -121,10 +121,7 @@ class EpisodeRunner:
         self.environment, self.tokenizer = environment, policy.tokenizer
         self.context = policy.context_length
         self.eos = set(policy.eos_token_ids)
-        try:
-            self.format: ChatFormat = chat_format_for(settings.chat_format, policy.tokenizer, policy.eos_token_ids)
-        except ValueError as exc:
-            raise RecipeError([f"$.environment.chat_format: {exc}"]) from None
+        self.format: ChatFormat = episode_format(settings, policy.tokenizer, policy.eos_token_ids, recipe.registry)[0]
         self.tools = self.environment.tools()
         self.calls = pool_for(self.environment, settings.call_threads)
 
@@ -284,7 +281,7 @@ class EpisodeRunner:
             return episode.finish("overflow")
         if not ids or ids[-1] not in self.eos:
             return episode.finish("cut_off")
-        reply = self.format.read(ids, turn)
+        reply = self.format.read(ids, turn, self.tools)
         episode.unreadable += reply.parse_error is not None
         episode.messages.append(self.format.assistant_message(reply))
         episode.reply = reply
@@ -323,8 +320,10 @@ class EpisodeRunner:
 
 
 def chat_audit(recipe, policy) -> TemplateAudit:
-    """How the policy's chat template renders an episode's turns (`rlkit_core.chat_format.audit`)."""
-    return audit(policy.tokenizer, policy.eos_token_ids, recipe["environment"].config.chat_format)
+    """How the policy's chat template renders an episode's turns, read in the recipe's tool-call format (`rlkit_core.chat_format.audit`)."""
+    settings = recipe["environment"].config
+    chat, how = episode_format(settings, policy.tokenizer, policy.eos_token_ids, recipe.registry)
+    return audit(policy.tokenizer, policy.eos_token_ids, settings.chat_format, chat.tool_calls, how)
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

@@ -17,7 +17,8 @@ The recipe's other parts are the kit's own stand-ins (`rlkit_core.testing.stand_
 tests depend on no task's plugins; its policy is a two-layer GPT-2 with the byte-level ByT5
 tokenizer, written offline. An environment (`EnvironmentContract`) is played without a model: its
 episodes are opened on the class's `records` and answered with fixed replies, read as the core
-reads a model's turn.
+reads a model's turn. A tool-call format (`ToolCallFormatContract`) is built from its table
+alone, as the core builds it, and checked on calls written, read back and moved into a message.
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.interfaces import KIND_TABLE, KINDS, Generation, LossInputs, LossTerms, PolicyOutput
-from rlkit_core.messages import Reply, Reset, Step
-from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.messages import Reply, Reset, Step, ToolCall
+from rlkit_core.recipe.document import parse_recipe, structure_table
 from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.records import Recipe
 from rlkit_core.testing import EPISODE_LOSS_MASK, policy_inputs, rollout_batch, stand_ins, write_tiny_causal_lm
 
 __all__ = [
     "AdvantageEstimatorContract", "ComponentContract", "EnvironmentContract", "GeneratorContract", "KLControllerContract",
-    "LossContract", "PolicyContract", "PromptSourceContract", "RewardContract", "TrackerContract", "ValueHeadContract", "read_reply",
+    "LossContract", "PolicyContract", "PromptSourceContract", "RewardContract", "ToolCallFormatContract", "TrackerContract", "ValueHeadContract",
+    "read_reply",
 ]
 
 TABLE_OF_KIND = {kind.name: kind.table for kind in KIND_TABLE}
@@ -751,3 +753,96 @@ class EnvironmentContract(ComponentContract):
             alone = self.play(make(), {name: (record, seed)}, [name] * turns)[name]
             assert together[name] == alone, (f"episode {name} got other steps beside another episode than alone:\n{together[name]!r}\n"
                                              f"alone:\n{alone!r}\nkeep each episode's state in what reset returns, nothing of it on self")
+
+
+# --- tool-call formats -------------------------------------------------------------------------
+
+LOOKUP_TOOL = {"type": "function", "function": {"name": "lookup", "description": "looks a word up", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string"}, "count": {"type": "integer"}, "exact": {"type": "boolean"}},
+    "required": ["word"]}}}
+
+
+class ToolCallFormatContract:
+    """What a tool-call format owes (`rlkit_core.ToolCallFormat`): calls it writes read back as they
+    were, typed by `tools`; a turn without markup has no calls and no error; a malformed turn gives
+    no call and a reason (all or none); the message it leaves carries the calls and none of their
+    markup. A subclass names the format and may give `config` (its table, without `type`), `calls`
+    (what it round-trips: one call where the format writes one a turn), `malformed` (turns it must
+    refuse) and `template` (a chat template's source it recognises):
+
+        class TestMyFormat(ToolCallFormatContract):
+            component = "my-format"
+            malformed = ["<call>lookup(word=</call>"]
+    """
+
+    kind: ClassVar[str] = "tool_call_format"
+    component: ClassVar[str]
+    config: ClassVar[dict[str, Any]] = {}
+    tools: ClassVar[list[dict[str, Any]]] = [LOOKUP_TOOL]
+    calls: ClassVar[list[ToolCall]] = [ToolCall("lookup", {"word": "fox", "count": 2, "exact": True}), ToolCall("lookup", {"word": "wolf"})]
+    malformed: ClassVar[list[str]] = []
+    template: ClassVar[str | None] = None
+    prose: ClassVar[str] = "The answer is 42, no tool needed."
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def registry(cls):
+        return load_registry()
+
+    @pytest.fixture
+    def registered(self, registry):
+        component = registry.find(self.kind, self.component)
+        if component is None:
+            pytest.fail(f"no tool_call_format {self.component!r} is registered (registered: {', '.join(registry.names(self.kind))}); "
+                        "`pip install -e .` the package, check its `rlkit` entry point, and leave RLKIT_PLUGINS unset", pytrace=False)
+        return component
+
+    @pytest.fixture
+    def structured_config(self, registered, registry):
+        config, problems = structure_table(dict(self.config), registered.config_class, "$.environment.tool_call_format", registry)
+        if problems:
+            pytest.fail(f"the test's config does not check: {'; '.join(map(str, problems))}", pytrace=False)
+        return config
+
+    @pytest.fixture
+    def instance(self, registered, structured_config):
+        return registered.factory(structured_config)
+
+    def test_config_class_documents_every_field(self, registered):
+        rows = fields_help(registered.config_class)
+        undocumented = [name for name, _, _, _, help_text in rows if not help_text.strip() or "\n" in help_text]
+        assert not undocumented, f"{registered.config_class.__name__}: fields without a one-line help: {', '.join(undocumented)}"
+
+    def test_config_class_is_frozen(self, structured_config):
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            structured_config.rlkit_contract_probe = 1  # decorate the class with @attrs.frozen
+
+    def test_written_calls_read_back_as_they_were(self, instance):
+        written = instance.write(self.calls)
+        assert instance.read(written, self.tools) == (tuple(self.calls), None), f"{written!r} does not read back as {self.calls}"
+
+    def test_a_turn_without_markup_has_no_calls_and_no_error(self, instance):
+        assert instance.read(self.prose, self.tools) == ((), None)
+        assert instance.read("", self.tools) == ((), None)
+
+    def test_a_malformed_turn_gives_no_call_and_a_reason(self, instance):
+        for text in self.malformed:
+            calls, error = instance.read(text, self.tools)
+            assert calls == () and isinstance(error, str) and error, f"{text!r}: read {calls}, error {error!r}; all or none, with a reason"
+
+    def test_the_message_carries_the_calls_without_their_markup(self, instance):
+        written = instance.write(self.calls)
+        calls, _ = instance.read(written, self.tools)
+        message = instance.assistant_message(Reply(text=written, turn=1, tool_calls=calls))
+        assert message["role"] == "assistant" and isinstance(message["content"], str)
+        assert not any(c.name in message["content"] for c in self.calls), f"the content keeps the markup: {message['content']!r}"
+        assert message["tool_calls"] == [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]
+
+    def test_a_turn_it_cannot_read_keeps_its_text(self, instance):
+        for text in [*self.malformed, self.prose]:
+            assert instance.assistant_message(Reply(text=text, turn=1, parse_error="x")) == {"role": "assistant", "content": text}
+
+    def test_recognises_its_template_and_not_an_empty_one(self, registered):
+        assert registered.factory.recognises("") is False, "recognises('') must be False: a template without calls names no format"
+        if self.template is not None:
+            assert registered.factory.recognises(self.template) is True, f"{self.component!r} does not recognise the class's template"
