@@ -82,6 +82,10 @@ class PPOConfig:
     pack_sequences: bool = setting(
         False, help="lay rollouts end to end in each row, so no position computes padding (the policy and critic must declare packs_sequences)")
     epochs: int = setting(4, help="passes over the rollout batch per iteration", validator=greater_than(0))
+    target_kl: float = setting(
+        0.0, help="end the update early, before the optimiser step whose minibatch finds π_θ more than 1.5 × target_kl (approx KL "
+                  "per token) from the rollout's policy: an update that runs away stops there (0: every step is taken)",
+        validator=at_least(0))
     kl_penalty: str = setting("reward", help="'reward': −β·KL in the per-token rewards; 'loss': β·KL added to the loss", validator=one_of("reward", "loss"))
     kl_estimator: str = setting(attrs.Factory(lambda ppo: "k3" if ppo.kl_penalty == "loss" else "k1", takes_self=True),
                                 help="per-token KL estimator: k1, k2, k3 or full (the logged KL uses the same); default k1, k3 with kl_penalty = 'loss'",

@@ -220,9 +220,35 @@ def test_step_stats_read_means_the_largest_norm_and_the_last_epochs_approx_kl():
 
     stats = StepStats()
     for approx_kl, norm in [(0.0, 1.0), (0.01, 3.0), (0.02, 2.0), (0.04, 1.0)]:  # 2 epochs of 2 steps
+        if stats.steps % 2 == 0:
+            stats.epoch_starts.append(stats.steps)
         stats.add("train/approx_kl", torch.tensor(approx_kl))
         stats.add("train/grad_norm", torch.tensor(norm))
         stats.steps += 1
-    metrics = stats.read(torch.device("cpu"), epochs=2)
+    metrics = stats.read(torch.device("cpu"))
     assert metrics["train/approx_kl"] == pytest.approx(0.0175) and metrics["train/grad_norm"] == pytest.approx(1.75)
     assert metrics["train/grad_norm_max"] == 3.0 and metrics["train/approx_kl_last_epoch"] == pytest.approx(0.03)
+
+
+def test_target_kl_ends_an_update_that_runs_away_before_its_step(recipe_document, builtin_registry):
+    """A learning rate of 0.05 moves the policy far within one update. With `ppo.target_kl`, the
+    update stops at the first minibatch that finds π_θ past 1.5 × target_kl from π_old, before its
+    step: fewer steps, a policy nearer π_old on the batch, and the schedule still counts one step a
+    minibatch. Without it every step is taken."""
+    from rlkit_core.functional import approx_kl, token_log_ratio
+
+    moved = {}
+    for target in (0.0, 0.002):
+        trainer = make_trainer(recipe_document, builtin_registry, optim__learning_rate=0.05, ppo__target_kl=target,
+                               kl__type="fixed", kl__beta=0.0)
+        batch = advantages_with(trainer, rollout_with(trainer, trainer.stream.batch(0))[0])
+        metrics = update_with(trainer, batch)
+        logprobs, _, _, _ = response_view(trainer.components, batch, rows_of(batch, trainer.recipe.ppo.pack_sequences), grad=False)
+        moved[target] = float(approx_kl(token_log_ratio(logprobs, batch.old_logprobs, batch.loss_mask), batch.loss_mask))
+        planned = trainer.recipe.ppo.epochs * trainer.recipe.ppo.batch_size // trainer.recipe.ppo.minibatch_size
+        assert trainer.engine.scheduler.scheduler.last_epoch == planned
+        if target:
+            assert 0 < metrics["train/steps_taken"] < 1
+        else:
+            assert metrics["train/steps_taken"] == 1.0
+    assert moved[0.002] < moved[0.0]

@@ -42,7 +42,9 @@ def update(engine: Engine, components: Components, recipe: Recipe, batch: Rollou
     """Epochs of shuffled minibatches over this process's rollouts, one optimiser step each.
 
     A minibatch holds `minibatch_size / processes` rollouts here, run as
-    `gradient_accumulation_steps` micro-batches (see the module for how they add up)."""
+    `gradient_accumulation_steps` micro-batches (see the module for how they add up). With
+    `ppo.target_kl`, the update ends at the first minibatch that finds π_θ past 1.5 × target_kl
+    from π_old (approx KL per token), before its step, as Stable-Baselines3 does."""
     ppo, optim = recipe.ppo, recipe.optim
     shuffler = minibatch_order_generator(recipe.run.seed, state.iteration)
     per_process = ppo.minibatch_size // engine.processes.count
@@ -50,7 +52,9 @@ def update(engine: Engine, components: Components, recipe: Recipe, batch: Rollou
     stats = StepStats()
     nonfinite_in_a_row = state.nonfinite_in_a_row
     engine.trainable.train()  # gradient checkpointing acts in training mode only; dropout is off
+    planned, past_target = ppo.epochs * math.ceil(len(batch) / per_process), False
     for _ in range(ppo.epochs):
+        stats.epoch_starts.append(stats.steps)
         for index in torch.randperm(len(batch), generator=shuffler).to(engine.device).split(per_process):
             token_count = engine.processes.sum(batch.loss_mask[index].sum()).clamp(min=1)
             engine.optimizer.zero_grad(set_to_none=True)
@@ -59,6 +63,9 @@ def update(engine: Engine, components: Components, recipe: Recipe, batch: Rollou
                 terms = _micro_step(engine, components, recipe, micro, rows, token_count)
                 step_terms = add_terms(step_terms, terms)
             terms = engine.processes.combine_terms(step_terms)
+            past_target = bool(ppo.target_kl) and float(terms.metrics()["approx_kl"]) > 1.5 * ppo.target_kl
+            if past_target:  # every process alike: the terms are summed over them
+                break
             grad_norm, nonfinite = _optimizer_step(engine, recipe, terms)
             nonfinite_in_a_row = _count_nonfinite(recipe, state.iteration, nonfinite_in_a_row, nonfinite)
             for name, value in terms.metrics().items():
@@ -68,9 +75,14 @@ def update(engine: Engine, components: Components, recipe: Recipe, batch: Rollou
             stats.add("train/grad_clipped", torch.tensor(float(0 < optim.max_grad_norm < grad_norm)))
             stats.add("train/nonfinite", torch.tensor(float(nonfinite)))
             stats.steps += 1
+        if past_target:
+            break
+    for _ in range(planned - stats.steps):  # an update stopped early: the schedule keeps the run's clock of one step a minibatch
+        engine.step_schedule()
     engine.trainable.eval()
-    metrics = stats.read(engine.device, ppo.epochs)
+    metrics = stats.read(engine.device)
     metrics["train/lr"] = engine.learning_rate
+    metrics["train/steps_taken"] = stats.steps / planned  # below 1: ppo.target_kl ended the update early
     return UpdateResult(metrics, nonfinite_in_a_row)
 
 
@@ -99,19 +111,22 @@ class StepStats:
     def __init__(self):
         self.per_step: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.steps = 0
+        self.epoch_starts: list[int] = []  # the step each epoch began at
 
     def add(self, name: str, value: torch.Tensor) -> None:
         self.per_step[name].append(value)
 
-    def read(self, device: torch.device, epochs: int = 1) -> dict[str, float]:
+    def read(self, device: torch.device) -> dict[str, float]:
         """The mean of each over the steps, the largest gradient norm, and the approx KL of the
-        last of `epochs` epochs alone (how far the policy has moved from the rollout's by then)."""
+        last epoch that took a step alone (how far the policy has moved from the rollout's by then)."""
+        if not self.steps:  # the first step found the policy past ppo.target_kl: nothing was taken
+            return {}
         read = iter(torch.stack([v.to(device, torch.float64) for values in self.per_step.values() for v in values]).tolist())
         steps = {name: [next(read) for _ in values] for name, values in self.per_step.items()}
         metrics = {name: sum(values) / self.steps for name, values in steps.items()}
         metrics["train/grad_norm_max"] = max(steps["train/grad_norm"])
         if "train/approx_kl" in steps:
-            last_epoch = steps["train/approx_kl"][-(self.steps // epochs):]
+            last_epoch = steps["train/approx_kl"][max(start for start in self.epoch_starts if start < self.steps):]
             metrics["train/approx_kl_last_epoch"] = sum(last_epoch) / len(last_epoch)
         return metrics
 
