@@ -52,10 +52,12 @@ def tool_turn_mask(batch, call_id: int) -> torch.Tensor:
     return marked
 
 
-def logprobs_of(trainer: Trainer, batch) -> torch.Tensor:
+def logprobs_of(trainer: Trainer, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, R] log-probs of the sampled tokens, [B, R, V] log-probs of every token) under the current weights."""
     with torch.no_grad():
-        logprobs, _, _, _ = response_view(trainer.components, batch, rows_of(batch, trainer.recipe.ppo.pack_sequences), grad=False)
-    return logprobs
+        logprobs, _, _, logits = response_view(trainer.components, batch, rows_of(batch, trainer.recipe.ppo.pack_sequences), grad=False)
+        assert logits is not None  # a forward without a gradient keeps them
+    return logprobs, torch.log_softmax(logits.float() / trainer.components.generator.temperature, dim=-1)
 
 
 def main() -> None:
@@ -90,11 +92,16 @@ def main() -> None:
         if head is not None and trainer.components.value_head is not None:
             trainer.components.value_head.load_state_dict(copy.deepcopy(head))
         aimed = targets.with_advantages(trainer.engine, trainer.components, trainer.recipe, batch, trainer.observe)
-        before = logprobs_of(trainer, aimed)
+        before, whole_before = logprobs_of(trainer, aimed)
         updated = update.update(trainer.engine, trainer.components, trainer.recipe, aimed, trainer.state, trainer.observe)
-        after = logprobs_of(trainer, aimed)
+        after, whole_after = logprobs_of(trainer, aimed)
         good, bad = tools & solved, tools & ~solved
         advantages = aimed.advantages
+        # the exact KL(π_old ‖ π_new) of every tool-call position's whole next-token distribution, summed over an
+        # episode's tool-call tokens (the change of what it will sample there), and the mass off the likeliest token
+        exact = (whole_before.exp() * (whole_before - whole_after)).sum(-1)
+        off_before, off_after = 1 - whole_before.exp().amax(-1), 1 - whole_after.exp().amax(-1)
+        per_episode = tools.float().sum() / len(batch)
         print(json.dumps({
             "variant": variant,
             "tool_advantage_solved": round(float(advantages[good].mean()), 4),
@@ -103,6 +110,9 @@ def main() -> None:
             "tool_logprob_change_solved": round(float((after - before)[good].mean()), 4),
             "tool_logprob_change_failed": round(float((after - before)[bad].mean()), 4) if bad.any() else None,
             "approx_kl": round(updated.metrics.get("train/approx_kl", float("nan")), 5),
+            "tool_exact_kl_per_episode": round(float(exact[tools].mean() * per_episode), 4),
+            "tool_off_mass_per_episode": [round(float(off_before[tools].mean() * per_episode), 3),
+                                          round(float(off_after[tools].mean() * per_episode), 3)],
         }))
 
 

@@ -3,13 +3,15 @@
 transcripts (`warm-start-tool-chat`). Everything is made here, offline, but the chat template,
 which is read from an installed package (`trl` ships the real templates of the families).
 
-A puzzle names two or three items; the model looks up each one's price with the typed `price` tool
-(one call a turn), then names the cheapest. Reward: 1 when the answer is the cheapest item, less
-`call_cost` for every call beyond the fewest (one per item); 0 otherwise.
+A puzzle names two or three items; the model looks up each one's price by its position in the
+question with the typed `price` tool (one call a turn), then answers with the cheapest one's
+position. Reward: 1 when the answer is the cheapest, less `call_cost` for every call beyond the
+fewest (one per item); 0 otherwise. Positions, not names, so that a tiny model's calls need no
+copying from the question: what PPO has to improve is which calls it makes and the answer.
 
 The warm start is supervised on transcripts played carelessly, as demonstrations written in a
 hurry are: some skip an item's lookup and answer from the prices seen, some look an item up twice,
-some name a wrong item. The transcripts are played through the core's chat format on the real
+some answer a wrong position. The transcripts are played through the core's chat format on the real
 template, so the warm start sees exactly the ids its episodes will be made of; it writes no think
 block, so on Qwen3's template its episodes never split. Its byte-level BPE is trained on rendered
 transcripts, so the template's boilerplate is a few tokens.
@@ -51,8 +53,8 @@ TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
 
 
 def question(items: list[str]) -> str:
-    listed = ", ".join(items[:-1]) + " or " + items[-1]
-    return f"Which is cheapest: {listed}? Look up each price, then name the cheapest."
+    listed = [f"{position} {item}" for position, item in enumerate(items, 1)]
+    return f"Which is cheapest: {', '.join(listed[:-1])} or {listed[-1]}? Look up each price by its position, then answer with the cheapest's."
 
 
 @attrs.frozen
@@ -64,12 +66,12 @@ class CheapestItemConfig(StandardEpisode):
 
 @attrs.define
 class Shop:
-    prices: dict[str, int]
+    prices: list[int]  # by position in the question, from 1
     calls: int = 0
 
     @property
-    def cheapest(self) -> str:
-        return min(self.prices, key=self.prices.__getitem__)
+    def cheapest(self) -> int:
+        return self.prices.index(min(self.prices)) + 1
 
 
 class CheapestItem(ToolEnvironment):
@@ -81,26 +83,26 @@ class CheapestItem(ToolEnvironment):
 
     def start(self, record, seed):
         prices = record.get("prices")
-        if not isinstance(prices, dict) or len(prices) < 2 or not all(isinstance(v, int) for v in prices.values()):
-            raise RecipeError([f"{self.where}: a record's 'prices' column is {prices!r}, not a mapping of two or more items to "
-                               "whole-number prices; use the cheapest-item-puzzles data"])
-        return Reset([{"role": "user", "content": str(record["prompt"])}], Shop(dict(prices)))
+        if not isinstance(prices, list) or len(prices) < 2 or not all(isinstance(v, int) for v in prices):
+            raise RecipeError([f"{self.where}: a record's 'prices' column is {prices!r}, not a list of two or more whole-number "
+                               "prices (by position); use the cheapest-item-puzzles data"])
+        return Reset([{"role": "user", "content": str(record["prompt"])}], Shop(list(prices)))
 
     @tool
-    def price(self, state: Shop, item: str) -> int:
+    def price(self, state: Shop, position: int) -> int:
         """Look up the price of one item.
 
         Args:
-            item: the item's name, as the question writes it
+            position: the item's position in the question, 1 for the first
         """
         state.calls += 1
-        if item not in state.prices:
-            raise KeyError(f"no price for {item!r}; the items are {', '.join(state.prices)}")
-        return state.prices[item]
+        if not 1 <= position <= len(state.prices):
+            raise IndexError(f"no item at position {position}; the positions are 1 to {len(state.prices)}")
+        return state.prices[position - 1]
 
     def answer(self, state: Shop, reply):
-        named = [word for word in re.findall(r"[a-z]+", reply.text.lower()) if word in state.prices]
-        solved = bool(named) and named[-1] == state.cheapest
+        numbers = re.findall(r"\d+", reply.text)
+        solved = bool(numbers) and int(numbers[-1]) == state.cheapest
         extra = max(0, state.calls - len(state.prices))
         reward = max(0.0, 1.0 - self.config.call_cost * extra) if solved else 0.0
         return Step(reward=reward, done=True, info={"solved": float(solved), "optimal": float(solved and extra == 0)})
@@ -118,8 +120,7 @@ class PuzzlesConfig:
 
 def random_puzzle(rng: random.Random, max_items: int) -> dict[str, Any]:
     items = rng.sample(ITEMS, rng.randint(2, max_items))
-    prices = dict(zip(items, rng.sample(range(1, 10), len(items))))  # distinct: one cheapest
-    return {"prompt": question(items), "prices": prices}
+    return {"prompt": question(items), "prices": rng.sample(range(1, 10), len(items))}  # distinct: one cheapest
 
 
 class Puzzles(PromptSource):
@@ -147,27 +148,27 @@ def installed_template(name: str) -> str:
     return path.read_text()
 
 
-def call_text(item: str) -> str:
+def call_text(position: int) -> str:
     """A price call as Qwen-family templates render it (JSON in tool-call tags)."""
-    return f'<tool_call>\n{{"name": "price", "arguments": {{"item": "{item}"}}}}\n</tool_call>'
+    return f'<tool_call>\n{{"name": "price", "arguments": {{"position": {position}}}}}\n</tool_call>'
 
 
 def careless_turns(rng: random.Random, puzzle: dict[str, Any], skip: float, repeat: float, wrong: float) -> list[str]:
     """What a hurried demonstrator writes, turn by turn: a call per item in the question's order
     (with probability `skip` one item after the first is never looked up, with `repeat` one is
-    looked up twice), then the cheapest of the prices seen named (with `wrong`, another item)."""
-    items = list(puzzle["prices"])
-    looked = list(items)
+    looked up twice), then the position of the cheapest of the prices seen (with `wrong`, another)."""
+    prices = puzzle["prices"]
+    positions = list(range(1, len(prices) + 1))
+    looked = list(positions)
     if rng.random() < skip:
         looked.pop(rng.randrange(1, len(looked)))
     if rng.random() < repeat:
-        position = rng.randrange(len(looked))
-        looked.insert(position + 1, looked[position])
-    seen = {item: puzzle["prices"][item] for item in looked}
-    named = min(seen, key=seen.__getitem__)
+        at = rng.randrange(len(looked))
+        looked.insert(at + 1, looked[at])
+    named = min(looked, key=lambda position: prices[position - 1])
     if rng.random() < wrong:
-        named = rng.choice([item for item in items if item != named])
-    return [call_text(item) for item in looked] + [f"The cheapest is {named}."]
+        named = rng.choice([position for position in positions if position != named])
+    return [call_text(position) for position in looked] + [f"The cheapest is item {named}."]
 
 
 def transcript_examples(tokenizer, template_tools: list[dict], size: int, seed: int, skip: float, repeat: float, wrong: float,
@@ -190,8 +191,8 @@ def transcript_examples(tokenizer, template_tools: list[dict], size: int, seed: 
             history.append(chat.assistant_message(reply))
             if not reply.tool_calls:
                 break
-            item = reply.tool_calls[0].arguments["item"]
-            answer = [{"role": "tool", "name": "price", "content": str(puzzle["prices"][item])}]
+            position = reply.tool_calls[0].arguments["position"]
+            answer = [{"role": "tool", "name": "price", "content": str(puzzle["prices"][position - 1])}]
             bridge = chat.bridge(ids, history, answer, template_tools)
             if bridge is None:
                 raise ValueError("the template rewrote a careless transcript's history: its warm start would train on what "
@@ -223,11 +224,11 @@ def chat_model_maker(template: str, tools: list[dict], vocab_size: int) -> Calla
         for _ in range(400):
             puzzle = random_puzzle(rng, 3)
             conversation: list[dict] = [{"role": "user", "content": puzzle["prompt"]}]
-            for item in puzzle["prices"]:
+            for position, price in enumerate(puzzle["prices"], 1):
                 conversation += [{"role": "assistant", "content": "", "tool_calls": [
-                    {"type": "function", "function": {"name": "price", "arguments": {"item": item}}}]},
-                    {"role": "tool", "name": "price", "content": str(puzzle["prices"][item])}]
-            conversation.append({"role": "assistant", "content": f"The cheapest is {min(puzzle['prices'], key=puzzle['prices'].get)}."})
+                    {"type": "function", "function": {"name": "price", "arguments": {"position": position}}}]},
+                    {"role": "tool", "name": "price", "content": str(price)}]
+            conversation.append({"role": "assistant", "content": f"The cheapest is item {position}."})
             texts.append(renderer.apply_chat_template(conversation, tools=tools, tokenize=False))
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL), show_progress=False,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -268,7 +269,7 @@ class WarmStartToolChat(WarmStartPolicy):
 
     @staticmethod
     def corpus(config) -> dict:
-        return {"corpus": "cheapest-item", "chat_template": config.chat_template, "vocab_size": config.vocab_size,
+        return {"corpus": "cheapest-item-positions", "chat_template": config.chat_template, "vocab_size": config.vocab_size,
                 "shares": [config.skip_share, config.repeat_share, config.wrong_share], "examples": config.sft_examples}
 
     @staticmethod

@@ -7,9 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from rlkit_core.chat_format import chat_format_for
-from rlkit_core.testing.contracts import EnvironmentContract, PolicyContract, PromptSourceContract, read_reply
 from rlkit_plugins.cheapest_item import (
     CheapestItem,
     CheapestItemConfig,
@@ -23,7 +20,11 @@ from rlkit_plugins.cheapest_item import (
     transcript_examples,
 )
 
-PUZZLE = {"prompt": "Which is cheapest: fig or pear? Look up each price, then name the cheapest.", "prices": {"fig": 7, "pear": 3}}
+from rlkit_core.chat_format import chat_format_for
+from rlkit_core.testing.contracts import EnvironmentContract, PolicyContract, PromptSourceContract, read_reply
+
+PUZZLE = {"prompt": "Which is cheapest: 1 fig or 2 pear? Look up each price by its position, then answer with the cheapest's.",
+          "prices": [7, 3]}
 
 
 def play(environment, record, texts):
@@ -35,24 +36,24 @@ def play(environment, record, texts):
 
 
 def test_the_fewest_calls_then_the_cheapest_earn_1():
-    steps = play(CheapestItem(CheapestItemConfig()), PUZZLE, [call_text("fig"), call_text("pear"), "The cheapest is pear."])
+    steps = play(CheapestItem(CheapestItemConfig()), PUZZLE, [call_text(1), call_text(2), "The cheapest is item 2."])
     assert [m["content"] for s in steps[:2] for m in s.messages] == ["7", "3"]
     assert steps[-1].done and steps[-1].reward == 1.0 and steps[-1].info["optimal"] == 1.0 and steps[-1].info["tool_calls"] == 2
 
 
 def test_every_call_beyond_one_per_item_costs_call_cost():
-    """Three calls (fig twice) and an unknown item for two items: 2 calls too many, 1 − 2·0.1 = 0.8."""
+    """Four calls (1 twice, and 3, which does not exist) for two items: 2 calls too many, 1 − 2·0.1 = 0.8."""
     steps = play(CheapestItem(CheapestItemConfig()), PUZZLE,
-                 [call_text("fig"), call_text("fig"), call_text("kiwi"), call_text("pear"), "pear, I think"])
-    assert "no price for 'kiwi'" in steps[2].messages[0]["content"]
+                 [call_text(1), call_text(1), call_text(3), call_text(2), "2, I think"])
+    assert "no item at position 3; the positions are 1 to 2" in steps[2].messages[0]["content"]
     assert steps[-1].reward == pytest.approx(0.8) and steps[-1].info == {
         "solved": 1.0, "optimal": 0.0, "tool_calls": 4.0, "malformed_tool_calls": 0.0, "tool_errors": 1.0}
 
 
-@pytest.mark.parametrize("answer", ["The cheapest is fig.", "I don't know", "pear or fig"])
+@pytest.mark.parametrize("answer", ["The cheapest is item 1.", "I don't know", "2 or 1"])
 def test_a_wrong_or_missing_answer_earns_0(answer):
-    """The last item named is the answer."""
-    steps = play(CheapestItem(CheapestItemConfig()), PUZZLE, [call_text("fig"), call_text("pear"), answer])
+    """The last number written is the answer."""
+    steps = play(CheapestItem(CheapestItemConfig()), PUZZLE, [call_text(1), call_text(2), answer])
     assert steps[-1].reward == 0.0 and steps[-1].info["solved"] == 0.0
 
 
@@ -60,22 +61,22 @@ def test_puzzles_have_one_cheapest_item_and_repeat_by_seed():
     puzzles = Puzzles(PuzzlesConfig(size=200, seed=4)).load()
     assert puzzles == Puzzles(PuzzlesConfig(size=200, seed=4)).load() != Puzzles(PuzzlesConfig(size=200, seed=5)).load()
     for puzzle in puzzles:
-        prices = list(puzzle["prices"].values())
+        prices = puzzle["prices"]
         assert 2 <= len(prices) <= 3 and len(set(prices)) == len(prices)
-        assert all(item in puzzle["prompt"] for item in puzzle["prices"])
+        assert f" or {len(prices)} " in puzzle["prompt"]
 
 
 def test_careless_turns_by_their_shares():
-    puzzle = {"prompt": "", "prices": {"fig": 7, "pear": 3, "kiwi": 5}}
+    puzzle = {"prompt": "", "prices": [7, 3, 5]}
     rng = random.Random(0)
-    assert careless_turns(rng, puzzle, 0, 0, 0) == [call_text("fig"), call_text("pear"), call_text("kiwi"), "The cheapest is pear."]
+    assert careless_turns(rng, puzzle, 0, 0, 0) == [call_text(1), call_text(2), call_text(3), "The cheapest is item 2."]
     for _ in range(20):
         skipped = careless_turns(rng, puzzle, 1, 0, 0)
-        assert len(skipped) == 3 and skipped[0] == call_text("fig")  # one item after the first is never looked up
-        assert skipped[-1] == ("The cheapest is kiwi." if call_text("pear") not in skipped else "The cheapest is pear.")
+        assert len(skipped) == 3 and skipped[0] == call_text(1)  # one item after the first is never looked up
+        assert skipped[-1] == ("The cheapest is item 3." if call_text(2) not in skipped else "The cheapest is item 2.")
         repeated = careless_turns(rng, puzzle, 0, 1, 0)
         assert len(repeated) == 5 and len(set(repeated[:-1])) == 3
-        assert careless_turns(rng, puzzle, 0, 0, 1)[-1] in ("The cheapest is fig.", "The cheapest is kiwi.")
+        assert careless_turns(rng, puzzle, 0, 0, 1)[-1] in ("The cheapest is item 1.", "The cheapest is item 3.")
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,7 @@ def test_a_template_trl_does_not_ship_is_a_located_error():
 
 class TestCheapestItem(EnvironmentContract):
     component = "cheapest-item"
-    records = [PUZZLE, {"prompt": "Which is cheapest: apple, lime or plum?", "prices": {"apple": 2, "lime": 9, "plum": 4}}]
+    records = [PUZZLE, {"prompt": "Which is cheapest: 1 apple, 2 lime or 3 plum?", "prices": [2, 9, 4]}]
 
 
 class TestCheapestItemPuzzles(PromptSourceContract):
@@ -134,3 +135,28 @@ class TestWarmStartToolChat(PolicyContract):
     @pytest.fixture
     def component_config(self, cache):
         return {"cache_dir": str(cache), "n_layer": 1, "n_embd": 16, "n_head": 2, "sft_steps": 2, "sft_batch_size": 4, "sft_examples": 8}
+
+
+@pytest.mark.slow
+def test_the_tool_recipe_trains_on_qwen3s_real_template(tmp_path):
+    """recipes/ppo_tool_qwen3.toml as shipped, made small (a warm start of a few steps, two iterations
+    of 8 episodes), through the `rlkit` command: it builds its chat model on Qwen3's real template,
+    plays tool episodes and trains."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("trl")
+    recipe = Path(__file__).parent.parent / "recipes" / "ppo_tool_qwen3.toml"
+    small = {"run.steps": 2, "run.output_dir": str(tmp_path / "run"), "policy.cache_dir": str(tmp_path / "cache"), "policy.n_embd": 32,
+             "policy.n_head": 2, "policy.sft_steps": 4, "policy.sft_examples": 16, "policy.sft_batch_size": 4, "ppo.batch_size": 8,
+             "ppo.minibatch_size": 4, "eval.size": 4, "eval.every": 2}
+    overrides = [f"--set={key}={value!r}" if isinstance(value, str) else f"--set={key}={value}" for key, value in small.items()]
+    done = subprocess.run([str(Path(sys.executable).with_name("rlkit")), "run", str(recipe), *overrides, "--quiet"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "episodes: chat format: template" in done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if "score/mean" in row]
+    assert len(trained) == 2 and all("env/tool_calls" in row and "train/approx_kl" in row for row in trained)

@@ -146,3 +146,28 @@ def test_a_qwen3_episode_that_really_splits_is_one_trajectory_through_a_whole_it
     update_with(trainer, batch)
     reported, after = after_update(trainer.engine, trainer.components, batch, {"time/iteration": 1.0})
     assert len(reported) == 2 and after["score/mean"] == pytest.approx(0.35)
+
+
+def test_per_token_lam_pushes_down_a_solved_episodes_tool_calls_and_per_turn_lam_does_not():
+    """Why PPO's first update broke an agent's tool calls, by hand. Two episodes of one shape: a tool
+    turn of 4 sampled tokens, 2 rendered (the tool's answer), an answer turn of 2; the first solved
+    (score 1), the second not (0); a critic that starts at 0; γ = 1, λ = 0.25; advantages whitened
+    over the batch's 12 counted tokens.
+
+    Per token, the solved episode's tokens get 0.25^k: 0.0039, 0.0010 ... for the tool call, 0.25
+    and 1 for the answer; the mean is 1.333/12 = 0.111, so after whitening every tool-call token
+    is below 0, in the solved episode as in the failed one, and only the final answer is pushed up.
+    Per turn, the solved tool turn gets 0.25 on each token and the answer 1: the mean is 3/12 = 0.25,
+    so the tool turn gets exactly 0 (λ this small discounts one turn by 4×); with λ = 0.5 it gets
+    0.5 against a mean of 0.333, above 0."""
+    turn = [1, 1, 1, 1, 0, 0, 1, 1]
+    batch = episode_rows(loss_mask=[turn, turn], response_mask=[[1] * 8] * 2, episode_ids=[0, 1], group_ids=[0, 1],
+                         scores=[1.0, 0.0], values=[[0.0] * 8] * 2)
+    tool = torch.tensor([True, True, True, True, False, False, False, False])
+    _, per_token, _ = credit(batch, GAE(GAEConfig(gamma=1.0, lam=0.25)), 0.0, unshaped)
+    counted = torch.tensor(turn).bool()
+    assert (per_token[0, tool] < 0).all() and (per_token[0, 6:] > 0).all() and (per_token[1, counted] < 0).all()
+    _, per_turn, _ = credit(batch, GAE(GAEConfig(gamma=1.0, lam=0.25, lam_per_turn=True)), 0.0, unshaped)
+    assert per_turn[0, tool].abs().max() < 1e-6 and (per_turn[0, 6:] > 0).all()
+    _, per_turn, _ = credit(batch, GAE(GAEConfig(gamma=1.0, lam=0.5, lam_per_turn=True)), 0.0, unshaped)
+    assert (per_turn[0, tool] > 0).all() and (per_turn[1, counted] < 0).all()
