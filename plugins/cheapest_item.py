@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")  # plain added tokens, as Qwen's
 
 
-def question(items: list[str]) -> str:
+def question(items: Sequence[str]) -> str:
     listed = [f"{position} {item}" for position, item in enumerate(items, 1)]
     return f"Which is cheapest: {', '.join(listed[:-1])} or {listed[-1]}? Look up each price by its position, then answer with the cheapest's."
 
@@ -203,7 +203,7 @@ def transcript_examples(tokenizer, template_tools: list[dict], size: int, seed: 
     return examples
 
 
-def chat_model_maker(template: str, tools: list[dict], vocab_size: int) -> Callable[[int, int, int], tuple[Any, Any]]:
+def chat_model_maker(template: str, tools: list[Any], vocab_size: int) -> Callable[[int, int, int], tuple[Any, Any]]:
     """`build_warm_start`'s `make` for a chat model: a byte-level BPE of `vocab_size` trained on
     transcripts rendered with `template`, with Qwen's special tokens, and a fresh Qwen3 model."""
 
@@ -235,7 +235,7 @@ def chat_model_maker(template: str, tools: list[dict], vocab_size: int) -> Calla
         backend.train_from_iterator(texts, trainer)
         backend.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAGS])
         tokenizer = tokenizer_of(backend)
-        end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        end, pad = backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")
         config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=n_embd, intermediate_size=3 * n_embd, num_hidden_layers=n_layer,
                              num_attention_heads=n_head, num_key_value_heads=n_head, head_dim=n_embd // n_head,
                              max_position_embeddings=CONTEXT, tie_word_embeddings=True, eos_token_id=end, pad_token_id=pad,
