@@ -16,10 +16,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from rlkit_core import ToolCall, ToolCallFormat, hookimpl, setting, typed_arguments
+from rlkit_core import ToolCall, ToolCallFormat, hookimpl, read_call_blocks, setting, without_call_blocks
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 _NAME = re.compile(r"\s*([^\s<>{}\"]+)\s*")
 _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
@@ -54,29 +53,10 @@ class GLM45(ToolCallFormat):
         return "<arg_key>" in template and "<arg_value>" in template
 
     def read(self, text: str, tools: Sequence[dict] = ()) -> tuple[tuple[ToolCall, ...], str | None]:
-        calls: list[ToolCall] = []
-        problems: list[str] = []
-        blocks = list(_BLOCK.finditer(text))
-        for number, block in enumerate(blocks, 1):
-            name, values, problem = _call(block.group(1))
-            if problem:
-                problems.append(f"tool call {number}: {problem}")
-                continue
-            typed = self.config is None or self.config.typed_arguments
-            calls.append(ToolCall(name=name, arguments=typed_arguments(name, values, tools) if typed else values))
-        outside = _BLOCK.sub("", text)
-        if OPEN in outside:
-            problems.append(f"tool call {len(blocks) + 1}: {OPEN} is not closed with {CLOSE}")
-        if CLOSE in outside:
-            problems.append(f"a {CLOSE} tag has no {OPEN} before it")
-        if "<arg_key>" in outside:
-            problems.append(f"an <arg_key> is not inside {OPEN}...{CLOSE}")
-        if problems:
-            return (), "; ".join(problems)
-        return tuple(calls), None
+        return read_call_blocks(text, "<arg_key>", _call, tools, typed=self.config is None or self.config.typed_arguments)
 
     def content(self, text: str) -> str:
-        return _BLOCK.sub("", text).strip()
+        return without_call_blocks(text)
 
     def write(self, calls: Sequence[ToolCall]) -> str:
         """As GLM-4.5's template renders them: a string as it is, any other value as JSON."""

@@ -20,10 +20,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from rlkit_core import ToolCall, ToolCallFormat, hookimpl, setting, typed_arguments
+from rlkit_core import ToolCall, ToolCallFormat, hookimpl, read_call_blocks, setting, without_call_blocks
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
 
@@ -57,40 +56,28 @@ def _arguments(body: str) -> tuple[dict[str, str], str | None]:
     return values, None
 
 
+def _call(block: str) -> tuple[str, dict[str, str], str | None]:
+    """(name, values, why the block cannot be read)."""
+    function = _FUNCTION.fullmatch(block)
+    if function is None:
+        return "", {}, f"one <function=NAME>...</function> expected inside {OPEN}"
+    name = function.group(1).strip()
+    values, problem = _arguments(function.group(2))
+    if not name or problem:
+        return "", {}, problem or "the function has no name"
+    return name, values, None
+
+
 class Qwen3Coder(ToolCallFormat):
     @staticmethod
     def recognises(template: str) -> bool:
         return "<function=" in template and "<parameter=" in template
 
     def read(self, text: str, tools: Sequence[dict] = ()) -> tuple[tuple[ToolCall, ...], str | None]:
-        calls: list[ToolCall] = []
-        problems: list[str] = []
-        blocks = list(_BLOCK.finditer(text))
-        for number, block in enumerate(blocks, 1):
-            function = _FUNCTION.fullmatch(block.group(1))
-            if function is None:
-                problems.append(f"tool call {number}: one <function=NAME>...</function> expected inside {OPEN}")
-                continue
-            name = function.group(1).strip()
-            values, problem = _arguments(function.group(2))
-            if not name or problem:
-                problems.append(f"tool call {number}: {problem or 'the function has no name'}")
-                continue
-            typed = self.config is None or self.config.typed_arguments
-            calls.append(ToolCall(name=name, arguments=typed_arguments(name, values, tools) if typed else values))
-        outside = _BLOCK.sub("", text)
-        if OPEN in outside:
-            problems.append(f"tool call {len(blocks) + 1}: {OPEN} is not closed with {CLOSE}")
-        if CLOSE in outside:
-            problems.append(f"a {CLOSE} tag has no {OPEN} before it")
-        if "<function=" in outside:
-            problems.append(f"a <function=...> is not inside {OPEN}...{CLOSE}")
-        if problems:
-            return (), "; ".join(problems)
-        return tuple(calls), None
+        return read_call_blocks(text, "<function=", _call, tools, typed=self.config is None or self.config.typed_arguments)
 
     def content(self, text: str) -> str:
-        return _BLOCK.sub("", text).strip()
+        return without_call_blocks(text)
 
     def write(self, calls: Sequence[ToolCall]) -> str:
         """As Qwen3.6's template renders them: a string as it is, any other value as JSON."""

@@ -62,7 +62,7 @@ from rlkit_core.records import (
 from rlkit_core.sampling import StandardSampling
 from rlkit_core.settings import ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings
 from rlkit_core.surrogates import RatioClip, Surrogate, SurrogateTerms
-from rlkit_core.tool_call_formats import ToolCallFormat, typed_arguments
+from rlkit_core.tool_call_formats import ToolCallFormat, read_call_blocks, typed_arguments, without_call_blocks
 from rlkit_core.tools import ToolEnvironment, tool, tool_schema
 
 try:
@@ -77,8 +77,8 @@ __all__ = [
     "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError", "Reply", "Reset", "RewardSource", "RunConfig", "RunError",
     "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "Surrogate", "SurrogateTerms", "ToolCall", "ToolCallFormat",
     "ToolEnvironment", "Tracker", "ValueHead", "__version__", "at_least", "between", "building_at", "chat_format_for", "greater_than",
-    "hookimpl", "nested_component", "nested_components", "one_of", "parse_tool_calls", "sampling_seed", "setting", "switch_off_dropout",
-    "tool", "tool_schema", "typed_arguments",
+    "hookimpl", "nested_component", "nested_components", "one_of", "parse_tool_calls", "read_call_blocks", "sampling_seed", "setting",
+    "switch_off_dropout", "tool", "tool_schema", "typed_arguments", "without_call_blocks",
 ]
 
 

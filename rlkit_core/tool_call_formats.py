@@ -12,8 +12,9 @@ format that recognises the tokenizer's chat template, else `hermes`, and the epi
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -72,6 +73,39 @@ class ToolCallFormat(ABC):
 @attrs.frozen
 class AutoSettings:
     """`tool_call_format = "auto"` takes no settings: the format it picks keeps its defaults."""
+
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+
+
+def without_call_blocks(text: str) -> str:
+    """`text` without its `<tool_call>...</tool_call>` blocks, stripped: a turn's content."""
+    return CALL_BLOCK.sub("", text).strip()
+
+
+def read_call_blocks(text: str, inner: str, parse: Callable[[str], tuple[str, dict[str, str], str | None]],
+                     tools: Sequence[dict] = (), typed: bool = True) -> tuple[tuple[ToolCall, ...], str | None]:
+    """`read` for a format of `<tool_call>...</tool_call>` blocks whose values are text: each block's
+    inside as `parse` reads it (a name, the values, why it cannot be read), the values typed by the
+    tools' schemas when `typed` (`typed_arguments`). All or none, with the reasons: a block `parse`
+    refuses, a tag left open or closed without opening, `inner` markup outside every block."""
+    calls, problems = [], []
+    blocks = list(CALL_BLOCK.finditer(text))
+    for number, block in enumerate(blocks, 1):
+        name, values, problem = parse(block.group(1))
+        if problem:
+            problems.append(f"tool call {number}: {problem}")
+        else:
+            calls.append(ToolCall(name=name, arguments=typed_arguments(name, values, tools) if typed else values))
+    outside = CALL_BLOCK.sub("", text)
+    if CALL_OPEN in outside:
+        problems.append(f"tool call {len(blocks) + 1}: {CALL_OPEN} is not closed with {CALL_CLOSE}")
+    if CALL_CLOSE in outside:
+        problems.append(f"a {CALL_CLOSE} tag has no {CALL_OPEN} before it")
+    if inner in outside:
+        problems.append(f"{inner} is not inside {CALL_OPEN}...{CALL_CLOSE}")
+    return ((), "; ".join(problems)) if problems else (tuple(calls), None)
 
 
 def _schema_types(tools: Sequence[dict], name: str, key: str) -> list[str]:
