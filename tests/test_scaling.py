@@ -46,7 +46,8 @@ def rlkit_script() -> str:
 
 
 @pytest.fixture(params=["full", "lora-separate-critic-accumulating", "padless-gpt2-separate-critic",
-                        "grpo-sequence-mean-kl-loss-accumulating", "token-budgets", "packed-separate-critic", "episodes"])
+                        "grpo-sequence-mean-kl-loss-accumulating", "token-budgets", "packed-separate-critic", "episodes",
+                        "episodes-turn-lambda-target-kl"])
 def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
     # one minibatch per epoch: one process's minibatch of 16 is two processes' minibatches of 8
     recipe_document["ppo"].update({"batch_size": 16, "minibatch_size": 16})
@@ -63,10 +64,13 @@ def two_process_document(request, recipe_document, tiny_reward_model, tmp_path):
     if request.param == "packed-separate-critic":  # several rollouts a row, in the policy's and the critic's passes
         recipe_document["ppo"].update({"pack_sequences": True, "max_tokens_per_microbatch": 60, "max_tokens_per_forward": 100})
         recipe_document["value_head"] = {"type": "separate", "model": str(tiny_reward_model)}
-    if request.param == "episodes":  # multi-turn episodes of guess-number, environment tokens inside the rows
+    if request.param.startswith("episodes"):  # multi-turn episodes of guess-number, environment tokens inside the rows
         from tests.test_episodes import ending_model, episode_document
 
         episode_document(recipe_document, ending_model(tmp_path / "ending"))
+    if request.param == "episodes-turn-lambda-target-kl":  # λ between turns; every process ends the update at the same step
+        recipe_document["advantage"] = {"type": "gae", "lam": 0.9, "lam_per_turn": True}
+        recipe_document["ppo"]["target_kl"] = 1e-7
     if request.param == "padless-gpt2-separate-critic":  # an added, suppressed PAD and a critic that never sees it
         from rlkit_core.testing.offline_models import write_tiny_model
 
