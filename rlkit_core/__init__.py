@@ -19,7 +19,7 @@ nothing else of `rlkit_core`; `tests/test_layout.py` holds the built-ins to it):
 
 from importlib.metadata import PackageNotFoundError, version
 
-from rlkit_core.chat_format import ChatFormat, chat_format_for, parse_tool_calls
+from rlkit_core.chat_format import ChatFormat, chat_format_for
 from rlkit_core.config import at_least, between, greater_than, nested_component, nested_components, one_of, setting
 from rlkit_core.context import BuildContext, building_at
 from rlkit_core.episode_limits import StandardEpisode
@@ -62,7 +62,7 @@ from rlkit_core.records import (
 from rlkit_core.sampling import StandardSampling
 from rlkit_core.settings import ModelSettings, PolicySettings, PromptLengthLimit, SamplingSettings
 from rlkit_core.surrogates import RatioClip, Surrogate, SurrogateTerms
-from rlkit_core.tool_call_formats import ToolCallFormat, read_call_blocks, typed_arguments, without_call_blocks
+from rlkit_core.tool_call_formats import JSONInTags, ToolCallFormat, parse_tool_calls, read_call_blocks, typed_arguments, without_call_blocks
 from rlkit_core.tools import ToolEnvironment, tool, tool_schema
 
 try:
@@ -72,7 +72,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = [
     "AdvantageEstimator", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Environment",
-    "EvalConfig", "Generation", "Generator", "HealthConfig", "KLController", "Launch", "Loss", "LossInputs", "LossTerms", "ModelSettings",
+    "EvalConfig", "Generation", "Generator", "HealthConfig", "JSONInTags", "KLController", "Launch", "Loss", "LossInputs", "LossTerms", "ModelSettings",
     "ModelShape", "NullTracker", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput", "PolicySettings", "Problem", "Progress",
     "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError", "Reply", "Reset", "RewardSource", "RunConfig", "RunError",
     "SamplingSettings", "StandardEpisode", "StandardSampling", "Step", "Surrogate", "SurrogateTerms", "ToolCall", "ToolCallFormat",

@@ -19,7 +19,6 @@ without a think block and with one.
 
 from __future__ import annotations
 
-import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -29,47 +28,9 @@ import attrs
 
 from rlkit_core.errors import RecipeError
 from rlkit_core.messages import Reply, ToolCall
-from rlkit_core.tool_call_formats import ToolCallFormat, call_entry, chosen_format
+from rlkit_core.tool_call_formats import CALL_CLOSE, CALL_OPEN, JSONInTags, ToolCallFormat, call_entry, chosen_format
 
 FORMATS = ("auto", "template", "plain")
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> tuple[tuple[ToolCall, ...], str | None]:
-    """The calls in `text`'s `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, and
-    why they could not be read (None when they could).
-
-    All or none: when any block is malformed (invalid JSON, no string `name`, `arguments` not an
-    object, a tag left open or closed without opening) no call is returned, so that an environment
-    never answers half of a turn whose other half the model is told was malformed. Arguments may be
-    left out (an empty object)."""
-    calls: list[ToolCall] = []
-    problems: list[str] = []
-    blocks = list(_CALL_BLOCK.finditer(text))
-    for number, block in enumerate(blocks, 1):
-        try:
-            value = json.loads(block.group(1))
-        except json.JSONDecodeError as exc:
-            problems.append(f"tool call {number}: invalid JSON ({exc.msg} at character {exc.pos})")
-            continue
-        if not isinstance(value, dict):
-            problems.append(f"tool call {number}: a JSON object with \"name\" and \"arguments\" expected, got {type(value).__name__}")
-        elif not isinstance(value.get("name"), str) or not value["name"]:
-            problems.append(f"tool call {number}: \"name\" is missing or not a string")
-        elif not isinstance(value.get("arguments", {}), dict):
-            problems.append(f"tool call {number}: \"arguments\" is not a JSON object")
-        else:
-            calls.append(ToolCall(name=value["name"], arguments=value.get("arguments", {})))
-    outside = _CALL_BLOCK.sub("", text)
-    if CALL_OPEN in outside:
-        problems.append(f"tool call {len(blocks) + 1}: {CALL_OPEN} is not closed with {CALL_CLOSE}")
-    if CALL_CLOSE in outside:
-        problems.append(f"a {CALL_CLOSE} tag has no {CALL_OPEN} before it")
-    if problems:
-        return (), "; ".join(problems)
-    return tuple(calls), None
-
 
 def _tool_signature(tool: dict[str, Any]) -> str:
     function = tool.get("function", tool)
@@ -80,15 +41,15 @@ def _tool_signature(tool: dict[str, Any]) -> str:
 class ChatFormat(ABC):
     """Renders what is not sampled and reads what is. `eos_token_ids`: every id a turn may end on
     (a chat model's end of turn is often not its tokenizer's EOS). `tool_calls`: the markup the
-    model writes its calls in (`rlkit_core.ToolCallFormat`); None reads `<tool_call>{json}</tool_call>`
-    blocks with `parse_tool_calls`, as the built-in `hermes` format does."""
+    model writes its calls in (`rlkit_core.ToolCallFormat`); by default `<tool_call>{json}</tool_call>`
+    blocks (`JSONInTags`, the built-in `hermes`)."""
 
     name: str
 
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], tool_calls: ToolCallFormat | None = None):
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
-        self.tool_calls = tool_calls
+        self.tool_calls = tool_calls or JSONInTags()
         self.end_texts = tuple(dict.fromkeys(self.decode([i]) for i in self.eos_token_ids))
 
     @abstractmethod
@@ -127,25 +88,12 @@ class ChatFormat(ABC):
         if ids and ids[-1] in self.eos_token_ids:
             ids = ids[:-1]
         text = self.decode(ids)
-        calls, error = self.tool_calls.read(text, tools) if self.tool_calls else parse_tool_calls(text)
+        calls, error = self.tool_calls.read(text, tools)
         return Reply(text=text, turn=turn, tool_calls=calls, parse_error=error)
 
     def assistant_message(self, reply: Reply) -> dict:
-        """The turn as the history records it. Read calls move from the text to `tool_calls` (with
-        the blocks removed from the content), where a template renders them; a turn whose markup
-        could not be read keeps its text as written."""
-        if self.tool_calls:
-            return self.tool_calls.assistant_message(reply)
-        if not reply.tool_calls:
-            return {"role": "assistant", "content": reply.text}
-        return {"role": "assistant", "content": _CALL_BLOCK.sub("", reply.text).strip(),
-                "tool_calls": [call_entry(call) for call in reply.tool_calls]}
-
-    def written_calls(self, calls: list[ToolCall]) -> str:
-        """Calls as the model writes them in the tool-call format."""
-        if self.tool_calls:
-            return self.tool_calls.write(calls)
-        return "".join(CALL_OPEN + json.dumps({"name": c.name, "arguments": c.arguments}) + CALL_CLOSE for c in calls)
+        """The turn as the history records it (`ToolCallFormat.assistant_message`)."""
+        return self.tool_calls.assistant_message(reply)
 
 
 class TemplateFormat(ChatFormat):
@@ -186,7 +134,7 @@ class PlainFormat(ChatFormat):
                 parts.append(f"{message.get('content') or ''}\n")
                 continue
             calls = [entry.get("function", entry) for entry in message.get("tool_calls") or []]
-            written = self.written_calls([ToolCall(name=c["name"], arguments=c.get("arguments", {})) for c in calls])
+            written = self.tool_calls.write([ToolCall(name=c["name"], arguments=c.get("arguments", {})) for c in calls])
             parts.append((message.get("content") or "") + written + self.end_texts[0])
         return "".join(parts)
 
@@ -196,7 +144,7 @@ class PlainFormat(ChatFormat):
 
 def chat_format_for(name: str, tokenizer, eos_token_ids: tuple[int, ...], tool_calls: ToolCallFormat | None = None) -> ChatFormat:
     """The format `name` ("auto", "template" or "plain"); "auto" takes the template when the
-    tokenizer has one. `tool_calls`: how turns write their calls (None: `parse_tool_calls`'s markup).
+    tokenizer has one. `tool_calls`: how turns write their calls (None: `JSONInTags`).
     Raises ValueError with the fix for a name or tokenizer that cannot work."""
     if name not in FORMATS:
         raise ValueError(f"unknown chat format {name!r}: use one of {', '.join(FORMATS)}")
@@ -211,7 +159,6 @@ def chat_format_for(name: str, tokenizer, eos_token_ids: tuple[int, ...], tool_c
     return PlainFormat(tokenizer, eos_token_ids, tool_calls)
 
 
-
 def episode_format(settings, tokenizer, eos_token_ids: tuple[int, ...], registry) -> tuple[ChatFormat, str]:
     """The chat format an environment's `settings` (`StandardEpisode`) name, reading calls in their
     `tool_call_format` ("auto": the one the chat template writes, when the format renders with the
@@ -222,9 +169,10 @@ def episode_format(settings, tokenizer, eos_token_ids: tuple[int, ...], registry
     except ValueError as exc:
         raise RecipeError([f"$.environment.chat_format: {exc}"]) from None
     try:
-        chat.tool_calls, how = chosen_format(settings.tool_call_format, tokenizer.chat_template if chat.name == "template" else None, registry)
+        found, how = chosen_format(settings.tool_call_format, tokenizer.chat_template if chat.name == "template" else None, registry)
     except ValueError as exc:
         raise RecipeError([f"$.environment.tool_call_format: {exc}"]) from None
+    chat.tool_calls = found or chat.tool_calls
     return chat, how
 
 

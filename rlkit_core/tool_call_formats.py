@@ -24,6 +24,8 @@ from rlkit_core.messages import Reply, ToolCall
 AUTO = "auto"  # the type core answers for: the format the chat template writes (`chosen_format`)
 DEFAULT = "hermes"  # what "auto" falls back to, and the format of a tokenizer without a chat template
 KIND = "tool_call_format"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 
 
 def call_entry(call: ToolCall) -> dict[str, Any]:
@@ -75,21 +77,17 @@ class AutoSettings:
     """`tool_call_format = "auto"` takes no settings: the format it picks keeps its defaults."""
 
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
-
-
 def without_call_blocks(text: str) -> str:
     """`text` without its `<tool_call>...</tool_call>` blocks, stripped: a turn's content."""
     return CALL_BLOCK.sub("", text).strip()
 
 
-def read_call_blocks(text: str, inner: str, parse: Callable[[str], tuple[str, dict[str, str], str | None]],
+def read_call_blocks(text: str, inner: str | None, parse: Callable[[str], tuple[str, dict[str, str], str | None]],
                      tools: Sequence[dict] = (), typed: bool = True) -> tuple[tuple[ToolCall, ...], str | None]:
     """`read` for a format of `<tool_call>...</tool_call>` blocks whose values are text: each block's
     inside as `parse` reads it (a name, the values, why it cannot be read), the values typed by the
     tools' schemas when `typed` (`typed_arguments`). All or none, with the reasons: a block `parse`
-    refuses, a tag left open or closed without opening, `inner` markup outside every block."""
+    refuses, a tag left open or closed without opening, `inner` markup (if any) outside every block."""
     calls, problems = [], []
     blocks = list(CALL_BLOCK.finditer(text))
     for number, block in enumerate(blocks, 1):
@@ -103,9 +101,57 @@ def read_call_blocks(text: str, inner: str, parse: Callable[[str], tuple[str, di
         problems.append(f"tool call {len(blocks) + 1}: {CALL_OPEN} is not closed with {CALL_CLOSE}")
     if CALL_CLOSE in outside:
         problems.append(f"a {CALL_CLOSE} tag has no {CALL_OPEN} before it")
-    if inner in outside:
+    if inner and inner in outside:
         problems.append(f"{inner} is not inside {CALL_OPEN}...{CALL_CLOSE}")
     return ((), "; ".join(problems)) if problems else (tuple(calls), None)
+
+
+def _json_call(block: str) -> tuple[str, dict[str, Any], str | None]:
+    """(name, arguments, why the block cannot be read) of a `{"name": ..., "arguments": {...}}` block."""
+    try:
+        value = json.loads(block)
+    except json.JSONDecodeError as exc:
+        return "", {}, f"invalid JSON ({exc.msg} at character {exc.pos})"
+    if not isinstance(value, dict):
+        return "", {}, f"a JSON object with \"name\" and \"arguments\" expected, got {type(value).__name__}"
+    if not isinstance(value.get("name"), str) or not value["name"]:
+        return "", {}, "\"name\" is missing or not a string"
+    if not isinstance(value.get("arguments", {}), dict):
+        return "", {}, "\"arguments\" is not a JSON object"
+    return value["name"], value.get("arguments", {}), None
+
+
+def parse_tool_calls(text: str) -> tuple[tuple[ToolCall, ...], str | None]:
+    """The calls in `text`'s `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, and
+    why they could not be read (None when they could).
+
+    All or none: when any block is malformed (invalid JSON, no string `name`, `arguments` not an
+    object, a tag left open or closed without opening) no call is returned, so that an environment
+    never answers half of a turn whose other half the model is told was malformed. Arguments may be
+    left out (an empty object); JSON carries their types."""
+    return read_call_blocks(text, None, _json_call, typed=False)
+
+
+class JSONInTags(ToolCallFormat):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Hermes 2 Pro, Qwen2.5 and Qwen3
+    write calls: the format a chat format reads when no other is chosen (the plugin `hermes`
+    registers it)."""
+
+    # the template writes `<tool_call>` and then a JSON object's "name" (a newline, a quote escaped in a Jinja string, between)
+    _in_template = re.compile(r'<tool_call>(?:\\n|\s)*\{\\?"name')
+
+    @staticmethod
+    def recognises(template: str) -> bool:
+        return bool(JSONInTags._in_template.search(template))
+
+    def read(self, text: str, tools: Sequence[dict] = ()) -> tuple[tuple[ToolCall, ...], str | None]:
+        return parse_tool_calls(text)
+
+    def content(self, text: str) -> str:
+        return without_call_blocks(text)
+
+    def write(self, calls: Sequence[ToolCall]) -> str:
+        return "".join(CALL_OPEN + json.dumps({"name": call.name, "arguments": call.arguments}) + CALL_CLOSE for call in calls)
 
 
 def _schema_types(tools: Sequence[dict], name: str, key: str) -> list[str]:
@@ -152,7 +198,7 @@ def chosen_format(choice: Any, template: str | None, registry: Any) -> tuple[Too
     "auto") picks for a tokenizer's `template` (None: it has none or it is not used), and how it
     was picked, for the audit. "auto" takes the one registered format whose `recognises` accepts
     the template, else `hermes`: its class when `registry` has it, else None, the core's reading of
-    the same markup (`parse_tool_calls`). Raises ValueError with the fix when several formats claim the template."""
+    the same markup (`JSONInTags`, a chat format's default). Raises ValueError with the fix when several formats claim the template."""
     if choice is not None and choice.component.name != AUTO:
         return choice.component.factory(choice.config), f"{choice.component.name} (the recipe's)"
     formats = [registry.find(KIND, name) for name in registry.names(KIND) if name != AUTO] if registry is not None else []

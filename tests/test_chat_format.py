@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from transformers import ByT5Tokenizer
 
-from rlkit_core.chat_format import PROBE_OPENING, PROBE_THINK, PROBE_TOOLS, PROBE_TURNS, PlainFormat, TemplateFormat, audit, chat_format_for, parse_tool_calls
+from rlkit_core.chat_format import PROBE_OPENING, PROBE_THINK, PROBE_TOOLS, PROBE_TURNS, PlainFormat, TemplateFormat, audit, chat_format_for
 from rlkit_core.messages import Reply, ToolCall
 from rlkit_core.testing.offline_models import build_bpe_tokenizer
+from rlkit_core.tool_call_formats import parse_tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds two numbers",
                                            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]

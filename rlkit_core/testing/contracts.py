@@ -34,7 +34,6 @@ import pytest
 import torch
 
 from rlkit_core.batch import RolloutBatch, sequence_inputs
-from rlkit_core.chat_format import parse_tool_calls
 from rlkit_core.config import fields_help
 from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
@@ -45,6 +44,7 @@ from rlkit_core.recipe.document import parse_recipe, structure_table
 from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.records import Recipe
 from rlkit_core.testing import EPISODE_LOSS_MASK, policy_inputs, rollout_batch, stand_ins, write_tiny_causal_lm
+from rlkit_core.tool_call_formats import parse_tool_calls
 
 __all__ = [
     "AdvantageEstimatorContract", "ComponentContract", "EnvironmentContract", "GeneratorContract", "KLControllerContract",
