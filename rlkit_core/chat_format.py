@@ -13,8 +13,10 @@ assistant turn an empty think block that it drops once a message follows, so tha
 no longer one although the stream does. Where the stream is not a prefix (the template strips a
 think block the model wrote, or otherwise rewrites history; the whole render segments the text
 otherwise than the stream) the bridge is `None` and the caller starts a new sample instead of
-training on a stream no render produces. `audit` plays a probe conversation through the same rule, its turns written
-without a think block and with one.
+training on a stream no render produces, unless the recipe keeps turns as sampled
+(`thinking_in_history = "kept"`): then the stream goes on, and the bridge is what the template renders
+after that turn. `audit` plays a probe conversation through the same rule, its turns written
+without a think block and with one, and counts what each choice costs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from rlkit_core.messages import Reply, ToolCall
 from rlkit_core.tool_call_formats import CALL_CLOSE, CALL_OPEN, JSONInTags, ToolCallFormat, call_entry, chosen_format
 
 FORMATS = ("auto", "template", "plain")
+TURN_MARKER = "rlkit-turn-marker-5d1c"  # stands in for an assistant turn's content, to find where the template ends it
 
 def _tool_signature(tool: dict[str, Any]) -> str:
     function = tool.get("function", tool)
@@ -42,9 +45,11 @@ class ChatFormat(ABC):
     """Renders what is not sampled and reads what is. `eos_token_ids`: every id a turn may end on
     (a chat model's end of turn is often not its tokenizer's EOS). `tool_calls`: the markup the
     model writes its calls in (`rlkit_core.ToolCallFormat`); by default `<tool_call>{json}</tool_call>`
-    blocks (`JSONInTags`, the built-in `hermes`)."""
+    blocks (`JSONInTags`, the built-in `hermes`). `keep_sampled`: a turn the template would render
+    otherwise in a longer history is kept as sampled, so the sample goes on (`thinking_in_history`)."""
 
     name: str
+    keep_sampled: bool = False
 
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], tool_calls: ToolCallFormat | None = None):
         self.tokenizer = tokenizer
@@ -60,8 +65,8 @@ class ChatFormat(ABC):
     def bridge(self, stream: list[int], history: list[dict], new: list[dict], tools: list[dict]) -> list[int] | None:
         """The ids to append to `stream` (the sample's prompt ids then its stream ids, ending on the
         sampled end token of `history`'s last, assistant, turn) so that it goes on with `new` and the
-        next generation prompt; None when no ids can: the caller then starts a new sample from
-        `opening(history + new)`."""
+        next generation prompt; None when no ids can (the template renders the history otherwise and
+        `keep_sampled` is off): the caller then starts a new sample from `opening(history + new)`."""
 
     def encode(self, text: str) -> list[int]:
         """Ids of rendered text; the render already holds every special token it wants (a BOS too)."""
@@ -70,6 +75,11 @@ class ChatFormat(ABC):
     def decode(self, ids: list[int]) -> str:
         """Text exactly as the ids spell it: special tokens and spaces kept."""
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def first_end(self, text: str, start: int = 0) -> int | None:
+        """Where the text after the first end token of `text` from `start` begins (None: it has none)."""
+        ends = [found + len(end) for end in self.end_texts if end and (found := text.find(end, start)) >= 0]
+        return min(ends) if ends else None
 
     def after_end(self, text: str) -> int | None:
         """Where the text after the last end token of `text` begins (None: `text` has none)."""
@@ -100,7 +110,8 @@ class TemplateFormat(ChatFormat):
     """The tokenizer's chat template. The bridge is what follows the stream in the ids of the longer
     conversation rendered (the text the template puts after an assistant turn's end token, a newline
     for ChatML and nothing for Llama 3, then the new messages and the generation prompt), when the
-    stream is their prefix."""
+    stream is their prefix; with `keep_sampled`, else, what the template renders after the last
+    assistant turn, found by rendering the conversation with that turn's content a marker."""
 
     name = "template"
 
@@ -115,7 +126,19 @@ class TemplateFormat(ChatFormat):
         # special token merging with the newline after it; or a turn the model sampled in another segmentation than
         # the tokenizer's), the stream is not a prefix and the split is the truth. So is an end id the template never
         # renders (it ends turns on another token).
-        return after[len(stream):] if after[:len(stream)] == list(stream) else None
+        if after[:len(stream)] == list(stream):
+            return after[len(stream):]
+        return self._after_turn(history, new, tools) if self.keep_sampled else None
+
+    def _after_turn(self, history: list[dict], new: list[dict], tools: list[dict]) -> list[int] | None:
+        """The ids the template renders after the last (assistant) turn's end token: the boundary, `new`
+        and the generation prompt, whatever it makes of the turns before (None: no end token follows
+        the marker, so the turn's end cannot be found)."""
+        marked = [*history[:-1], {**history[-1], "content": TURN_MARKER}]
+        text = self.render(marked + new, tools, True)
+        at = text.find(TURN_MARKER)
+        end = self.first_end(text, at) if at >= 0 else None
+        return self.encode(text[end:]) if end is not None else None
 
 
 class PlainFormat(ChatFormat):
@@ -173,6 +196,7 @@ def episode_format(settings, tokenizer, eos_token_ids: tuple[int, ...], registry
     except ValueError as exc:
         raise RecipeError([f"$.environment.tool_call_format: {exc}"]) from None
     chat.tool_calls = found or chat.tool_calls
+    chat.keep_sampled = settings.thinking_in_history == "kept"
     return chat, how
 
 
@@ -204,10 +228,10 @@ class TemplateAudit:
     boundary_ids: tuple[int, ...]  # rendered after an assistant turn's end token, never sampled
     end_ids: tuple[int, ...]
     end_found: bool  # the template ends an assistant turn on one of the end ids
-    split_turns: tuple[int, ...]  # turns, written without a think block, after which the stream was not a prefix of the render
+    split_turns: tuple[int, ...]  # turns, written without a think block, after which the next turn started a new sample
     think_split_turns: tuple[int, ...]  # the same, each turn opening with a think block
-    parting: str  # where the stream and the render part at the first split, for the printout
-    think_parting: str  # the same at the first turn that split only with a think block
+    parting: str  # where the stream and the render part at the first turn rewritten, for the printout
+    think_parting: str  # the same at the first turn rewritten only with a think block
     tool_calls_rendered: bool
     tool_calls_read: bool  # a rendered call reads back as the call it was
     tool_content_rendered: bool
@@ -215,6 +239,10 @@ class TemplateAudit:
     parted_after: int  # the turn after which `differences` were taken (0: none)
     differences: tuple[tuple[int, int, int | None], ...]
     tool_call_format: str = ""  # the tool-call format and how it was picked ("": parse_tool_calls's markup)
+    thinking_in_history: str = "rendered"  # the setting the splits above were played with
+    rewritten_turns: tuple[int, ...] = ()  # turns, written without a think block, after which the stream was not a prefix of the render
+    think_rewritten_turns: tuple[int, ...] = ()  # the same, each turn opening with a think block
+    think_costs: tuple[tuple[str, int, int], ...] = ()  # (setting, training samples, ids in them) of the probe written with think blocks
 
     @property
     def matches(self) -> bool:
@@ -230,6 +258,10 @@ class TemplateAudit:
                          "end-of-turn token to the generation config's eos_token_id")
         elif self.mode == "merge" and self.format == "plain":
             lines.append("mode: merge: the plain format only appends what nobody sampled, so an episode is one training sample")
+        elif self.mode == "merge" and self.rewritten_turns:
+            lines.append(f"mode: merge: turns are kept as sampled (thinking_in_history = \"kept\"): after {_turns(self.rewritten_turns)} of "
+                         f"the probe the stream is not a token prefix of the longer conversation rendered ({self.parting}), and it goes "
+                         "on as the model wrote it: an episode is one training sample, on a stream no render produces")
         elif self.mode == "merge":
             lines.append("mode: merge: when the model writes no think block, the stream at each turn (prompt, sampled ids, bridges) "
                          "is a token prefix of the longer conversation rendered: turns extend the sample, an episode is one training sample")
@@ -237,14 +269,21 @@ class TemplateAudit:
             lines.append(f"mode: split: after {_turns(self.split_turns)} of the probe the stream is not a token prefix of the longer "
                          f"conversation rendered ({self.parting}), so the next turn starts a new training sample from the "
                          "re-rendered conversation")
-        only_think = tuple(t for t in self.think_split_turns if t not in self.split_turns)
+        only_think = tuple(t for t in self.think_rewritten_turns if t not in self.rewritten_turns)
+        costs = {setting: f"{samples} training sample{'s' if samples > 1 else ''} of {ids} ids" for setting, samples, ids in self.think_costs}
         if self.format == "plain" or not self.end_found:
             pass
         elif not only_think:
             lines.append("think blocks: kept in the history: turns that open with <think>...</think> extend the sample as well")
+        elif self.thinking_in_history == "kept":
+            lines.append(f"think blocks: kept as sampled (thinking_in_history = \"kept\"): the template strips them from the history "
+                         f"after {_turns(only_think)} of the probe ({self.think_parting}), but the stream goes on as the model wrote it: "
+                         f"the probe makes {costs['kept']}, against {costs['rendered']} as rendered. Later turns are trained seeing "
+                         "the earlier thinking, which the template hides from the deployed model")
         else:
             lines.append(f"think blocks: stripped from the history: when the model opens its turns with <think>...</think>, "
-                         f"{_turns(only_think)} of the probe split, the next turn starting a new training sample ({self.think_parting})")
+                         f"{_turns(only_think)} of the probe split, the next turn starting a new training sample ({self.think_parting}): "
+                         f"the probe makes {costs['rendered']}, against {costs['kept']} with thinking_in_history = \"kept\"")
         lines.append(f"boundary after the end token: ids {list(self.boundary_ids)}, rendered, never sampled" if self.boundary_ids
                      else "boundary after the end token: none")
         lines.append("tool results: rendered" if self.tool_content_rendered
@@ -278,7 +317,10 @@ class _Probe:
     """One play of the probe (see `audit`)."""
 
     splits: tuple[int, ...]
-    partings: tuple[str, ...]  # for each split
+    rewritten: tuple[int, ...]  # turns after which the stream was not a token prefix of the render (split, or kept as sampled)
+    partings: tuple[str, ...]  # for each turn rewritten
+    samples: int  # training samples the probe made
+    ids: int  # ids in them
     differences: tuple[tuple[int, int, int | None], ...]  # after the first turn whose stream was not a prefix of the render
     stream_length: int
     parted_after: int
@@ -318,7 +360,9 @@ def _play(chat: ChatFormat, think: bool) -> _Probe:
     tools, history = PROBE_TOOLS, list(PROBE_OPENING)
     sample = chat.opening(history, tools)
     splits: list[int] = []
+    rewritten: list[int] = []
     partings: list[str] = []
+    lengths: list[int] = []  # of the finished samples
     differences: tuple[tuple[int, int, int | None], ...] = ()
     end_found, calls_rendered, calls_read, boundary, compared, parted_after = True, True, True, (), 0, 0
     for turn, (message, answer) in enumerate(PROBE_TURNS, 1):
@@ -342,33 +386,46 @@ def _play(chat: ChatFormat, think: bool) -> _Probe:
         at = [i for i in range(len(sample)) if i >= len(render) or sample[i] != render[i]]
         if at and not parted_after:
             differences, compared, parted_after = tuple((i, sample[i], render[i] if i < len(render) else None) for i in at), len(sample), turn
+        if at and (bridge is None or not rewritten):  # a stream kept as sampled stays unlike the render: its first turn counts
+            first = at[0]
+            partings.append(f"at id {first} the stream has {_pieces(chat, sample[first:first + 6])} where the render has "
+                            f"{_pieces(chat, render[first:first + 6])}")
+            rewritten.append(turn)
         if bridge is not None:
             sample += bridge
             continue
-        first = at[0] if at else len(sample)
-        partings.append(f"at id {first} the stream has {_pieces(chat, sample[first:first + 6])} where the render has "
-                        f"{_pieces(chat, render[first:first + 6])}")
         splits.append(turn)
+        lengths.append(len(sample))
         sample = render
-    return _Probe(splits=tuple(splits), partings=tuple(partings), differences=differences, stream_length=compared or len(sample),
-                  parted_after=parted_after, end_found=end_found, calls_rendered=calls_rendered, calls_read=calls_read, boundary=boundary,
+    return _Probe(splits=tuple(splits), rewritten=tuple(rewritten), partings=tuple(partings), samples=len(lengths) + 1,
+                  ids=sum(lengths) + len(sample), differences=differences, stream_length=compared or len(sample), parted_after=parted_after,
+                  end_found=end_found, calls_rendered=calls_rendered, calls_read=calls_read, boundary=boundary,
                   rendered=chat.render(history, tools, False))
 
 
 def audit(tokenizer, eos_token_ids: tuple[int, ...], name: str = "auto", tool_calls: ToolCallFormat | None = None,
-          tool_call_format: str = "") -> TemplateAudit:
+          tool_call_format: str = "", thinking_in_history: str = "rendered") -> TemplateAudit:
     """Plays the probe conversation (a tool call and its result, an answer, another user message)
     the way an episode does, through the runner's bridge, twice: each turn's ids as a model of the
     template's family writes them (the template's render of that turn), without a think block, then
     with one (`PROBE_THINK`) opening each turn, which some templates strip from the history. The
-    calls are read in `tool_calls`, picked as `tool_call_format` says (`rlkit_core.tool_call_formats.chosen_format`)."""
+    calls are read in `tool_calls`, picked as `tool_call_format` says (`rlkit_core.tool_call_formats.chosen_format`).
+    The splits are those of `thinking_in_history`; the probe with think blocks is played with both
+    settings, for what each costs."""
     chat = chat_format_for(name, tokenizer, eos_token_ids, tool_calls)
-    plain, thinking = _play(chat, False), _play(chat, True)
-    only_think = [p for t, p in zip(thinking.splits, thinking.partings) if t not in plain.splits]
+    plays = {}
+    for setting in ("rendered", "kept"):
+        chat.keep_sampled = setting == "kept"
+        plays[setting] = (_play(chat, False), _play(chat, True))
+    plain, thinking = plays[thinking_in_history]
+    rendered, rendered_thinking = plays["rendered"]
+    only_think = [p for t, p in zip(rendered_thinking.rewritten, rendered_thinking.partings) if t not in rendered.rewritten]
     return TemplateAudit(format=chat.name, mode="split" if plain.splits else "merge", boundary_ids=plain.boundary,
                          end_ids=chat.eos_token_ids, end_found=plain.end_found, split_turns=plain.splits,
-                         think_split_turns=thinking.splits, parting=plain.partings[0] if plain.partings else "",
+                         think_split_turns=thinking.splits, parting=rendered.partings[0] if rendered.partings else "",
                          think_parting=only_think[0] if only_think else "", tool_calls_rendered=plain.calls_rendered,
                          tool_calls_read=plain.calls_read, tool_content_rendered=PROBE_RESULT in plain.rendered,
-                         stream_length=plain.stream_length, parted_after=plain.parted_after, differences=plain.differences,
-                         tool_call_format=tool_call_format)
+                         stream_length=rendered.stream_length, parted_after=rendered.parted_after, differences=rendered.differences,
+                         tool_call_format=tool_call_format, thinking_in_history=thinking_in_history, rewritten_turns=rendered.rewritten,
+                         think_rewritten_turns=rendered_thinking.rewritten,
+                         think_costs=tuple((setting, play[1].samples, play[1].ids) for setting, play in plays.items()))

@@ -12,7 +12,7 @@ from rlkit_core.records import ComponentChoice
 
 @attrs.frozen
 class StandardEpisode:
-    """Turns, tokens, timeouts, call threads, the chat format and the tool-call format: the bounds
+    """Turns, tokens, timeouts, call threads, the chat format, its treatment of rewritten turns and the tool-call format: the bounds
     of an episode, which the core's episode runner enforces (the environment never sees a token),
     and how turns are rendered and read. Keyword-only, so that a subclass may add settings without a default."""
 
@@ -28,6 +28,12 @@ class StandardEpisode:
     chat_format: str = setting("auto", help="how messages become tokens: 'template' (the tokenizer's chat template), 'plain' (text lines) "
                                             "or 'auto' (the template when the tokenizer has one)",
                                validator=one_of("auto", "template", "plain"), kw_only=True)
+    thinking_in_history: str = setting(
+        "rendered", help="how the model's earlier turns stand in its later prompts when the chat template would rewrite them (Qwen3's "
+                         "drops the think blocks of turns before the last user message): 'rendered' (as the template renders them, "
+                         "as the model sees them when deployed: that turn starts a new training sample) or 'kept' (as sampled: the "
+                         "stream goes on, one sample an episode, and later turns are trained seeing the earlier thinking)",
+        validator=one_of("rendered", "kept"), kw_only=True)
     tool_call_format: ComponentChoice | None = nested_component(
         "tool_call_format", help="the markup the model writes tool calls in: 'hermes' (<tool_call>{json}</tool_call>), 'qwen3-coder', "
                                  "'llama3-json', 'glm45', another registered format, or 'auto' (the one the chat template writes, else hermes)",

@@ -346,3 +346,77 @@ def test_a_qwen3_episode_through_the_runner_does_not_split(recipe_document, buil
     render = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     row = torch.cat([batch.prompt_ids[0][batch.prompt_mask[0].bool()], batch.response_ids[0][batch.response_mask[0].bool()]]).tolist()
     assert row == tokenizer(render, add_special_tokens=False)["input_ids"] + turn
+
+
+def test_qwen3_thinking_kept_as_sampled_goes_on_with_what_the_template_renders_after_the_turn(qwen3_tokenizer):
+    """`thinking_in_history = "kept"`: where Qwen3's template strips the think blocks (a user message
+    follows turn 2), the stream goes on as the model wrote it, and the bridge is what the template
+    puts after that turn's end token: its newline, the user message and the generation prompt."""
+    chat = chat_format_for("template", qwen3_tokenizer, chatml_ends(qwen3_tokenizer))
+    chat.keep_sampled = True
+    im_end = qwen3_tokenizer.eos_token_id
+    samples, history, bridges = play(chat, QWEN3_OPENING, qwen3_turns(PROBE_THINK), TOOLS, im_end)
+    assert len(samples) == 1 and None not in bridges
+    assert chat.decode(bridges[1]) == "\n<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n"
+    # the first bridge is the same either way: Qwen3 keeps the reasoning while a tool result goes on
+    chat.keep_sampled = False
+    assert play(chat, QWEN3_OPENING, qwen3_turns(PROBE_THINK), TOOLS, im_end)[2][0] == bridges[0]
+    # the one sample is the opening, then each turn exactly as written and each bridge, in order
+    turns = [chat.encode(written) + [im_end] for written, _ in qwen3_turns(PROBE_THINK)]
+    assert samples[0] == chat.opening(QWEN3_OPENING, TOOLS) + turns[0] + bridges[0] + turns[1] + bridges[1] + turns[2]
+    assert chat.decode(samples[0]).count("some reasoning") == 3
+
+
+def test_audit_costs_both_treatments_of_thinking_and_agrees_with_the_runner(qwen3_tokenizer):
+    """The audit plays the probe with think blocks both ways and prints the setting's verdict with
+    the other's cost; kept, no turn of the probe splits, as in the runner."""
+    ends = chatml_ends(qwen3_tokenizer)
+    rendered, kept = audit(qwen3_tokenizer, ends), audit(qwen3_tokenizer, ends, thinking_in_history="kept")
+    assert rendered.think_costs == kept.think_costs
+    costs = {setting: (samples, ids) for setting, samples, ids in kept.think_costs}
+    assert costs["rendered"][0] == 2 and costs["kept"][0] == 1 and costs["rendered"][1] > costs["kept"][1]
+    assert (kept.mode, kept.split_turns, kept.think_split_turns, kept.think_rewritten_turns) == ("merge", (), (), (2,))
+    think = next(line for line in kept.lines() if line.startswith("think blocks: "))
+    assert think.startswith('think blocks: kept as sampled (thinking_in_history = "kept")') and "after turn 2 of the probe" in think
+    assert f"the probe makes 1 training sample of {costs['kept'][1]} ids, against 2 training samples of {costs['rendered'][1]}" in think
+    think = next(line for line in rendered.lines() if line.startswith("think blocks: "))
+    assert f"against 1 training sample of {costs['kept'][1]} ids with thinking_in_history" in think
+    chat = chat_format_for("auto", qwen3_tokenizer, ends)
+    chat.keep_sampled = True
+    written = ['<tool_call>\n{"name": "probe_lookup", "arguments": {"word": "fox"}}\n</tool_call>',
+               *(message["content"] for message, _ in PROBE_TURNS[1:])]
+    samples, _, bridges = play(chat, PROBE_OPENING, [(PROBE_THINK + text, answer) for text, (_, answer) in zip(written, PROBE_TURNS)],
+                               PROBE_TOOLS, qwen3_tokenizer.eos_token_id)
+    assert None not in bridges and [len(sample) for sample in samples] == [costs["kept"][1]]
+
+
+@pytest.mark.parametrize(("thinking", "rows"), [("rendered", [0, 0, 0, 1]), ("kept", [0, 1])])
+def test_a_thinking_qwen3_episode_through_the_runner_splits_or_not_as_the_recipe_says(recipe_document, builtin_registry, tmp_path,
+                                                                                        thinking, rows):
+    """The whole runner on Qwen3's real template with a model that thinks in every turn of the first
+    game: rendered, each user message after a turn splits the episode (three rows); kept, it stays one
+    row whose stream holds every think block."""
+    import attrs
+    from transformers import AutoTokenizer
+
+    from rlkit_core.testing.offline_models import write_tiny_model
+    from tests.test_episode_credit import FirstRowThinks
+    from tests.test_episodes import episode_document
+    from tests.test_trainer import make_trainer, rollout_with
+
+    path = write_tiny_model(tmp_path / "qwen3", "chatml")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = qwen3_template()
+    tokenizer.save_pretrained(path)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    think = tokenizer("<think>\nhmm\n</think>\n\n7", add_special_tokens=False)["input_ids"] + [end]
+    plain = tokenizer("7", add_special_tokens=False)["input_ids"] + [end]
+    document = episode_document(recipe_document, path, max_turns=3, max_episode_tokens=200, thinking_in_history=thinking)
+    document["generator"]["max_new_tokens"] = len(think)
+    trainer = make_trainer(document, builtin_registry)
+    trainer.components = attrs.evolve(trainer.components, generator=FirstRowThinks(tokenizer.pad_token_id, think, plain))
+    games = [{"prompt": "Guess my number, 1-16.", "secret": 16}, {"prompt": "Guess my number, 1-16.", "secret": 7}]
+    batch, metrics = rollout_with(trainer, games, samples_per_prompt=1)
+    assert batch.episode_ids.tolist() == rows and metrics["env/splits"] == (1.0 if thinking == "rendered" else 0.0)
+    first = tokenizer.decode(batch.response_ids[0][batch.response_mask[0].bool()])
+    assert first.count("<think>\nhmm\n</think>") == (1 if thinking == "rendered" else 3)
