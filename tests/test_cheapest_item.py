@@ -138,10 +138,11 @@ class TestWarmStartToolChat(PolicyContract):
 
 
 @pytest.mark.slow
-def test_the_tool_recipe_trains_on_qwen3s_real_template(tmp_path):
+@pytest.mark.parametrize("template", ["qwen3", "qwen2_5"])
+def test_the_tool_recipe_trains_on_a_real_template(tmp_path, template):
     """recipes/ppo_tool_qwen3.toml as shipped, made small (a warm start of a few steps, two iterations
-    of 8 episodes), through the `rlkit` command: it builds its chat model on Qwen3's real template,
-    plays tool episodes and trains."""
+    of 8 episodes), through the `rlkit` command: it builds its chat model on Qwen3's real template, or
+    on Qwen2.5's, which never rewrites history, plays tool episodes and trains."""
     import json
     import subprocess
     import sys
@@ -151,12 +152,13 @@ def test_the_tool_recipe_trains_on_qwen3s_real_template(tmp_path):
     recipe = Path(__file__).parent.parent / "recipes" / "ppo_tool_qwen3.toml"
     small = {"run.steps": 2, "run.output_dir": str(tmp_path / "run"), "policy.cache_dir": str(tmp_path / "cache"), "policy.n_embd": 32,
              "policy.n_head": 2, "policy.sft_steps": 4, "policy.sft_examples": 16, "policy.sft_batch_size": 4, "ppo.batch_size": 8,
-             "ppo.minibatch_size": 4, "eval.size": 4, "eval.every": 2}
+             "ppo.minibatch_size": 4, "eval.size": 4, "eval.every": 2, "policy.chat_template": template}
     overrides = [f"--set={key}={value!r}" if isinstance(value, str) else f"--set={key}={value}" for key, value in small.items()]
     done = subprocess.run([str(Path(sys.executable).with_name("rlkit")), "run", str(recipe), *overrides, "--quiet"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "episodes: chat format: template" in done.stderr
+    assert "episodes: stream vs the conversation rendered at once: a token prefix at every turn" in done.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [row for row in rows if "score/mean" in row]
     assert len(trained) == 2 and all("env/tool_calls" in row and "train/approx_kl" in row for row in trained)
