@@ -138,18 +138,18 @@ class TestWarmStartToolChat(PolicyContract):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("template", ["qwen3", "qwen2_5"])
-def test_the_tool_recipe_trains_on_a_real_template(tmp_path, template):
-    """recipes/ppo_tool_qwen3.toml as shipped, made small (a warm start of a few steps, two iterations
-    of 8 episodes), through the `rlkit` command: it builds its chat model on Qwen3's real template, or
-    on Qwen2.5's, which never rewrites history, plays tool episodes and trains."""
+@pytest.mark.parametrize(("name", "template"), [("ppo_tool_qwen3", "qwen3"), ("ppo_tool_qwen3", "qwen2_5"), ("grpo_tool_qwen3", "qwen3")])
+def test_the_tool_recipes_train_on_a_real_template(tmp_path, name, template):
+    """recipes/ppo_tool_qwen3.toml (and its GRPO twin) as shipped, made small (a warm start of a few
+    steps, two iterations of 8 episodes), through the `rlkit` command: it builds its chat model on
+    Qwen3's real template, or on Qwen2.5's, which never rewrites history, plays tool episodes and trains."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     pytest.importorskip("trl")
-    recipe = Path(__file__).parent.parent / "recipes" / "ppo_tool_qwen3.toml"
+    recipe = Path(__file__).parent.parent / "recipes" / f"{name}.toml"
     small = {"run.steps": 2, "run.output_dir": str(tmp_path / "run"), "policy.cache_dir": str(tmp_path / "cache"), "policy.n_embd": 32,
              "policy.n_head": 2, "policy.sft_steps": 4, "policy.sft_examples": 16, "policy.sft_batch_size": 4, "ppo.batch_size": 8,
              "ppo.minibatch_size": 4, "eval.size": 4, "eval.every": 2, "policy.chat_template": template}
