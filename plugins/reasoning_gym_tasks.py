@@ -48,9 +48,10 @@ def import_reasoning_gym(where: str):
     return reasoning_gym
 
 
-def make_dataset(name: str, settings: dict[str, Any], where: str):
-    """reasoning-gym's dataset `name` built from `settings` (its config class's fields), or a
-    located error: an unknown name with the close ones, an unknown setting, or one the dataset refuses."""
+def make_dataset(name: str, settings: dict[str, Any], seed: int, size: int, where: str):
+    """reasoning-gym's dataset `name` built from `settings` (its config class's fields besides seed
+    and size), or a located error: an unknown name with the close ones, an unknown setting, or
+    settings the dataset refuses."""
     reasoning_gym = import_reasoning_gym(where)
     from reasoning_gym.factory import DATASETS
 
@@ -64,7 +65,7 @@ def make_dataset(name: str, settings: dict[str, Any], where: str):
     fields = [field.name for field in dataclasses.fields(DATASETS[name][1]) if field.init]
     problems = []
     for key in settings:
-        if key in ("seed", "size") and key in fields:
+        if key in ("seed", "size"):
             problems.append(f"{where}.dataset_config.{key}: set data.{key} instead")
         elif key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
@@ -73,7 +74,7 @@ def make_dataset(name: str, settings: dict[str, Any], where: str):
     if problems:
         raise RecipeError(problems)
     try:
-        return reasoning_gym.create_dataset(name, **settings)
+        return reasoning_gym.create_dataset(name, **settings, seed=seed, size=size)
     except Exception as exc:  # the dataset's own validate(): an AssertionError or ValueError with its reason
         raise RecipeError([f"{where}.dataset_config: {name!r} refuses these settings: {type(exc).__name__}: {exc}"]) from None
 
@@ -102,9 +103,8 @@ class ReasoningGymPrompts(PromptSource):
 
     def records(self, count: int) -> list[dict[str, Any]]:
         config = self.config
-        settings = {**config.dataset_config, "seed": config.seed, "size": config.size}
-        dataset = make_dataset(config.dataset, settings, self.where)
-        described = {"name": config.dataset, "settings": settings}
+        dataset = make_dataset(config.dataset, config.dataset_config, config.seed, config.size, self.where)
+        described = {"name": config.dataset, "settings": dict(config.dataset_config), "seed": config.seed, "size": config.size}
         made = []
         for index in range(count):
             try:
@@ -138,8 +138,8 @@ class ReasoningGymReward(RewardSource):
         if importlib.util.find_spec("reasoning_gym") is None:
             return [f"{where}.type: 'reasoning-gym' needs the reasoning-gym package: {INSTALL}"], []
         data = recipe.components.get("data")
-        if data is not None and data.type != "reasoning-gym":
-            return [], [f"{where}: scores records with reasoning-gym's `entry` and `dataset` columns; data.type is {data.type!r}"]
+        if data is not None and data.component.factory is not ReasoningGymPrompts:
+            return [], [f"{where}: scores records with reasoning-gym's `entry` and `dataset` columns; data.type is {data.component.name!r}"]
         return [], []
 
     def score(self, prompts, responses, **columns):
@@ -155,7 +155,7 @@ class ReasoningGymReward(RewardSource):
     def _dataset(self, described: dict[str, Any]):
         key = json.dumps(described, sort_keys=True, default=str)
         if key not in self.datasets:
-            self.datasets[key] = make_dataset(described["name"], described["settings"], self.where)
+            self.datasets[key] = make_dataset(described["name"], described["settings"], described["seed"], described["size"], self.where)
         return self.datasets[key]
 
 
