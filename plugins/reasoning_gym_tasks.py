@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import json
 from typing import Any
 
@@ -135,8 +134,10 @@ class ReasoningGymReward(RewardSource):
     @staticmethod
     def check(config: ReasoningGymRewardConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes): the package is there, and the data says whose entries these are."""
-        if importlib.util.find_spec("reasoning_gym") is None:
-            return [f"{where}.type: 'reasoning-gym' needs the reasoning-gym package: {INSTALL}"], []
+        try:
+            import_reasoning_gym(where)
+        except RecipeError as exc:
+            return exc.problems, []
         data = recipe.components.get("data")
         if data is not None and data.component.factory is not ReasoningGymPrompts:
             return [], [f"{where}: scores records with reasoning-gym's `entry` and `dataset` columns; data.type is {data.component.name!r}"]
