@@ -154,3 +154,29 @@ def test_the_async_benchmark_serves_its_reward_with_the_delay_it_was_given():
         server.terminate()
         server.wait()
     assert set(module.RECIPES) == set(module.HELD_OUT) and all(path.is_file() for path in module.RECIPES.values())
+
+
+@pytest.mark.slow
+def test_the_trl_tool_task_scores_the_peers_saves_with_rlkits_own_evaluation(tmp_path):
+    """benchmarks/trl_tool_task.py on a tiny warm start, two rounds of TRL with rlkit's update: each
+    save is scored, and its round 0 (the warm start, untrained) scores exactly what rlkit's own run
+    of the recipe scores before its first update."""
+    import subprocess
+
+    pytest.importorskip("trl")
+    small = [f'policy.cache_dir="{tmp_path / "cache"}"', "policy.n_embd=32", "policy.n_head=2", "policy.sft_steps=4",
+             "policy.sft_examples=16", "policy.sft_batch_size=4", "eval.size=8"]
+    script = BENCH.with_name("trl_tool_task.py")
+    done = subprocess.run([sys.executable, str(script), "--update", "rlkit", "--rounds", "2", "--every", "1", "--out", str(tmp_path / "peer"),
+                           *(f"--set={value}" for value in small)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"update"')]
+    assert [line["round"] for line in lines[:-1]] == [0, 1, 2] and lines[-1]["median_seconds_a_round"] > 0
+    assert all(0.0 <= line["eval/solved"] <= 1.0 for line in lines[:-1])
+    rlkit = Path(sys.executable).with_name("rlkit")
+    ran = subprocess.run([str(rlkit), "run", str(BENCH.parents[1] / "recipes" / "ppo_tool_qwen3.toml"), "--quiet", "--set=run.steps=1", "--set=run.threads=1",
+                          f"--set=run.output_dir={tmp_path / 'run'}", "--set=tracker.type=none", *(f"--set={value}" for value in small)],
+                         capture_output=True, text=True, timeout=900)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    before = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert before["iteration"] == 0 and lines[0]["eval/solved"] == before["eval/solved"] and lines[0]["eval/score"] == before["eval/score"]
