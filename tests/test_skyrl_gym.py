@@ -192,3 +192,9 @@ def test_a_gsm8k_recipe_trains_on_a_tiny_chat_model(tmp_path, recipe_document, w
     for row in trained:
         assert 0.0 <= row["score/mean"] <= 2.0 and "train/approx_kl" in row and row["env/turns"] >= 1
         assert any(name.startswith("env/status_") for name in row)
+
+
+def test_an_env_that_needs_more_than_the_package_is_noted():
+    problems, notes = SkyRLGym.check(SkyRLGymConfig(env_id="search"), None, "$.environment")
+    assert problems == [] and notes == ["$.environment.env_id: 'search' needs a retrieval server over HTTP (env_config.search_url); "
+                                        "rlkit does not test it"]
