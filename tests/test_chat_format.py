@@ -396,25 +396,11 @@ def test_a_thinking_qwen3_episode_through_the_runner_splits_or_not_as_the_recipe
     """The whole runner on Qwen3's real template with a model that thinks in every turn of the first
     game: rendered, each user message after a turn splits the episode (three rows); kept, it stays one
     row whose stream holds every think block."""
-    import attrs
-    from transformers import AutoTokenizer
+    from tests.test_episode_credit import thinking_qwen3_trainer
+    from tests.test_trainer import rollout_with
 
-    from rlkit_core.testing.offline_models import write_tiny_model
-    from tests.test_episode_credit import FirstRowThinks
-    from tests.test_episodes import episode_document
-    from tests.test_trainer import make_trainer, rollout_with
-
-    path = write_tiny_model(tmp_path / "qwen3", "chatml")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = qwen3_template()
-    tokenizer.save_pretrained(path)
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    think = tokenizer("<think>\nhmm\n</think>\n\n7", add_special_tokens=False)["input_ids"] + [end]
-    plain = tokenizer("7", add_special_tokens=False)["input_ids"] + [end]
-    document = episode_document(recipe_document, path, max_turns=3, max_episode_tokens=200, thinking_in_history=thinking)
-    document["generator"]["max_new_tokens"] = len(think)
-    trainer = make_trainer(document, builtin_registry)
-    trainer.components = attrs.evolve(trainer.components, generator=FirstRowThinks(tokenizer.pad_token_id, think, plain))
+    trainer = thinking_qwen3_trainer(recipe_document, builtin_registry, tmp_path, thinking_in_history=thinking)
+    tokenizer = trainer.components.policy.tokenizer
     games = [{"prompt": "Guess my number, 1-16.", "secret": 16}, {"prompt": "Guess my number, 1-16.", "secret": 7}]
     batch, metrics = rollout_with(trainer, games, samples_per_prompt=1)
     assert batch.episode_ids.tolist() == rows and metrics["env/splits"] == (1.0 if thinking == "rendered" else 0.0)

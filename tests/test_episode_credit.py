@@ -105,6 +105,30 @@ class FirstRowThinks(Generator):
         return Generation(response_ids=ids, response_mask=mask, logprobs=torch.full(ids.shape, -0.5))
 
 
+def thinking_qwen3_trainer(recipe_document, registry, tmp_path, *, thinking_in_history: str = "rendered", **overrides):
+    """A guess-number trainer on a tiny model with Qwen3's real template, whose first running episode
+    writes a think block before its guess (7) in every turn, and every other one the guess alone."""
+    from transformers import AutoTokenizer
+
+    from rlkit_core.testing.offline_models import write_tiny_model
+    from tests.test_chat_format import qwen3_template
+    from tests.test_episodes import episode_document
+    from tests.test_trainer import make_trainer
+
+    path = write_tiny_model(tmp_path / "qwen3", "chatml")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = qwen3_template()
+    tokenizer.save_pretrained(path)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    think = tokenizer("<think>\nhmm\n</think>\n\n7", add_special_tokens=False)["input_ids"] + [end]
+    plain = tokenizer("7", add_special_tokens=False)["input_ids"] + [end]
+    document = episode_document(recipe_document, path, max_turns=3, max_episode_tokens=200, thinking_in_history=thinking_in_history)
+    document["generator"]["max_new_tokens"] = len(think)
+    trainer = make_trainer(document, registry, **overrides)
+    trainer.components = attrs.evolve(trainer.components, generator=FirstRowThinks(tokenizer.pad_token_id, think, plain))
+    return trainer
+
+
 def test_a_qwen3_episode_that_really_splits_is_one_trajectory_through_a_whole_iteration(recipe_document, builtin_registry, tmp_path):
     """Qwen3's real template strips a think block from the history once a user message follows, so a
     model that writes one splits at every turn of guess-number (its answers are user messages). The
@@ -114,25 +138,10 @@ def test_a_qwen3_episode_that_really_splits_is_one_trajectory_through_a_whole_it
     Game A (secret 16): the model thinks, so its guesses are unreadable: −0.1 three times,
     two splits, three rows. Game B (secret 7): it says 7 and wins, +1, one row. A mean over rows
     would be (3·(−0.3) + 1)/4 = 0.025; over episodes it is 0.35."""
-    from transformers import AutoTokenizer
-
     from rlkit_core.runtime.after_update import after_update
-    from rlkit_core.testing.offline_models import write_tiny_model
-    from tests.test_chat_format import qwen3_template
-    from tests.test_episodes import episode_document
-    from tests.test_trainer import advantages_with, make_trainer, rollout_with, update_with
+    from tests.test_trainer import advantages_with, rollout_with, update_with
 
-    path = write_tiny_model(tmp_path / "qwen3", "chatml")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = qwen3_template()
-    tokenizer.save_pretrained(path)
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    think = tokenizer("<think>\nhmm\n</think>\n\n7", add_special_tokens=False)["input_ids"] + [end]
-    plain = tokenizer("7", add_special_tokens=False)["input_ids"] + [end]
-    document = episode_document(recipe_document, path, max_turns=3, max_episode_tokens=200)
-    document["generator"]["max_new_tokens"] = len(think)
-    trainer = make_trainer(document, builtin_registry, kl__type="fixed", kl__beta=0.0)
-    trainer.components = attrs.evolve(trainer.components, generator=FirstRowThinks(tokenizer.pad_token_id, think, plain))
+    trainer = thinking_qwen3_trainer(recipe_document, builtin_registry, tmp_path, kl__type="fixed", kl__beta=0.0)
     games = [{"prompt": "Guess my number, 1-16.", "secret": 16}, {"prompt": "Guess my number, 1-16.", "secret": 7}]
     batch, metrics = rollout_with(trainer, games, samples_per_prompt=1)
     assert metrics["env/splits"] == 1.0 and batch.episode_ids.tolist() == [0, 0, 0, 1]
