@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import weakref
 from typing import Any
 
 import attrs
@@ -61,12 +60,9 @@ def known_env(env_id: str, where: str):
 
 @attrs.define
 class Episode:
-    """One episode's skyrl-gym environment, closed when it says done or when the core drops the
-    state (rlkit's Environment has no end-of-episode hook, so an episode the turns, the tokens or
-    a timeout end is closed by the finalizer)."""
+    """One episode's skyrl-gym environment, closed by the core's `close` however the episode ended."""
 
     env: Any
-    close: Any = None  # a weakref.finalize that calls env.close() once
 
 
 def numbers(table: Any) -> dict[str, float]:
@@ -122,7 +118,6 @@ class SkyRLGym(Environment):
                                f"{type(exc).__name__}: {exc}; gsm8k and aime read reward_spec = {{ground_truth = ...}} "
                                "(aime: reward_model), and environment.extras adds a table to every record"]) from None
         episode = Episode(env)
-        episode.close = weakref.finalize(episode, env.close)
         prompt = record["messages"] if record.get("prompt") is None and "messages" in record else [{"role": "user", "content": record["prompt"]}]
         messages, metadata = env.init([dict(message) for message in prompt])
         return Reset([dict(message) for message in messages], episode, info=numbers(metadata))
@@ -133,10 +128,13 @@ class SkyRLGym(Environment):
         info = numbers(out.get("metadata"))
         if done:
             info.update(numbers(state.env.get_metrics()) if hasattr(state.env, "get_metrics") else {})
-            state.close()
         reward = out["reward"]
         return Step(messages=[dict(message) for message in out["observations"] or []],
                     reward=None if reward is None else float(reward), done=done, info=info)
+
+
+    def close(self, state: Episode) -> None:
+        state.env.close()
 
 
 @hookimpl

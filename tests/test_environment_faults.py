@@ -19,9 +19,10 @@ import attrs
 import pytest
 import torch
 
-from rlkit_core.messages import Reset
+from rlkit_core.interfaces import Environment
+from rlkit_core.messages import Reset, Step
 from rlkit_core.runtime.after_update import data_checksum
-from tests.test_episodes import Faulty, ending_model, episode_document
+from tests.test_episodes import Faulty, Scripted, ending_model, episode_document
 from tests.test_trainer import make_trainer, rollout_with
 
 PLUGIN = '''
@@ -284,3 +285,59 @@ def test_on_a_chat_template_tokenizer_untrainable_rows_neither_crash_nor_train(r
     assert not nothing.trained and "score/mean" not in nothing.metrics and nothing.metrics["run/untrained_batches"] == 1
     assert trainer.components.kl.beta == beta
     assert all(torch.equal(a, b) for a, b in zip(weights, trainer.components.policy.parameters()))
+
+
+class ClosesEveryEpisode(Environment):
+    """By the record's `kind`: 0 done at once, 1 a step that raises, 2 a step past its timeout, 3
+    never done (the turn limit ends it), 4 a reset that raises (no episode to close). Records each close."""
+
+    def __init__(self, close_fails: bool = False):
+        self.closed: list[dict] = []
+        self.close_fails = close_fails
+        self.release = threading.Event()
+
+    def reset(self, record, seed):
+        if record["kind"] == 4:
+            raise RuntimeError("no room for another sandbox")
+        return Reset([{"role": "user", "content": "go"}], {"kind": record["kind"], "seed": seed, "steps": 0})
+
+    def step(self, state, reply):
+        state["steps"] += 1
+        kind = state["kind"]
+        if kind == 1:
+            raise RuntimeError("the sandbox died")
+        if kind == 2:
+            self.release.wait(5)
+        return Step(messages=[{"role": "user", "content": "more"}], reward=1.0, done=kind != 3)
+
+    def close(self, state):
+        self.closed.append(state)
+        if self.close_fails:
+            raise OSError("the sandbox was already gone")
+
+
+@pytest.mark.parametrize("close_fails", [False, True])
+def test_every_episode_that_started_is_closed_once_however_it_ended(recipe_document, builtin_registry, ending_tiny_model, close_fails):
+    """Done, a step that raised, a step past its timeout and the turn limit each end an episode that
+    is closed once, with its own state; a failed reset leaves nothing to close. A close that fails is
+    warned of once and changes no episode's status."""
+    environment = ClosesEveryEpisode(close_fails)
+    trainer = make_trainer(episode_document(recipe_document, ending_tiny_model, max_turns=2, step_timeout_s=0.3), builtin_registry)
+    policy = trainer.components.policy
+    turn = Scripted([[policy.tokenizer.convert_tokens_to_ids("a"), policy.eos_token_ids[0]]], policy.tokenizer.pad_token_id)
+    trainer.components = attrs.evolve(trainer.components, environment=environment, generator=turn)  # every turn ends
+    try:
+        with pytest.warns(UserWarning) as warned:
+            batch, metrics = rollout_with(trainer, [{"prompt": "p", "kind": kind} for kind in range(5)] * 4)
+    finally:
+        environment.release.set()
+    assert len(environment.closed) == 16 and len({state["seed"] for state in environment.closed}) == 16
+    assert sorted(state["kind"] for state in environment.closed) == sorted([0, 1, 2, 3] * 4)
+    assert {state["kind"]: state["steps"] for state in environment.closed} == {0: 1, 1: 1, 2: 1, 3: 2}
+    # done, a step that raised (and the 4 resets), a step past its timeout, the turn limit: unchanged by a close that fails
+    assert (metrics["env/status_ok"], metrics["env/status_error"], metrics["env/status_timeout"]) == pytest.approx((0.4, 0.4, 0.2))
+    said = [str(w.message) for w in warned if "close" in str(w.message)]
+    assert len(said) == (1 if close_fails else 0)
+    if close_fails:  # the error and the line that raised it
+        assert said[0].startswith("the environment's close failed in 16 of 16 episodes, so what they hold may not have been released: "
+                                  "OSError: the sandbox was already gone") and 'in close\n    raise OSError' in said[0]

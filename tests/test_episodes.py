@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlkit_core.functional import gae
-from rlkit_core.interfaces import Generation, Generator
+from rlkit_core.interfaces import Environment, Generation, Generator
 from rlkit_core.messages import Reset, Step
 from rlkit_core.runtime.episodes import EnvironmentFault, Episode, Sample, episodes_batch
 from rlkit_core.testing.offline_models import write_tiny_model
@@ -175,7 +175,7 @@ def test_sampled_ids_are_kept_verbatim_even_when_text_would_encode_them_otherwis
     assert sampled == (pieces + [eos]) * 2
 
 
-class Faulty:
+class Faulty(Environment):
     """An environment that misbehaves in the way its record's `fault` column says."""
 
     def tools(self):

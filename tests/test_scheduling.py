@@ -352,6 +352,9 @@ class StuckFromTheSecondBatch:
     def reset(self, record, seed):
         return self.environment.reset(record, seed)
 
+    def close(self, state):
+        self.environment.close(state)
+
     def step(self, state, reply):
         if self.batches[0] >= 2:
             self.released.wait()

@@ -4,7 +4,6 @@ and a short run through the `rlkit` command. Skipped without skyrl-gym."""
 
 from __future__ import annotations
 
-import gc
 import importlib
 import json
 import subprocess
@@ -87,17 +86,21 @@ def test_gsm8k_multi_turn_asks_again_until_right_with_its_format_score():
     assert right.reward == 1.0 and right.done and right.messages == [] and right.info == {"steps": 3.0}
 
 
-def test_the_env_is_closed_when_it_is_done_or_when_the_episode_is_dropped(monkeypatch):
+def test_the_core_closes_each_episodes_env_however_it_ended(monkeypatch):
+    """An episode the env ended (done) and one the core ended before (a turn limit): each env is
+    closed once, by the core's `close`, and never by a step."""
     from skyrl_gym.envs.gsm8k.env import GSM8kEnv
 
     closed = []
     monkeypatch.setattr(GSM8kEnv, "close", lambda self: closed.append(self))
     environment = SkyRLGym(SkyRLGymConfig(env_id="gsm8k"))
-    play(environment, RECORDS[0], ["#### 7"])
-    assert len(closed) == 1
-    environment.reset(RECORDS[1], 0)  # an episode the core ends before the env says done: its state is dropped
-    gc.collect()
-    assert len(closed) == 2
+    done = environment.reset(RECORDS[0], 0).state
+    assert environment.step(done, read_reply("#### 7", 1)).done
+    cut = environment.reset(RECORDS[1], 0).state
+    assert closed == []
+    environment.close(done)
+    environment.close(cut)
+    assert closed == [done.env, cut.env]
 
 
 def test_numeric_metadata_becomes_info_and_the_rest_is_left_out():

@@ -36,6 +36,7 @@ import torch
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.chat_format import ChatFormat, TemplateAudit, audit, episode_format
 from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.interfaces import Environment
 from rlkit_core.messages import STATUSES, TRAINED_STATUSES, Reply, Reset, Step
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
@@ -206,9 +207,26 @@ class EpisodeRunner:
         for episode in episodes:
             if episode.status is None:
                 episode.finish("ok")
+        began = time.perf_counter()
+        self._close([e for e in episodes if e.state is not None])
+        timings["environment"] += time.perf_counter() - began
         self.timings = timings
         self.hung_calls = self.calls.hung
         return episodes
+
+    def _close(self, ended: list[Episode]) -> None:
+        """`Environment.close` for each ended episode. A close that fails or times out is warned of
+        once and changes nothing else: the episode has ended and trains as it ended. An environment
+        that keeps the default (nothing to release) takes no thread of the pool."""
+        if getattr(type(self.environment), "close", Environment.close) is Environment.close:
+            return
+        closes = self._call([(self.environment.close, (e.state,)) for e in ended], "close")
+        failed = [(status, why) for status, why in closes if status not in ("ok", "stopped")]
+        if failed:
+            status, why = failed[0]
+            verb = f"did not return within environment.step_timeout_s = {self.settings.step_timeout_s:g} s" if status == "timeout" else "failed"
+            self._say_once("close", f"the environment's close {verb} in {len(failed)} of {len(ended)} episodes, so what they hold may not "
+                                    "have been released" + (f": {why}" if status != "timeout" else ""))
 
     def _fail(self, episode: Episode, status: str, why: Any, call: str) -> None:
         """End the episode for the environment's fault: "timeout", or else "error" with the text

@@ -629,7 +629,8 @@ class EnvironmentContract(ComponentContract):
     """Tools as JSON schemas of functions; `reset` opens every record with messages, alike for the
     same seed, and leaves the record as it was; `step` answers any reply (plain text, an unreadable
     tool call, a call of a tool that does not exist) with a valid `Step` and never raises, turn
-    after turn up to `max_turns`; and one instance plays interleaved episodes, each on its own state.
+    after turn up to `max_turns`; one instance plays interleaved episodes, each on its own state;
+    and `close` takes an episode at any point.
 
     `records` are the prompt records the checks open episodes with: give ones with the columns
     your environment reads (or override the `environment_records` fixture). Set `deterministic`
@@ -723,6 +724,15 @@ class EnvironmentContract(ComponentContract):
                 answer = self.step(instance, state, name, turn)
                 if answer.done or answer.status == "error":
                     break
+
+    def test_close_takes_an_episode_however_far_it_went(self, instance, environment_records):
+        """The runner closes every episode whose reset returned, once, after its last step: one just
+        opened (its first turn was cut off) as well as one that was answered."""
+        opened = self.reset(instance, environment_records[0], 0).state
+        answered = self.reset(instance, environment_records[0], 1).state
+        self.step(instance, answered, next(iter(self.replies)))
+        for state in (opened, answered):
+            assert instance.close(state) is None, "close() returns nothing: it releases what the episode holds"
 
     def play(self, instance, episodes: dict[str, tuple[dict[str, Any], int]], order: list[str]) -> dict[str, list[Step]]:
         """Episodes reset in turn, then stepped in `order` (names, each as often as it takes
