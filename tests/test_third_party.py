@@ -169,7 +169,8 @@ def test_rlkit_plugins_none_hides_the_example(example_recipe, monkeypatch, capsy
     assert main(["check", example_recipe]) == 2
     problems = capsys.readouterr().err
     assert "$.kl.type: unknown kl_controller 'pid'; registered: adaptive, fixed" in problems
-    assert "$.reward.type: unknown reward 'weighted-sum'; registered: exact-summary, fact-copied, http, openai-judge, python, reasoning-gym, reward-model, rouge" in problems
+    assert ("$.reward.type: unknown reward 'weighted-sum'; registered: exact-summary, fact-copied, http, openai-judge, python, "
+            "reasoning-gym, reward-model, rouge") in problems
     assert ("installed but filtered out by RLKIT_PLUGINS: example-pid-kl (rlkit-example-plugins 0.1.0), example-unit-converter "
             "(rlkit-example-plugins 0.1.0), example-weighted-sum (rlkit-example-plugins 0.1.0); if 'weighted-sum' comes from one "
             "of them, add its name to RLKIT_PLUGINS") in problems
