@@ -39,6 +39,13 @@ class Reply:
     # why a tool call could not be read (bad JSON, no name): the environment tells the model so;
     # the call is not made and the runner counts it (`env/unreadable_tool_calls`)
     parse_error: str | None = None
+    # the turn's ids as the generator sampled them (its end token included) and their log-probs:
+    # what an endpoint hands a harness that asks for tokens; never read back into the stream
+    ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    # the turn as the conversation records it (`ToolCallFormat.assistant_message`: its content and
+    # the calls read from it), which the chat template renders back
+    message: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -51,6 +58,9 @@ class Reset:
     # the episode's numbers until a step says otherwise ({"won": 0.0}), so that an episode the
     # model cut off before the environment could answer still counts in `env/won`
     info: dict[str, float] = attrs.field(factory=dict)
+    # the tools this episode's model may call, as JSON schemas; None: the environment's `tools()`
+    # (an agent whose harness names its tools per conversation sets them per episode)
+    tools: list[dict[str, Any]] | None = None
 
 
 @attrs.frozen
@@ -65,3 +75,7 @@ class Step:
     # numbers about the episode, each replacing the one of that name the reset or an earlier step
     # gave; those standing when it ends are averaged into `env/<name>` and `eval/<name>` ("won": 1.0)
     info: dict[str, float] = attrs.field(factory=dict)
+    # the whole conversation so far, when the environment changed what came before (an agent's
+    # harness that edited or dropped earlier messages); None: `messages` extend it. The next turn
+    # then starts a new training sample from this conversation rendered, counted in `env/splits`
+    history: list[dict[str, Any]] | None = None

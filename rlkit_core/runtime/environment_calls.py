@@ -41,7 +41,7 @@ class CallPool:
 
     def run(self, calls: list[tuple[Callable, tuple]], timeout: float, what: str = "call") -> list[tuple[str, Any]]:
         """Each `(function, args)` run in a thread of the pool: ("ok", result), ("error", text) or
-        ("timeout", None) once it has run `timeout` seconds (0: no limit). A `RecipeError` is bad
+        ("timeout", None) once it has run `timeout` seconds (0: no limit) or raised TimeoutError. A `RecipeError` is bad
         input, not an episode's fault: the first one is raised once every call has ended or timed
         out. `what` names the calls in the error that ends the run when every thread is held."""
         results: list[tuple[str, Any]] = [("timeout", None)] * len(calls)
@@ -55,6 +55,8 @@ class CallPool:
             except RecipeError as exc:
                 recipe_errors.append(exc)
                 outcome = ("error", str(exc))
+            except TimeoutError:  # the call gave up waiting on what it called (a socket, an agent's harness): a timeout
+                outcome = ("timeout", None)
             except Exception as exc:  # the environment's code: its failure is the episode's status
                 outcome = ("error", failure_text(exc))
             with self.changed:

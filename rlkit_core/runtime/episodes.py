@@ -76,6 +76,7 @@ class Episode:
     unreadable: int = 0  # replies whose tool-call markup could not be read
     started: float = 0.0
     reply: Reply | None = None
+    tools: list[dict] = attrs.field(factory=list)  # the tools the model is shown (`Reset.tools`, else the environment's)
 
     @property
     def sample(self) -> Sample:
@@ -94,10 +95,12 @@ def answer_problem(answer: Any, expected: type) -> str | None:
     contract, or None."""
     if not isinstance(answer, expected):
         return f"returned {type(answer).__name__}, not a {expected.__name__}"
+    lists = [("messages", answer.messages)] + ([("history", answer.history)] if isinstance(answer, Step) and answer.history is not None else [])
+    for name, messages in lists:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     and isinstance(m.get("content"), str) for m in messages):
+            return f"returned {name} that are not a list of dicts with a string 'role' and 'content'"
     messages = answer.messages
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                 and isinstance(m.get("content"), str) for m in messages):
-        return "returned messages that are not a list of dicts with a string 'role' and 'content'"
     if not isinstance(answer.info, dict) or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in answer.info.values()):
         return f"returned info {answer.info!r}: a dict of finite numbers is expected"
     if isinstance(answer, Reset):
@@ -183,7 +186,8 @@ class EpisodeRunner:
                 episode.samples.append(self._unplayed(self.format.opening([{"role": "user", "content": str(episode.record["prompt"])}], [])))
                 continue
             episode.state, episode.messages, episode.info = reset.state, list(reset.messages), dict(reset.info)
-            episode.samples.append(Sample(prompt=self.format.opening(episode.messages, self.tools)))
+            episode.tools = self.tools if reset.tools is None else list(reset.tools)
+            episode.samples.append(Sample(prompt=self.format.opening(episode.messages, episode.tools)))
             if not self.room_for_a_turn(episode.sample):
                 self._opening_overflow(episode)
         for turn in range(1, self.settings.max_turns + 1):
@@ -299,9 +303,10 @@ class EpisodeRunner:
             return episode.finish("overflow")
         if not ids or ids[-1] not in self.eos:
             return episode.finish("cut_off")
-        reply = self.format.read(ids, turn, self.tools)
+        reply = self.format.read(ids, turn, episode.tools)
+        reply = attrs.evolve(reply, ids=tuple(ids), logprobs=tuple(logprobs), message=self.format.assistant_message(reply))
         episode.unreadable += reply.parse_error is not None
-        episode.messages.append(self.format.assistant_message(reply))
+        episode.messages.append(reply.message)
         episode.reply = reply
 
     def _answer(self, episode: Episode, status: str, step: Step, last_turn: bool) -> None:
@@ -325,16 +330,23 @@ class EpisodeRunner:
             return episode.finish("ok")
         if self.settings.episode_timeout_s and time.monotonic() - episode.started > self.settings.episode_timeout_s:
             return episode.finish("timeout")
-        bridge = self.format.bridge(episode.sample.prompt + episode.sample.ids, episode.messages, step.messages, self.tools)
+        if step.history is not None:  # the environment changed the conversation: a new sample starts from it
+            episode.messages = list(step.history)
+            return self._start_sample(episode)
+        bridge = self.format.bridge(episode.sample.prompt + episode.sample.ids, episode.messages, step.messages, episode.tools)
         episode.messages += step.messages
         if bridge is None:  # the template rewrote the history: the next turn starts a new sample
-            episode.samples.append(Sample(prompt=self.format.opening(episode.messages, self.tools)))
-            return None
+            return self._start_sample(episode)
         if episode.tokens + len(bridge) >= self.token_limit(len(episode.samples[0].prompt)):
             return episode.finish("overflow")
         episode.sample.extend(bridge)
         episode.tokens += len(bridge)
         return None
+
+    def _start_sample(self, episode: Episode) -> None:
+        """The next turn starts a new sample from the conversation rendered whole (one that leaves
+        no room for a turn ends the episode as "overflow" before that turn)."""
+        episode.samples.append(Sample(prompt=self.format.opening(episode.messages, episode.tools)))
 
 
 def chat_audit(recipe, policy) -> TemplateAudit:

@@ -1,0 +1,127 @@
+"""Agents for the tests of the `agent` environment, written against the `openai` package as a user
+writes theirs: each is called with a prompt record and a client (or run as a program: `python
+agent_harnesses.py <name>`, which reads the endpoint from the environment as `OpenAI()` does).
+
+The probes of bad input make a good request first (the episode opens on it), then the bad one, and
+return a reward of 1 only when the endpoint refused it as it should, with the code it should."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import openai
+from openai import OpenAI
+
+LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                           "parameters": {"type": "object", "properties": {"word": {"type": "string"}},
+                                                          "required": ["word"]}}}
+
+
+def ask(client: OpenAI, messages: list, **fields):
+    return client.chat.completions.create(model="policy", messages=messages, **fields).choices[0].message
+
+
+def talk(record: dict, client: OpenAI, turns: int = 3) -> dict:
+    """Says 'again' after each of the model's turns, keeping the conversation as the endpoint returned it."""
+    messages = [{"role": "user", "content": record["prompt"]}]
+    for _ in range(turns - 1):
+        messages += [ask(client, messages).model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    ask(client, messages)
+    return {"reward": 1.0, "talked": float(turns)}
+
+
+def forgetful(record: dict, client: OpenAI) -> float:
+    """Drops the model's turn from the history before asking again: the history changed."""
+    first = [{"role": "user", "content": record["prompt"]}]
+    ask(client, first)
+    ask(client, [*first, {"role": "user", "content": "again"}])
+    return 0.5
+
+
+def tool_user(record: dict, client: OpenAI) -> float:
+    """Answers every tool call the model makes by its id, until the model answers without one."""
+    messages = [{"role": "user", "content": record["prompt"]}]
+    while True:
+        message = ask(client, messages, tools=[LOOKUP])
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return 1.0
+        messages += [{"role": "tool", "tool_call_id": call.id, "content": "found"} for call in message.tool_calls]
+
+
+def refused(call, code: str) -> bool:
+    try:
+        call()
+    except openai.APIStatusError as error:
+        return error.body is not None and error.body.get("code") == code
+    return False
+
+
+def wrong_tool_id(record: dict, client: OpenAI) -> float:
+    messages = [{"role": "user", "content": record["prompt"]}]
+    message = ask(client, messages, tools=[LOOKUP])
+    bad = [*messages, message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": "call_nobody_made", "content": "x"}]
+    return float(refused(lambda: ask(client, bad, tools=[LOOKUP]), "unknown_tool_call_id"))
+
+
+def hot(record: dict, client: OpenAI) -> float:
+    messages = [{"role": "user", "content": record["prompt"]}]
+    message = ask(client, messages)
+    later = [*messages, message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    return float(refused(lambda: ask(client, later, temperature=0.3), "invalid_temperature"))
+
+
+def stranger(record: dict, client: OpenAI) -> float:
+    """Uses a key that is not its session's, then a session that does not exist."""
+    ask(client, [{"role": "user", "content": record["prompt"]}])
+    other = OpenAI(base_url=str(client.base_url), api_key="rlkit-not-mine", max_retries=0)
+    elsewhere = OpenAI(base_url=str(client.base_url).replace("/sessions/", "/sessions/x"), api_key=client.api_key, max_retries=0)
+    message = [{"role": "user", "content": "hi"}]
+    return float(refused(lambda: ask(other, message), "invalid_api_key") and refused(lambda: ask(elsewhere, message), "unknown_session"))
+
+
+def too_many(record: dict, client: OpenAI) -> dict:
+    """Keeps asking until the endpoint refuses: the episode's turns ran out."""
+    messages = [{"role": "user", "content": record["prompt"]}]
+    for asked in range(1, 20):
+        try:
+            messages += [ask(client, messages).model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+        except openai.BadRequestError as error:
+            return {"reward": float(error.body.get("code") == "max_turns"), "answered": float(asked - 1)}
+    return {"reward": 0.0, "answered": 19.0}
+
+
+def raises(record: dict, client: OpenAI) -> float:
+    ask(client, [{"role": "user", "content": record["prompt"]}])
+    raise ValueError("the harness broke")
+
+
+def hangs(record: dict, client: OpenAI) -> float:
+    ask(client, [{"role": "user", "content": record["prompt"]}])
+    time.sleep(30)
+    return 1.0
+
+
+def no_reward(record: dict, client: OpenAI):
+    ask(client, [{"role": "user", "content": record["prompt"]}])
+    return None
+
+
+def never_asks(record: dict, client: OpenAI) -> float:
+    return 1.0
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    if name == "exits":
+        ask(OpenAI(max_retries=0), [{"role": "user", "content": "hi"}])
+        sys.exit(3)
+    if name == "silent":
+        ask(OpenAI(max_retries=0), [{"role": "user", "content": json.loads(os.environ["RLKIT_RECORD"])["prompt"]}])
+        sys.exit(0)
+    record = json.loads(sys.stdin.read())
+    print("some chatter first")
+    print(json.dumps(globals()[name](record, OpenAI(max_retries=0))))

@@ -1,0 +1,238 @@
+"""The `agent` environment and its endpoint (`rlkit_core.endpoint`): an agent written against the
+`openai` package (tests/agent_harnesses.py), in this process or as a program of its own, plays
+episodes through a real HTTP server; the training rows are the ids the model sampled and the chat
+template rendered, decided by ids, never re-encoded; a harness that changed history starts a new
+sample, counted; every bad request is an HTTP error the harness reads, and every failure of a
+harness is an episode status, never a reward of 0."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from rlkit_core.testing.offline_models import write_tiny_model
+from tests.test_episodes import Scripted, render_ids
+from tests.test_trainer import make_trainer, rollout_with
+
+openai = pytest.importorskip("openai")
+
+HARNESSES = Path(__file__).parent / "agent_harnesses.py"
+PROMPT = "Guess my number, 1-16."
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory):
+    """A Qwen-style BPE and template (the tool tags added, think blocks of earlier turns stripped)."""
+    from transformers import AutoTokenizer
+
+    path = write_tiny_model(tmp_path_factory.mktemp("chatml"), "chatml")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))  # room for the tools' preamble
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+def turn_ids(tokenizer, text: str, end: bool = True) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.convert_tokens_to_ids("<|im_end|>")] if end else [])
+
+
+def agent_trainer(document, registry, model, tokenizer, turns: list[list[int]], **environment):
+    """A trainer whose episodes are played by an agent, the model's turns `turns` in order (the same
+    for every episode), so that what the rows must hold is known to the token."""
+    document["policy"]["model"] = str(model)
+    document.pop("reward")
+    document["generator"]["max_new_tokens"] = 12
+    document["environment"] = {"type": "agent", "max_turns": 3, "max_episode_tokens": 200, "step_timeout_s": 60.0, **environment}
+    document["data"] = {"type": "guess-number-games", "size": 64, "seed": 0}
+    trainer = make_trainer(document, registry)
+    trainer.components = attrs.evolve(trainer.components, generator=Scripted(turns, tokenizer.pad_token_id))
+    return trainer
+
+
+def harness(name: str) -> dict:
+    return {"harness": f"tests.agent_harnesses:{name}"}
+
+
+def command(name: str) -> dict:
+    return {"command": [sys.executable, str(HARNESSES), name]}
+
+
+def rows_of(batch) -> list[list[int]]:
+    return [torch.cat([batch.prompt_ids[i][batch.prompt_mask[i].bool()], batch.response_ids[i][batch.response_mask[i].bool()]]).tolist()
+            for i in range(len(batch))]
+
+
+def sampled_of(batch) -> list[list[int]]:
+    return [row[~torch.isnan(batch.sampled_logprobs[i]) & batch.loss_mask[i].bool()].tolist() for i, row in enumerate(batch.response_ids)]
+
+
+RECORDS = [{"prompt": PROMPT, "secret": 3}] * 2
+
+
+@pytest.mark.parametrize("how", [harness("talk"), command("talk")], ids=["callable", "command"])
+def test_an_agents_episode_is_the_templates_render_of_its_conversation(recipe_document, builtin_registry, chatml, how):
+    """Three turns of a harness that keeps the conversation as the endpoint returned it: one sample,
+    equal to the template's render of the whole conversation at once (but for the newline the
+    template puts after the last end token); only the model's ids are sampled; the harness's reward
+    and figures are the episode's."""
+    path, tokenizer = chatml
+    turn = turn_ids(tokenizer, "7")
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn], **how)
+    batch, metrics = rollout_with(trainer, RECORDS)
+    conversation = [{"role": "user", "content": PROMPT}]
+    for _ in range(2):
+        conversation += [{"role": "assistant", "content": "7"}, {"role": "user", "content": "again"}]
+    conversation.append({"role": "assistant", "content": "7"})
+    assert (metrics["env/status_ok"], metrics["env/splits"], metrics["env/agent_rewrites"], metrics["env/turns"]) == (1.0, 0.0, 0.0, 3.0)
+    assert metrics["env/reward"] == 1.0 and metrics["env/talked"] == 3.0 and metrics["env/agent_requests"] == 3.0
+    assert rows_of(batch)[0] == render_ids(tokenizer, conversation)[:-1]
+    assert sampled_of(batch) == [turn * 3] * 2
+    assert batch.scores.tolist() == [1.0, 1.0]
+
+
+def test_a_template_that_drops_earlier_thinking_splits_the_agents_episode_where_the_harness_did_not(recipe_document, builtin_registry,
+                                                                                                     chatml):
+    """The harness keeps every turn as returned, think block and all; the template strips the
+    earlier turns' think blocks, so the stream is no prefix of the next render: each later turn
+    starts a sample of its own (env/splits), and the harness is not counted as rewriting."""
+    path, tokenizer = chatml
+    turn = turn_ids(tokenizer, "<think>hm</think>7")
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn], **harness("talk"))
+    batch, metrics = rollout_with(trainer, RECORDS)
+    assert (metrics["env/splits"], metrics["env/agent_rewrites"], len(batch)) == (2.0, 0.0, 6)
+    conversation = [{"role": "user", "content": PROMPT}]
+    for sample in rows_of(batch)[:3]:
+        assert sample == render_ids(tokenizer, conversation, generation_prompt=True) + turn
+        conversation += [{"role": "assistant", "content": "<think>hm</think>7"}, {"role": "user", "content": "again"}]
+
+
+def test_a_harness_that_changes_history_starts_a_new_sample_from_its_conversation(recipe_document, builtin_registry, chatml):
+    path, tokenizer = chatml
+    turn = turn_ids(tokenizer, "7")
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn], **harness("forgetful"))
+    batch, metrics = rollout_with(trainer, RECORDS)
+    assert (metrics["env/splits"], metrics["env/agent_rewrites"], metrics["env/reward"], len(batch)) == (1.0, 1.0, 0.5, 4)
+    first, second = rows_of(batch)[:2]
+    assert first == render_ids(tokenizer, [{"role": "user", "content": PROMPT}], generation_prompt=True) + turn
+    assert second == render_ids(tokenizer, [{"role": "user", "content": PROMPT}, {"role": "user", "content": "again"}],
+                                generation_prompt=True) + turn
+    assert batch.episode_ids.tolist() == [0, 0, 1, 1] and batch.scores.tolist() == [0.5] * 4  # one episode, one score
+
+
+def test_tool_calls_go_out_with_ids_and_their_results_come_back_rendered(recipe_document, builtin_registry, chatml):
+    """The model's call (read by the template's tool-call format) reaches the harness as an OpenAI
+    tool call with an id; the harness's result, sent by that id, is rendered as the template renders
+    a tool result of that tool: the episode is the render of the conversation with its tools."""
+    path, tokenizer = chatml
+    call = turn_ids(tokenizer, '<tool_call>\n{"name": "lookup", "arguments": {"word": "fig"}}\n</tool_call>')
+    answer = turn_ids(tokenizer, "done")
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [call, answer], **harness("tool_user"))
+    batch, metrics = rollout_with(trainer, RECORDS)
+    from tests.agent_harnesses import LOOKUP
+
+    conversation = [{"role": "user", "content": PROMPT},
+                    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "lookup",
+                                                                                                          "arguments": {"word": "fig"}}}]},
+                    {"role": "tool", "name": "lookup", "content": "found"}, {"role": "assistant", "content": "done"}]
+    text = tokenizer.apply_chat_template(conversation, tools=[LOOKUP], tokenize=False)
+    assert (metrics["env/status_ok"], metrics["env/splits"], metrics["env/reward"]) == (1.0, 0.0, 1.0)
+    assert rows_of(batch)[0] == tokenizer(text, add_special_tokens=False)["input_ids"][:-1]
+    assert sampled_of(batch)[0] == call + answer
+
+
+@pytest.mark.parametrize("name", ["wrong_tool_id", "hot", "stranger", "too_many"])
+def test_every_bad_request_is_an_http_error_the_harness_reads_and_the_episode_goes_on(recipe_document, builtin_registry, chatml, name):
+    """A tool result for a call nobody made, a temperature not the run's, another session's key or
+    a session that does not exist, a request past max_turns: each refused with its code (the probe
+    returns 1 only when it read that code), counted, and the episode ends as the harness ends it."""
+    path, tokenizer = chatml
+    call = turn_ids(tokenizer, '<tool_call>\n{"name": "lookup", "arguments": {"word": "fig"}}\n</tool_call>')
+    turns = [call] if name == "wrong_tool_id" else [turn_ids(tokenizer, "7")]
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, turns, **harness(name))
+    _, metrics = rollout_with(trainer, RECORDS)
+    assert (metrics["env/status_ok"], metrics["env/reward"]) == (1.0, 1.0)
+    if name == "too_many":
+        assert (metrics["env/answered"], metrics["env/agent_refused"]) == (3.0, 1.0)
+    elif name != "stranger":  # refused before its session read it (another key, no such session): counted by nobody's episode
+        assert metrics["env/agent_refused"] == 1.0
+
+
+@pytest.mark.parametrize(("how", "status", "said"), [
+    (harness("raises"), "error", "raised ValueError: the harness broke"),
+    (harness("no_reward"), "error", "ended with None: a finite reward"),
+    (harness("never_asks"), "error", "ended before its first request"),
+    (harness("hangs"), "timeout", None),
+    (command("exits"), "error", "exited with status 3"),
+    (command("silent"), "error", "printed no reward"),
+    (command("hangs"), "timeout", None),
+], ids=["raises", "no-reward", "never-asks", "hangs", "exits-non-zero", "prints-nothing", "command-hangs"])
+def test_every_failure_of_a_harness_is_a_status_never_a_score(recipe_document, builtin_registry, chatml, how, status, said):
+    from rlkit_core.runtime.episodes import EnvironmentFault
+
+    path, tokenizer = chatml
+    wait = 2.0 if status == "timeout" else 60.0  # time enough for a program to start on a loaded machine, but to hang
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7")], step_timeout_s=wait, **how)
+    with pytest.warns(EnvironmentFault, match=said or ".") if said else _nothing():
+        batch, metrics = rollout_with(trainer, RECORDS)
+    assert metrics[f"env/status_{status}"] == 1.0
+    assert int(batch.loss_mask.sum()) == 0  # nothing trained from it
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_a_turn_cut_off_ends_the_episode_and_its_request_is_refused(recipe_document, builtin_registry, chatml):
+    """A turn without its end token ends the episode (trained as cut off); the request the harness
+    waits on is answered 410 'episode_ended', which its client raises."""
+    path, tokenizer = chatml
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7", end=False)], **harness("talk"))
+    batch, metrics = rollout_with(trainer, RECORDS)
+    assert metrics["env/status_cut_off"] == 1.0 and int(batch.loss_mask.sum()) > 0
+
+
+def test_a_request_after_the_episode_ended_reads_why(chatml):
+    from rlkit_core.endpoint import Limits, agent_endpoint
+
+    session = agent_endpoint().open(Limits(max_turns=2, max_new_tokens=8, temperature=1.0))
+    session.end("closed")
+    client = openai.OpenAI(base_url=session.base_url, api_key=session.key, max_retries=0)
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    assert raised.value.status_code == 410 and raised.value.body["code"] == "episode_ended"
+
+
+def test_the_endpoint_lists_the_model_and_names_what_it_refuses_before_an_episode_reads_it():
+    from rlkit_core.endpoint import Limits, agent_endpoint
+
+    session = agent_endpoint().open(Limits(max_turns=2, max_new_tokens=8, temperature=1.0, model="tiny"))
+    client = openai.OpenAI(base_url=session.base_url, api_key=session.key, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    cases = [({"stream": True}, "stream_unsupported"), ({"n": 2}, "invalid_n"), ({"max_tokens": 4}, "invalid_max_tokens"),
+             ({"tool_choice": "required"}, "tool_choice_unsupported"), ({"stop": ["x"]}, "stop_unsupported")]
+    for fields, code in cases:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], **fields)
+        assert raised.value.body["code"] == code, fields
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="tiny", messages=[])
+    assert raised.value.body["code"] == "invalid_messages"
+    session.end("closed")
+
+
+def test_a_recipe_names_its_agent_once_and_loadably(recipe_document, builtin_registry, chatml):
+    from rlkit_core.errors import RecipeError
+
+    path, tokenizer = chatml
+    for environment, message in [({}, "exactly one of 'harness'"), ({**harness("talk"), **command("talk")}, "exactly one of 'harness'"),
+                                 ({"harness": "tests.agent_harnesses:missing"}, "has no callable 'missing'"),
+                                 ({"harness": "no/such/agent.py:play"}, "could not be loaded"),
+                                 ({"harness": "play"}, "is not 'package.module:function'")]:
+        with pytest.raises(RecipeError, match=message):
+            agent_trainer(dict(recipe_document, reward={}), builtin_registry, path, tokenizer, [[1]], **environment)
