@@ -9,47 +9,22 @@ record and an `openai.OpenAI` client bound to the episode's session; or a comman
 returns the episode's reward, or a dict with `"reward"` and other figures (each averaged into
 `env/<name>`); the command prints that as its last line (a number, or a JSON object).
 
-The harness's first request opens the episode; each later one answers the model's turn; its end
-pays the reward. A harness that raises, exits non-zero or ends with no reward ends its episode with
-status "error"; one that neither sends a request nor ends within `step_timeout_s` (or what is left
-of `episode_timeout_s`) ends it as a "timeout". Neither is scored, and both are counted. Every
-ending closes the session (a late request is refused) and stops the command's process.
+How an episode runs, and how each failure of a harness becomes a status, is
+`rlkit_core.harness.HarnessEnvironment`'s, which this environment is.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
-import math
-import os
-import signal
-import subprocess
 import sys
-import threading
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from rlkit_core import (
-    Environment,
-    HarnessEnded,
-    Limits,
-    RecipeError,
-    Reset,
-    Session,
-    StandardEpisode,
-    Step,
-    Turn,
-    agent_endpoint,
-    building_at,
-    hookimpl,
-    setting,
-)
+from rlkit_core import HarnessEnvironment, RecipeError, StandardEpisode, building_at, hookimpl, setting
 
 
 @attrs.frozen
@@ -61,17 +36,6 @@ class AgentConfig(StandardEpisode):
                                                     "and RLKIT_RECORD set and the record as JSON on stdin; its last line of output is "
                                                     "the reward (a number or a JSON object with 'reward')")
     model: str = setting("policy", help="the model name the endpoint lists and answers as")
-
-
-class HarnessFailed(RuntimeError):
-    """The harness raised, exited non-zero or ended without a reward: the episode's status is "error"."""
-
-
-@attrs.define(eq=False)
-class AgentEpisode:
-    session: Session
-    started: float
-    process: subprocess.Popen | None = None
 
 
 def load_harness(spec: str, where: str) -> Callable:
@@ -92,7 +56,7 @@ def load_harness(spec: str, where: str) -> Callable:
         else:
             module = importlib.import_module(module_name)
     except Exception as exc:
-        raise RecipeError([f"{where}.harness: {module_name!r} could not be loaded ({failure_text(exc)}); name an importable module or "
+        raise RecipeError([f"{where}.harness: {module_name!r} could not be loaded ({type(exc).__name__}: {exc}); name an importable module or "
                            "a file relative to the working directory"]) from None
     function = getattr(module, name, None)
     if not callable(function):
@@ -100,149 +64,29 @@ def load_harness(spec: str, where: str) -> Callable:
     return function
 
 
-def failure_text(exc: BaseException) -> str:
-    """`Type: message`, then the frames of the agent's own code (not the libraries' it called)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" not in f.filename and f.filename != __file__]
-    return "\n".join([f"{type(exc).__name__}: {exc}", *(line.rstrip("\n") for line in traceback.format_list(frames[-3:]))])
-
-
-def outcome_of(result: Any) -> HarnessEnded:
-    """What a harness returned (or printed, read as JSON): a reward, or a dict of 'reward' and figures."""
-    figures = result if isinstance(result, dict) else {"reward": result}
-    reward = figures.get("reward")
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        return HarnessEnded(failure=f"ended with {result!r}: a finite reward, or a dict with 'reward', is expected")
-    info = {k: float(v) for k, v in figures.items() if k != "reward" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return HarnessEnded(reward=float(reward), info=info)
-
-
-def printed_outcome(stdout: str) -> HarnessEnded:
-    lines = [line for line in stdout.splitlines() if line.strip()]
-    if not lines:
-        return HarnessEnded(failure="printed no reward (its last line of output should be the reward)")
-    try:
-        return outcome_of(json.loads(lines[-1]))
-    except json.JSONDecodeError:
-        return HarnessEnded(failure=f"printed {lines[-1][:200]!r} last, which is not a reward (a number or a JSON object)")
-
-
-class Agent(Environment):
-    """A harness per episode, through the endpoint (see the module)."""
+class Agent(HarnessEnvironment):
+    """The recipe's agent per episode, through the endpoint (see the module)."""
 
     def __init__(self, config: AgentConfig, context=None):
-        self.config, where = config, building_at(context, "environment")
+        where = building_at(context, "environment")
         if bool(config.harness) == bool(config.command):
             raise RecipeError([f"{where}: name the agent as exactly one of 'harness' (a Python callable) and 'command' (a program)"])
         self.function = load_harness(config.harness, where) if config.harness else None
-        recipe = getattr(context, "recipe", None)
-        generator = recipe["generator"].config if recipe is not None else None
-        self.limits = Limits(max_turns=config.max_turns, max_new_tokens=getattr(generator, "max_new_tokens", 1),
-                             temperature=getattr(generator, "temperature", 1.0), model=config.model)
-        self.tokenizer = getattr(context, "tokenizer", None)
-        self.lock, self.shared = threading.Lock(), None
         if self.function is not None:
             try:
                 import openai  # noqa: F401
             except ImportError:
                 raise RecipeError([f"{where}.harness: a Python harness is handed an openai.OpenAI client, and the openai package is "
                                    "not installed; pip install 'rlkit[agents]' (or use 'command')"]) from None
+        super().__init__(config, context, model=config.model)
+        self.config = config
 
-    def reset(self, record: dict[str, Any], seed: int) -> Reset:
-        episode = AgentEpisode(agent_endpoint().open(self.limits), started=time.monotonic())
-        try:
-            self._launch(episode, record)
-            event = episode.session.next_event(self._wait(episode))
-            if isinstance(event, HarnessEnded):
-                raise HarnessFailed(f"the harness ended before its first request: {event.failure or 'it sent none'}")
-        except BaseException:
-            self.close(episode)
-            raise
-        return Reset(messages=event.messages, state=episode, tools=event.tools, info=self._counts(episode))
+    def play(self, record: dict[str, Any], client: Any) -> Any:
+        assert self.function is not None
+        return self.function(record, client)
 
-    def step(self, state: AgentEpisode, reply) -> Step:
-        session = state.session
-        pieces = [self.tokenizer.decode([i]) for i in reply.ids] if self.tokenizer is not None else None
-        session.respond(reply, reply.message, pieces)
-        event = session.next_event(self._wait(state))
-        if isinstance(event, HarnessEnded):
-            if event.failure:
-                raise HarnessFailed(f"the harness {event.failure}")
-            return Step(reward=event.reward, done=True, info={**self._counts(state), **event.info})
-        return self._turn(state, event)
-
-    def close(self, state: AgentEpisode) -> None:
-        state.session.end("closed")
-        process = state.process
-        if process is not None and process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait(timeout=5)
-
-    def _turn(self, state: AgentEpisode, turn: Turn) -> Step:
-        info = self._counts(state)
-        if turn.new is None:  # the harness changed what came before: a new sample, counted
-            return Step(history=turn.messages, info=info)
-        return Step(messages=turn.new, info=info)
-
-    def _counts(self, state: AgentEpisode) -> dict[str, float]:
-        session = state.session
-        return {"agent_requests": float(session.requests), "agent_refused": float(session.refused),
-                "agent_rewrites": float(session.rewrites)}
-
-    def _wait(self, state: AgentEpisode) -> float | None:
-        """How long a reset or step waits on the harness: within step_timeout_s (a little less, so
-        that it gives up before the call pool does) and what is left of episode_timeout_s."""
-        limits = []
-        if self.config.step_timeout_s:
-            limits.append(self.config.step_timeout_s * 0.95)
-        if self.config.episode_timeout_s:
-            limits.append(max(0.0, self.config.episode_timeout_s - (time.monotonic() - state.started)))
-        return min(limits) if limits else None
-
-    def _launch(self, episode: AgentEpisode, record: dict[str, Any]) -> None:
-        if self.function is not None:
-            threading.Thread(target=self._call, args=(episode.session, record), daemon=True, name="rlkit-harness").start()
-            return
-        environment = {**os.environ, "OPENAI_BASE_URL": episode.session.base_url, "OPENAI_API_KEY": episode.session.key,
-                       "RLKIT_RECORD": json.dumps(record, default=str)}
-        process = subprocess.Popen(self.config.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env=environment, start_new_session=True)
-        episode.process = process
-        threading.Thread(target=self._wait_for, args=(episode.session, process, record), daemon=True, name="rlkit-harness").start()
-
-    def _call(self, session: Session, record: dict[str, Any]) -> None:
-        client = self._client().with_options(base_url=session.base_url, api_key=session.key)
-        try:
-            result = self.function(dict(record), client)  # type: ignore[misc]
-        except Exception as exc:
-            session.harness_ended(HarnessEnded(failure=f"raised {failure_text(exc)}"))
-            return
-        session.harness_ended(outcome_of(result))
-
-    def _client(self):
-        """One `openai.OpenAI` for every episode, each given a copy bound to its session: the copies
-        share its connections, and a client of its own per episode would cost more than the request."""
-        with self.lock:
-            if self.shared is None:
-                from openai import OpenAI
-
-                self.shared = OpenAI(base_url=agent_endpoint().url, api_key="rlkit", max_retries=0,
-                                     timeout=self.config.episode_timeout_s or None)
-            return self.shared
-
-    def _wait_for(self, session: Session, process: subprocess.Popen, record: dict[str, Any]) -> None:
-        try:
-            stdout, stderr = process.communicate(json.dumps(record, default=str))
-        except (OSError, ValueError) as exc:
-            session.harness_ended(HarnessEnded(failure=f"could not be given its record: {exc}"))
-            return
-        if process.returncode != 0:
-            tail = " | ".join(stderr.strip().splitlines()[-3:])
-            session.harness_ended(HarnessEnded(failure=f"exited with status {process.returncode}" + (f": {tail}" if tail else "")))
-            return
-        session.harness_ended(printed_outcome(stdout))
+    def command(self, record: dict[str, Any]) -> list[str] | None:
+        return list(self.config.command) or None
 
 
 @hookimpl

@@ -9,8 +9,9 @@ tool-call format implements (`ToolCallFormat`, with `typed_arguments` and `parse
 registered by a `register_tool_call_formats` hook),
 and the records a factory reads through its `BuildContext` (the `Recipe` and its tables). An
 environment speaks the messages of `Reply`, `Reset` and `Step`; `ToolEnvironment` and `tool` make
-typed methods its tools; an environment whose episodes an outside agent plays serves it through
-`agent_endpoint()` (a `Session` per episode, opened with the run's `Limits`; its `Turn`s and `HarnessEnded`).
+typed methods its tools; an environment whose episodes an outside agent plays subclasses
+`HarnessEnvironment` (built on `agent_endpoint()`: a `Session` per episode, opened with the run's
+`Limits`; its `Turn`s and `HarnessEnded`).
 
 Besides this module a plugin may import three helper modules, as the built-in plugins do (and
 nothing else of `rlkit_core`; `tests/test_layout.py` holds the built-ins to it):
@@ -26,6 +27,7 @@ from rlkit_core.context import BuildContext, building_at
 from rlkit_core.endpoint import HarnessEnded, Limits, Session, Turn, agent_endpoint
 from rlkit_core.episode_limits import StandardEpisode
 from rlkit_core.errors import Problem, RecipeError, RunError
+from rlkit_core.harness import HarnessEnvironment
 from rlkit_core.hookspecs import hookimpl
 from rlkit_core.interfaces import (
     AdvantageEstimator,
@@ -74,14 +76,14 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = [
     "AdvantageEstimator", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Environment",
-    "EvalConfig", "Generation", "Generator", "HarnessEnded", "HealthConfig", "JSONInTags", "KLController", "Launch", "Limits", "Loss",
-    "LossInputs", "LossTerms", "ModelSettings", "ModelShape", "NullTracker", "OptimConfig", "PPOConfig", "Policy", "PolicyOutput",
-    "PolicySettings", "Problem", "Progress", "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError", "Reply", "Reset",
-    "RewardSource", "RunConfig", "RunError", "SamplingSettings", "Session", "StandardEpisode", "StandardSampling", "Step", "Surrogate",
-    "SurrogateTerms", "ToolCall", "ToolCallFormat", "ToolEnvironment", "Tracker", "Turn", "ValueHead", "agent_endpoint", "at_least",
-    "between", "building_at", "chat_format_for", "greater_than", "hookimpl", "nested_component", "nested_components", "one_of",
-    "parse_tool_calls", "read_call_blocks", "sampling_seed", "setting", "switch_off_dropout", "tool", "tool_schema", "typed_arguments",
-    "without_call_blocks", "__version__",
+    "EvalConfig", "Generation", "Generator", "HarnessEnded", "HarnessEnvironment", "HealthConfig", "JSONInTags", "KLController", "Launch",
+    "Limits", "Loss", "LossInputs", "LossTerms", "ModelSettings", "ModelShape", "NullTracker", "OptimConfig", "PPOConfig", "Policy",
+    "PolicyOutput", "PolicySettings", "Problem", "Progress", "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError",
+    "Reply", "Reset", "RewardSource", "RunConfig", "RunError", "SamplingSettings", "Session", "StandardEpisode", "StandardSampling",
+    "Step", "Surrogate", "SurrogateTerms", "ToolCall", "ToolCallFormat", "ToolEnvironment", "Tracker", "Turn", "ValueHead",
+    "agent_endpoint", "at_least", "between", "building_at", "chat_format_for", "greater_than", "hookimpl", "nested_component",
+    "nested_components", "one_of", "parse_tool_calls", "read_call_blocks", "sampling_seed", "setting", "switch_off_dropout", "tool",
+    "tool_schema", "typed_arguments", "without_call_blocks", "__version__",
 ]
 
 

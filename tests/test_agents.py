@@ -236,3 +236,34 @@ def test_a_recipe_names_its_agent_once_and_loadably(recipe_document, builtin_reg
                                  ({"harness": "play"}, "is not 'package.module:function'")]:
         with pytest.raises(RecipeError, match=message):
             agent_trainer(dict(recipe_document, reward={}), builtin_registry, path, tokenizer, [[1]], **environment)
+
+
+@pytest.mark.slow
+def test_the_default_agent_plays_the_ids_of_the_in_process_tool_environment(tmp_path, builtin_registry, monkeypatch):
+    """recipes/ppo_agent_qwen3.toml against recipes/ppo_tool_qwen3.toml, on a small warm start of the
+    same chat model, greedy: every episode in which the model wrote no call it could not read (where
+    the in-process environment tells the model, and an OpenAI-client agent takes the text as its
+    answer) is the same to the token, sampled ids, rendered ids and reward alike."""
+    import tomllib
+
+    from rlkit_core.recipe.document import parse_recipe
+    from rlkit_core.runtime.episodes import EpisodeRunner
+    from rlkit_core.runtime.trainer import Trainer
+
+    pytest.importorskip("trl")
+    root = Path(__file__).parent.parent
+    monkeypatch.chdir(root)  # the recipe names its agent by a path from the working directory
+    played = {}
+    for name in ("ppo_tool_qwen3", "ppo_agent_qwen3"):
+        document = tomllib.loads((root / "recipes" / f"{name}.toml").read_text())
+        document["policy"].update(cache_dir=str(tmp_path / "cache"), n_embd=32, n_head=2, sft_steps=150, sft_examples=400, sft_batch_size=8)
+        document["run"]["output_dir"] = str(tmp_path / name)
+        trainer = Trainer(parse_recipe(document, builtin_registry))
+        runner = EpisodeRunner(trainer.engine, trainer.components, trainer.recipe)
+        played[name] = runner(trainer.stream.batch(0)[:16], list(range(16)), list(range(16)), greedy=True)
+    pairs = [(a, b) for a, b in zip(played["ppo_tool_qwen3"], played["ppo_agent_qwen3"]) if not a.unreadable]
+    assert len(pairs) >= 12 and sum(a.turns for a, _ in pairs) >= 2 * len(pairs)  # most episodes, and tool calls in them
+    assert {a.reward for a, _ in pairs} == {0.0, 1.0}
+    for a, b in pairs:
+        assert [(s.prompt, s.ids, s.sampled) for s in a.samples] == [(s.prompt, s.ids, s.sampled) for s in b.samples]
+        assert (a.status, a.turns, a.reward) == (b.status, b.turns, b.reward)

@@ -138,9 +138,11 @@ class TestWarmStartToolChat(PolicyContract):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "template"), [("ppo_tool_qwen3", "qwen3"), ("ppo_tool_qwen3", "qwen2_5"), ("grpo_tool_qwen3", "qwen3")])
+@pytest.mark.parametrize(("name", "template"), [("ppo_tool_qwen3", "qwen3"), ("ppo_tool_qwen3", "qwen2_5"), ("grpo_tool_qwen3", "qwen3"),
+                                               ("ppo_agent_qwen3", "qwen3")])
 def test_the_tool_recipes_train_on_a_real_template(tmp_path, name, template):
-    """recipes/ppo_tool_qwen3.toml (and its GRPO twin) as shipped, made small (a warm start of a few
+    """recipes/ppo_tool_qwen3.toml (its GRPO twin, and the default agent recipe, whose episodes an
+    OpenAI-client agent plays through the endpoint) as shipped, made small (a warm start of a few
     steps, two iterations of 8 episodes), through the `rlkit` command: it builds its chat model on
     Qwen3's real template, or on Qwen2.5's, which never rewrites history, plays tool episodes and trains."""
     import json
@@ -155,10 +157,11 @@ def test_the_tool_recipes_train_on_a_real_template(tmp_path, name, template):
              "ppo.minibatch_size": 4, "eval.size": 4, "eval.every": 2, "policy.chat_template": template}
     overrides = [f"--set={key}={value!r}" if isinstance(value, str) else f"--set={key}={value}" for key, value in small.items()]
     done = subprocess.run([str(Path(sys.executable).with_name("rlkit")), "run", str(recipe), *overrides, "--quiet"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, cwd=recipe.parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "episodes: chat format: template" in done.stderr
     assert "episodes: stream vs the conversation rendered at once: a token prefix at every turn" in done.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [row for row in rows if "score/mean" in row]
-    assert len(trained) == 2 and all("env/tool_calls" in row and "train/approx_kl" in row for row in trained)
+    counted = "env/agent_requests" if name == "ppo_agent_qwen3" else "env/tool_calls"  # the agent's figures are its own
+    assert len(trained) == 2 and all(counted in row and "train/approx_kl" in row for row in trained)

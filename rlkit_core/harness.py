@@ -1,0 +1,194 @@
+"""An environment whose episodes an outside agent plays (a harness): it runs the agent once per
+episode against the endpoint (`rlkit_core.endpoint`), and turns what the agent asks and returns
+into what the runner reads (`Reset`, `Step`).
+
+A subclass says how to run its agent for one episode: `play(record, client)`, called in a thread
+of its own with an `openai.OpenAI` client bound to the episode's session, returning the reward or a
+dict with `"reward"` and other figures; or `command(record)`, a program to run instead, given
+`OPENAI_BASE_URL`, `OPENAI_API_KEY` and `RLKIT_RECORD` (the record as JSON) in its environment and
+the record on stdin, whose last line of output is that result.
+
+The agent's first request opens the episode; each later one answers the model's turn; its end
+pays the reward. An agent that raises, exits non-zero or ends with no reward ends its episode with
+status "error" (`HarnessFailed`); one that neither sends a request nor ends within `step_timeout_s`
+(or what is left of `episode_timeout_s`) ends it as a "timeout". Neither is scored, and both are
+counted. Every ending closes the session (a late request is refused) and kills the command's process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import threading
+import time
+import traceback
+from typing import Any
+
+import attrs
+
+from rlkit_core.context import BuildContext
+from rlkit_core.endpoint import HarnessEnded, Limits, Session, Turn, agent_endpoint
+from rlkit_core.episode_limits import StandardEpisode
+from rlkit_core.interfaces import Environment
+from rlkit_core.messages import Reply, Reset, Step
+
+
+class HarnessFailed(RuntimeError):
+    """The agent raised, exited non-zero or ended without a reward: the episode's status is "error"."""
+
+
+@attrs.define(eq=False)
+class HarnessEpisode:
+    session: Session
+    started: float
+    process: subprocess.Popen | None = None
+
+
+def failure_text(exc: BaseException) -> str:
+    """`Type: message`, then the frames of the agent's own code (not the libraries' it called)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" not in f.filename and f.filename != __file__]
+    return "\n".join([f"{type(exc).__name__}: {exc}", *(line.rstrip("\n") for line in traceback.format_list(frames[-3:]))])
+
+
+def outcome_of(result: Any) -> HarnessEnded:
+    """What an agent returned (or printed, read as JSON): a reward, or a dict of 'reward' and figures."""
+    figures = result if isinstance(result, dict) else {"reward": result}
+    reward = figures.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        return HarnessEnded(failure=f"ended with {result!r}: a finite reward, or a dict with 'reward', is expected")
+    info = {k: float(v) for k, v in figures.items() if k != "reward" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return HarnessEnded(reward=float(reward), info=info)
+
+
+def printed_outcome(stdout: str) -> HarnessEnded:
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        return HarnessEnded(failure="printed no reward (its last line of output should be the reward)")
+    try:
+        return outcome_of(json.loads(lines[-1]))
+    except json.JSONDecodeError:
+        return HarnessEnded(failure=f"printed {lines[-1][:200]!r} last, which is not a reward (a number or a JSON object)")
+
+
+class HarnessEnvironment(Environment):
+    """An agent per episode, through the endpoint (see the module). `settings` are the episode's
+    bounds; `context` gives the run's sampling (what a request may ask for) and the tokenizer (the
+    pieces of a turn's log-probs); `model` is the name the endpoint answers as."""
+
+    def __init__(self, settings: StandardEpisode, context: BuildContext | None = None, model: str = "policy"):
+        self.settings = settings
+        generator = context.recipe["generator"].config if context is not None else None
+        self.limits = Limits(max_turns=settings.max_turns, max_new_tokens=getattr(generator, "max_new_tokens", 1),
+                             temperature=getattr(generator, "temperature", 1.0), model=model)
+        self.tokenizer = context.tokenizer if context is not None else None
+        self.lock, self.shared = threading.Lock(), None
+
+    def play(self, record: dict[str, Any], client: Any) -> Any:
+        """Run the agent for the episode of `record` with `client`; return its reward (or a dict
+        with 'reward' and figures). A subclass implements this or `command`."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither play() nor command()")
+
+    def command(self, record: dict[str, Any]) -> list[str] | None:
+        """A program that plays the episode of `record` instead of `play` (see the module); None: `play`."""
+        return None
+
+    def reset(self, record: dict[str, Any], seed: int) -> Reset:
+        episode = HarnessEpisode(agent_endpoint().open(self.limits), started=time.monotonic())
+        try:
+            self._launch(episode, record)
+            event = episode.session.next_event(self._wait(episode))
+            if isinstance(event, HarnessEnded):
+                raise HarnessFailed(f"the harness ended before its first request: {event.failure or 'it sent none'}")
+        except BaseException:
+            self.close(episode)
+            raise
+        return Reset(messages=event.messages, state=episode, tools=event.tools, info=self._counts(episode))
+
+    def step(self, state: HarnessEpisode, reply: Reply) -> Step:
+        session = state.session
+        pieces = [self.tokenizer.decode([i]) for i in reply.ids] if self.tokenizer is not None else None
+        session.respond(reply, reply.message, pieces)
+        event = session.next_event(self._wait(state))
+        if isinstance(event, HarnessEnded):
+            if event.failure:
+                raise HarnessFailed(f"the harness {event.failure}")
+            return Step(reward=event.reward, done=True, info={**self._counts(state), **event.info})
+        return self._turn(state, event)
+
+    def close(self, state: HarnessEpisode) -> None:
+        state.session.end("closed")
+        process = state.process
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(timeout=5)
+
+    def _turn(self, state: HarnessEpisode, turn: Turn) -> Step:
+        info = self._counts(state)
+        if turn.new is None:  # the harness changed what came before: a new sample, counted
+            return Step(history=turn.messages, info=info)
+        return Step(messages=turn.new, info=info)
+
+    def _counts(self, state: HarnessEpisode) -> dict[str, float]:
+        session = state.session
+        return {"agent_requests": float(session.requests), "agent_refused": float(session.refused),
+                "agent_rewrites": float(session.rewrites)}
+
+    def _wait(self, state: HarnessEpisode) -> float | None:
+        """How long a reset or step waits on the agent: within step_timeout_s (a little less, so
+        that it gives up before the call pool does) and what is left of episode_timeout_s."""
+        limits = []
+        if self.settings.step_timeout_s:
+            limits.append(self.settings.step_timeout_s * 0.95)
+        if self.settings.episode_timeout_s:
+            limits.append(max(0.0, self.settings.episode_timeout_s - (time.monotonic() - state.started)))
+        return min(limits) if limits else None
+
+    def _launch(self, episode: HarnessEpisode, record: dict[str, Any]) -> None:
+        command = self.command(record)
+        if command is None:
+            threading.Thread(target=self._call, args=(episode.session, record), daemon=True, name="rlkit-harness").start()
+            return
+        environment = {**os.environ, "OPENAI_BASE_URL": episode.session.base_url, "OPENAI_API_KEY": episode.session.key,
+                       "RLKIT_RECORD": json.dumps(record, default=str)}
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=environment, start_new_session=True)
+        episode.process = process
+        threading.Thread(target=self._wait_for, args=(episode.session, process, record), daemon=True, name="rlkit-harness").start()
+
+    def _call(self, session: Session, record: dict[str, Any]) -> None:
+        try:
+            client = self._client().with_options(base_url=session.base_url, api_key=session.key)
+            result = self.play(dict(record), client)
+        except Exception as exc:
+            session.harness_ended(HarnessEnded(failure=f"raised {failure_text(exc)}"))
+            return
+        session.harness_ended(outcome_of(result))
+
+    def _client(self):
+        """One `openai.OpenAI` for every episode, each given a copy bound to its session: the copies
+        share its connections, and a client of its own per episode would cost more than the request."""
+        with self.lock:
+            if self.shared is None:
+                from openai import OpenAI
+
+                self.shared = OpenAI(base_url=agent_endpoint().url, api_key="rlkit", max_retries=0,
+                                     timeout=self.settings.episode_timeout_s or None)
+            return self.shared
+
+    def _wait_for(self, session: Session, process: subprocess.Popen, record: dict[str, Any]) -> None:
+        try:
+            stdout, stderr = process.communicate(json.dumps(record, default=str))
+        except (OSError, ValueError) as exc:
+            session.harness_ended(HarnessEnded(failure=f"could not be given its record: {exc}"))
+            return
+        if process.returncode != 0:
+            tail = " | ".join(stderr.strip().splitlines()[-3:])
+            session.harness_ended(HarnessEnded(failure=f"exited with status {process.returncode}" + (f": {tail}" if tail else "")))
+            return
+        session.harness_ended(printed_outcome(stdout))
