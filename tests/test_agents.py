@@ -267,3 +267,23 @@ def test_the_default_agent_plays_the_ids_of_the_in_process_tool_environment(tmp_
     for a, b in pairs:
         assert [(s.prompt, s.ids, s.sampled) for s in a.samples] == [(s.prompt, s.ids, s.sampled) for s in b.samples]
         assert (a.status, a.turns, a.reward) == (b.status, b.turns, b.reward)
+
+
+def test_the_docs_harness_environment_works_as_written():
+    """docs/agents.md's `HarnessEnvironment` example, run as written: its reset returns the
+    request its agent made, and its step answers it and ends with the agent's reward."""
+    import re
+
+    from rlkit_core import StandardEpisode
+    from rlkit_core.messages import Reply
+
+    page = (Path(__file__).parent.parent / "docs" / "agents.md").read_text()
+    [source] = [block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "HarnessEnvironment" in block]
+    namespace: dict = {}
+    exec(compile(source, "docs/agents.md", "exec"), namespace)
+    environment = namespace["EchoAgent"](StandardEpisode(max_turns=1))
+    opening = environment.reset({"prompt": "fig"}, seed=0)
+    assert opening.messages == [{"role": "user", "content": "fig"}] and opening.tools == []
+    end = environment.step(opening.state, Reply(text="a fig", turn=1, message={"role": "assistant", "content": "a fig"}))
+    assert (end.done, end.reward, end.info["agent_requests"]) == (True, 1.0, 1.0)
+    environment.close(opening.state)
