@@ -12,9 +12,10 @@ from rlkit_core.records import ComponentChoice
 
 @attrs.frozen
 class StandardEpisode:
-    """Turns, tokens, timeouts, call threads, the chat format, its treatment of rewritten turns and the tool-call format: the bounds
-    of an episode, which the core's episode runner enforces (the environment never sees a token),
-    and how turns are rendered and read. Keyword-only, so that a subclass may add settings without a default."""
+    """Turns, tokens, timeouts, call threads, whether turns wait for each other, the chat format, its
+    treatment of rewritten turns and the tool-call format: the bounds of an episode, which the
+    core's episode runner enforces (the environment never sees a token), and how turns are rendered
+    and read. Keyword-only, so that a subclass may add settings without a default."""
 
     max_turns: int = setting(4, help="most model turns in an episode", validator=greater_than(0), kw_only=True)
     max_episode_tokens: int = setting(256, help="most tokens after the first prompt, sampled and environment alike (0: the response limit "
@@ -25,6 +26,11 @@ class StandardEpisode:
     call_threads: int = setting(64, help="threads that run reset and step calls at once; a call that hangs past step_timeout_s holds "
                                          "its thread until it returns, and when every one is held the run stops",
                                 validator=greater_than(0), kw_only=True)
+    turn_barrier: bool = setting(True, help="true: each turn, every running episode is generated at once, after every environment has "
+                                            "answered the turn before (runs repeat to the last digit); false: an episode's next turn is "
+                                            "generated as soon as its environment answers, beside whichever others are ready then, so a "
+                                            "slow step holds only its own episode (which episodes share a generation then depends on "
+                                            "timing, so runs do not repeat exactly)", kw_only=True)
     chat_format: str = setting("auto", help="how messages become tokens: 'template' (the tokenizer's chat template), 'plain' (text lines) "
                                             "or 'auto' (the template when the tokenizer has one)",
                                validator=one_of("auto", "template", "plain"), kw_only=True)

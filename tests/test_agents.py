@@ -73,7 +73,8 @@ def sampled_of(batch) -> list[list[int]]:
 RECORDS = [{"prompt": PROMPT, "secret": 3}] * 2
 
 
-@pytest.mark.parametrize("how", [harness("talk"), command("talk")], ids=["callable", "command"])
+@pytest.mark.parametrize("how", [harness("talk"), command("talk"), {**harness("talk"), "turn_barrier": False}],
+                         ids=["callable", "command", "callable-as-ready"])
 def test_an_agents_episode_is_the_templates_render_of_its_conversation(recipe_document, builtin_registry, chatml, how):
     """Three turns of a harness that keeps the conversation as the endpoint returned it: one sample,
     equal to the template's render of the whole conversation at once (but for the newline the

@@ -5,6 +5,7 @@ and every fault of an episode is a status, never a score of 0 and never a hang."
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 
@@ -199,10 +200,12 @@ class Faulty(Environment):
         return Step(messages=[{"role": "user", "content": "more"}], reward=1.0, done=fault == "wins")
 
 
+@pytest.mark.parametrize("barrier", [True, False], ids=["turn-barrier", "as-ready"])
 @pytest.mark.parametrize("fault, status", [("raises", "error"), ("reset raises", "error"), ("hangs", "timeout"),
                                            ("says error", "error"), ("not a step", "error"), ("wins", "ok")])
-def test_every_fault_of_an_environment_is_a_status_never_a_score(recipe_document, builtin_registry, ending_tiny_model, fault, status):
-    trainer = make_trainer(episode_document(recipe_document, ending_tiny_model, step_timeout_s=0.5), builtin_registry)
+def test_every_fault_of_an_environment_is_a_status_never_a_score(recipe_document, builtin_registry, ending_tiny_model, fault, status,
+                                                                 barrier):
+    trainer = make_trainer(episode_document(recipe_document, ending_tiny_model, step_timeout_s=0.5, turn_barrier=barrier), builtin_registry)
     trainer.components = attrs.evolve(trainer.components, environment=Faulty())
     records = [{"prompt": "p", "secret": 1, "fault": fault}] * 16
     started = time.monotonic()
@@ -214,6 +217,40 @@ def test_every_fault_of_an_environment_is_a_status_never_a_score(recipe_document
     if status != "ok":
         assert not batch.loss_mask.any()  # out of training, whatever its score
         assert metrics["env/status_ok"] == 0
+
+
+class Sleepy(Environment):
+    """Guess-number's opening; every step sleeps its record's `sleep` seconds and says 'more',
+    until the turns run out."""
+
+    def reset(self, record, seed):
+        return Reset([{"role": "user", "content": record["prompt"]}], dict(record))
+
+    def step(self, state, reply):
+        time.sleep(state["sleep"])
+        return Step(messages=[{"role": "user", "content": "more"}], reward=0.1 * reply.turn)
+
+
+def test_without_a_turn_barrier_a_slow_step_holds_only_its_own_episode(recipe_document, builtin_registry, tmp_path):
+    """`turn_barrier = false`: an episode whose steps take 0.3 s does not hold the others, which
+    play their three turns meanwhile; with a generator whose ids do not depend on the batch, the
+    rows are those the barrier gives, to the token."""
+    from transformers import AutoTokenizer
+
+    path = write_tiny_model(tmp_path / "bpe", "gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    turn = tokenizer("7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    records = [{"prompt": f"Guess my number, 1-{n}.", "secret": 1, "sleep": 0.3 if n == 9 else 0.0} for n in range(2, 10)]
+    rows = {}
+    for barrier in (True, False):
+        trainer = make_trainer(episode_document(copy.deepcopy(recipe_document), path, max_turns=3, turn_barrier=barrier), builtin_registry)
+        trainer.components = attrs.evolve(trainer.components, environment=Sleepy(), generator=Scripted([turn], tokenizer.eos_token_id))
+        batch, metrics = rollout_with(trainer, records, samples_per_prompt=1)
+        rows[barrier] = (batch.prompt_ids.tolist(), batch.response_ids.tolist(), batch.loss_mask.tolist(), batch.turn_rewards.tolist())
+        generations = trainer.components.generator.calls
+        assert metrics["env/turns"] == 3 and metrics["env/status_ok"] == 1
+    assert rows[True] == rows[False]
+    assert generations > 3  # the fast episodes' turns were generated without waiting for the slow one's
 
 
 def test_a_turn_cut_off_by_max_new_tokens_trains_as_a_response_that_never_ended(recipe_document, builtin_registry, tiny_model):

@@ -26,6 +26,8 @@ error is kept out of training (`loss_mask` zero), never scored as 0.
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
 import warnings
 from typing import Any
@@ -190,6 +192,8 @@ class EpisodeRunner:
             episode.samples.append(Sample(prompt=self.format.opening(episode.messages, episode.tools)))
             if not self.room_for_a_turn(episode.sample):
                 self._opening_overflow(episode)
+        if not self.settings.turn_barrier:
+            self._play_as_ready(generate, episodes, greedy, timings)
         for turn in range(1, self.settings.max_turns + 1):
             for episode in episodes:
                 if episode.status is None and not self.room_for_a_turn(episode.sample):
@@ -217,6 +221,47 @@ class EpisodeRunner:
         self.timings = timings
         self.hung_calls = self.calls.hung
         return episodes
+
+    def _play_as_ready(self, generate, episodes: list[Episode], greedy: bool, timings: dict[str, float]) -> None:
+        """Every episode's turns without a barrier across episodes (`turn_barrier = false`): the
+        episodes whose environment has answered are generated together as soon as the generator is
+        free, while the others' steps run on, each in a thread of its own calling the pool. The
+        time not spent generating is counted as the environment's."""
+        answered: queue.Queue[Episode] = queue.Queue()
+        ready, waiting, first = [e for e in episodes if e.status is None], 0, True
+        began = time.perf_counter()
+        while ready or waiting:
+            if not ready:
+                ready.append(answered.get())
+                waiting -= 1
+            while not answered.empty():
+                ready.append(answered.get())
+                waiting -= 1
+            for episode in ready:
+                if episode.status is None and not self.room_for_a_turn(episode.sample):
+                    episode.finish("overflow")
+            ready = [e for e in ready if e.status is None]
+            if not ready:
+                continue
+            generating = time.perf_counter()
+            generation = self._generate(generate, ready, greedy, sync=first)
+            timings["generate"] += time.perf_counter() - generating
+            first = False
+            for row, episode in enumerate(ready):
+                self._take_turn(episode, generation, row, episode.turns + 1)
+                if episode.status is None:
+                    waiting += 1
+                    threading.Thread(target=self._step_alone, args=(episode, answered), daemon=True, name="rlkit-episode-step").start()
+            ready = []
+        timings["environment"] += time.perf_counter() - began - timings["generate"]
+
+    def _step_alone(self, episode: Episode, answered: queue.Queue) -> None:
+        """One episode's step in the pool, its answer taken, then the episode handed back."""
+        try:
+            [(status, step)] = self._call([(self.environment.step, (episode.state, episode.reply))], "step")
+            self._answer(episode, status, step, last_turn=episode.turns == self.settings.max_turns)
+        finally:
+            answered.put(episode)
 
     def _close(self, ended: list[Episode]) -> None:
         """`Environment.close` for each ended episode. A close that fails or times out is warned of
