@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -63,6 +64,9 @@ class AgentConfig(StandardEpisode):
     model: str = setting("policy", help="the model name the endpoint lists and answers as")
 
 
+STDLIB = sysconfig.get_paths()["stdlib"] + os.sep  # Python's own modules: the import machinery's frames are no agent's
+
+
 class HarnessFailed(RuntimeError):
     """The harness raised, exited non-zero or ended without a reward: the episode's status is "error"."""
 
@@ -92,17 +96,32 @@ def load_harness(spec: str, where: str) -> Callable:
         else:
             module = importlib.import_module(module_name)
     except Exception as exc:
-        raise RecipeError([f"{where}.harness: {module_name!r} could not be loaded ({failure_text(exc)}); name an importable module or "
-                           "a file relative to the working directory"]) from None
+        raise RecipeError([f"{where}.harness: {module_name!r} could not be loaded ({failure_text(exc)}); "
+                           f"{loading_hint(module_name, name, exc)}"]) from None
     function = getattr(module, name, None)
     if not callable(function):
         raise RecipeError([f"{where}.harness: {module_name!r} has no callable {name!r}"])
     return function
 
 
+def loading_hint(module_name: str, name: str, exc: Exception) -> str:
+    """The fix for a harness that did not load. A module that is not found although it is in the
+    working directory: the `rlkit` command (a console script) does not put the working directory on
+    Python's path, as `python -m` and pytest do."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    here = Path(*module_name.split("."))
+    found = next((f for f in (here.with_suffix(".py"), here / "__init__.py") if f.is_file()), None) if not module_name.endswith(".py") else None
+    if missing and found is not None and (module_name == missing or module_name.startswith(f"{missing}.")):
+        return (f"it is in the working directory ({found}), which the rlkit command does not put on Python's path: run with "
+                f"PYTHONPATH=. or name the file, harness = '{here.with_suffix('.py')}:{name}'")
+    return "name an importable module or a file relative to the working directory"
+
+
 def failure_text(exc: BaseException) -> str:
-    """`Type: message`, then the frames of the agent's own code (not the libraries' it called)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" not in f.filename and f.filename != __file__]
+    """`Type: message`, then the frames of the agent's own code (not the libraries' it called, nor
+    the import machinery's)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" not in f.filename and f.filename != __file__
+              and not f.filename.startswith(("<frozen ", STDLIB))]
     return "\n".join([f"{type(exc).__name__}: {exc}", *(line.rstrip("\n") for line in traceback.format_list(frames[-3:]))])
 
 
