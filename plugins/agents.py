@@ -56,12 +56,25 @@ def load_harness(spec: str, where: str) -> Callable:
         else:
             module = importlib.import_module(module_name)
     except Exception as exc:
-        raise RecipeError([f"{where}.harness: {module_name!r} could not be loaded ({type(exc).__name__}: {exc}); name an importable module or "
-                           "a file relative to the working directory"]) from None
+        raise RecipeError([f"{where}.harness: {module_name!r} could not be loaded ({type(exc).__name__}: {exc}); "
+                           f"{loading_hint(module_name, name, exc)}"]) from None
     function = getattr(module, name, None)
     if not callable(function):
         raise RecipeError([f"{where}.harness: {module_name!r} has no callable {name!r}"])
     return function
+
+
+def loading_hint(module_name: str, name: str, exc: Exception) -> str:
+    """The fix for a harness that did not load. A module that is not found although it is in the
+    working directory: the `rlkit` command (a console script) does not put the working directory on
+    Python's path, as `python -m` and pytest do."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    here = Path(*module_name.split("."))
+    found = next((f for f in (here.with_suffix(".py"), here / "__init__.py") if f.is_file()), None) if not module_name.endswith(".py") else None
+    if missing and found is not None and (module_name == missing or module_name.startswith(f"{missing}.")):
+        return (f"it is in the working directory ({found}), which the rlkit command does not put on Python's path: run with "
+                f"PYTHONPATH=. or name the file, harness = '{here.with_suffix('.py')}:{name}'")
+    return "name an importable module or a file relative to the working directory"
 
 
 class Agent(HarnessEnvironment):

@@ -22,6 +22,7 @@ import math
 import os
 import signal
 import subprocess
+import sysconfig
 import threading
 import time
 import traceback
@@ -47,9 +48,14 @@ class HarnessEpisode:
     process: subprocess.Popen | None = None
 
 
+STDLIB = sysconfig.get_paths()["stdlib"] + os.sep  # Python's own modules: the import machinery's frames are no agent's
+
+
 def failure_text(exc: BaseException) -> str:
-    """`Type: message`, then the frames of the agent's own code (not the libraries' it called)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" not in f.filename and f.filename != __file__]
+    """`Type: message`, then the frames of the agent's own code (not the libraries' it called, nor
+    Python's own)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" not in f.filename and f.filename != __file__
+              and not f.filename.startswith(("<frozen ", STDLIB))]
     return "\n".join([f"{type(exc).__name__}: {exc}", *(line.rstrip("\n") for line in traceback.format_list(frames[-3:]))])
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
+from urllib.parse import urlsplit
 
 import openai
 from openai import OpenAI
@@ -31,6 +33,35 @@ def talk(record: dict, client: OpenAI, turns: int = 3) -> dict:
         messages += [ask(client, messages).model_dump(exclude_none=True), {"role": "user", "content": "again"}]
     ask(client, messages)
     return {"reward": 1.0, "talked": float(turns)}
+
+
+TOLD = threading.Lock()
+
+
+def talk_and_tell(record: dict, client: OpenAI, turns: int = 3) -> dict:
+    """`talk`, telling what it saw: a JSON line per episode, appended to `<RLKIT_TEST_AGENT_LOG>/<pid>.jsonl`
+    when that variable names a folder (the process, its RANK, the endpoint's port, the session, each
+    answer's id, content and token ids). `own_answers` is 1 when every answer came from its own
+    session, in order (`chatcmpl-<session>-<turn>`): no answer meant for another episode reached it."""
+    base = urlsplit(str(client.base_url))
+    session = base.path.split("/sessions/")[1].split("/")[0]
+    messages: list = [{"role": "user", "content": record["prompt"]}]
+    answers = []
+    for turn in range(1, turns + 1):
+        completion = client.chat.completions.create(model="policy", messages=messages)
+        choice = completion.choices[0]
+        answers.append({"id": completion.id, "content": choice.message.content, "token_ids": (choice.model_extra or {}).get("token_ids")})
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if turn < turns:
+            messages.append({"role": "user", "content": "again"})
+    own = all(a["id"] == f"chatcmpl-{session}-{turn}" for turn, a in enumerate(answers, 1))
+    folder = os.environ.get("RLKIT_TEST_AGENT_LOG")
+    if folder:
+        told = {"pid": os.getpid(), "parent": os.getppid(), "rank": os.environ.get("RANK"), "port": base.port, "session": session,
+                "prompt": record["prompt"], "answers": answers}
+        with TOLD, open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as out:
+            out.write(json.dumps(told) + "\n")
+    return {"reward": 1.0, "talked": float(len(answers)), "own_answers": float(own)}
 
 
 def forgetful(record: dict, client: OpenAI) -> float:

@@ -288,3 +288,23 @@ def test_the_docs_harness_environment_works_as_written():
     end = environment.step(opening.state, Reply(text="a fig", turn=1, message={"role": "assistant", "content": "a fig"}))
     assert (end.done, end.reward, end.info["agent_requests"]) == (True, 1.0, 1.0)
     environment.close(opening.state)
+
+
+def test_a_harness_module_in_the_working_directory_is_named_with_the_fix(recipe_document, builtin_registry, chatml, tmp_path, monkeypatch):
+    """The rlkit command (a console script) does not put the working directory on Python's path, as
+    pytest and `python -m` do: a harness module that is there but does not import is refused with
+    the two fixes, and without the import machinery's frames."""
+    from rlkit_core.errors import RecipeError
+
+    path, tokenizer = chatml
+    (tmp_path / "agents_here").mkdir()
+    (tmp_path / "agents_here" / "__init__.py").write_text("")
+    (tmp_path / "agents_here" / "mine.py").write_text("def play(record, client):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    with pytest.raises(RecipeError) as raised:
+        agent_trainer(dict(recipe_document, reward={}), builtin_registry, path, tokenizer, [[1]], harness="agents_here.mine:play")
+    said = str(raised.value)
+    assert "(ModuleNotFoundError: No module named 'agents_here'); it is in the working directory (agents_here/mine.py)" in said
+    assert "run with PYTHONPATH=. or name the file, harness = 'agents_here/mine.py:play'" in said
+    assert "<frozen" not in said and "importlib" not in said

@@ -22,15 +22,16 @@ from tests.test_loss_mask import changed_outside_the_loss_mask, loss_and_gradien
 from tests.test_trainer import advantages_with, compare_with, make_trainer, rollout_with, update_with
 
 
-def ending_model(path, style: str = "byt5"):
+def ending_model(path, style: str = "byt5", end_logit: float = 6.5):
     """A tiny model of `style` that ends a turn after a token or three (`ends_turns_early`)."""
     write_tiny_model(path, style)
-    return ends_turns_early(path)
+    return ends_turns_early(path, end_logit)
 
 
-def ends_turns_early(path):
+def ends_turns_early(path, end_logit: float = 6.5):
     """The GPT-2 at `path`, changed to end a turn after a token or three: its last layer norm points
-    every hidden state along the end token's embedding, so episodes reach their later turns."""
+    every hidden state along the end token's embedding, so episodes reach their later turns. The
+    end token's logit is about `end_logit`: 6.5 makes p(end) ≈ 0.6, 5.5 about 0.35."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -39,7 +40,7 @@ def ends_turns_early(path):
     with torch.no_grad():
         embedding = model.get_output_embeddings().weight
         norm.weight.mul_(0.2)
-        norm.bias.copy_(embedding[eos] / embedding[eos].norm() ** 2 * 6.5)  # an end-token logit of about 6.5: p(end) ≈ 0.6
+        norm.bias.copy_(embedding[eos] / embedding[eos].norm() ** 2 * end_logit)
     model.save_pretrained(path)
     return path
 

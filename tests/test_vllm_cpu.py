@@ -395,3 +395,44 @@ def test_batches_made_one_step_off_on_an_engine_of_their_own(recipe_document, by
         assert row.batch.prompts[::trainer.recipe.ppo.samples_per_prompt] == [r["prompt"] for r in trainer.stream_records(iteration)]
     # the first batch was sampled by the starting weights, which are the learner's: no gap but the kernels'
     assert rows[0].metrics["check/logprob_gap"] < LOGPROB_TOLERANCE
+
+
+def test_an_agent_plays_its_episodes_through_the_endpoint_on_vllm(recipe_document, byte_model, tmp_path, capsys):
+    """The `agent` environment on the vllm generator, run by the rlkit command: an agent written
+    against the openai package (tests/agent_harnesses.py's talk_and_tell) plays every episode, three
+    turns through the endpoint, each answered from its own session; the run trains on them, its rows
+    the conversations the agent was answered with the ids vLLM sampled as the ids trained, and the
+    sampler's log-probs the learner's."""
+    import shutil
+    import time
+
+    from transformers import AutoTokenizer
+
+    from rlkit_core.testing import recipe_toml
+    from tests import test_agent_processes as agents
+    from tests.test_episodes import ends_turns_early
+
+    pytest.importorskip("openai")
+    ending = ends_turns_early(shutil.copytree(byte_model, tmp_path / "ending"), agents.END_LOGIT)  # heads of 32: vLLM's CPU attention has no 16
+    document = agents.agent_recipe(recipe_document, ending, {"harness": "tests.agent_harnesses:talk_and_tell"})
+    document["run"].update(device="cpu", output_dir=str(tmp_path / "run"))
+    document["generator"] = {"type": "vllm", "max_new_tokens": 32, "gpu_memory_fraction": 0.02}
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(recipe_toml(document))
+    started = time.monotonic()
+    done = agents.recorded_run(str(recipe), tmp_path / "told", tmp_path / "rolled", OMP_NUM_THREADS="1")
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "score/mean" in row]
+    assert len(rows) == 2
+    for row in rows:
+        assert (row["env/status_ok"], row["env/agent_requests"], row["env/own_answers"], row["env/splits"]) == (1.0, agents.TURNS, 1.0, 0.0)
+        assert row["check/logprob_gap"] < LOGPROB_TOLERANCE and row["time/weight_sync"] > 0 and row["train/steps_taken"] > 0
+    episodes = agents.read_lines((tmp_path / "told").glob("*.jsonl"))
+    samples = agents.read_lines([tmp_path / "rolled" / "rollouts-0.jsonl"])
+    assert len(samples) > 32  # 16 episodes an iteration, and the before/after report's
+    agents.assert_trained_on_what_the_agents_were_answered(episodes, samples, AutoTokenizer.from_pretrained(ending))
+    with capsys.disabled():
+        print(f"\nrlkit run, an agent through the endpoint on vLLM (CPU): 2 iterations of 16 episodes in {took:.0f} s; "
+              f"check/logprob_gap max {max(row['check/logprob_gap'] for row in rows):.1e}")
