@@ -34,6 +34,7 @@ import attrs
 from rlkit_core.messages import Reply
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+ENDED_KEPT = 100_000  # ended sessions remembered, so that a late request reads why
 
 
 class Refused(Exception):
@@ -240,7 +241,8 @@ class Session:
             try:
                 return self._read(event)
             except Refused as refused:
-                self.refused += 1
+                with self.lock:
+                    self.refused += 1
                 self._settle(event, *_refusal(refused))
 
     def _read(self, request: Request) -> Turn:
@@ -335,6 +337,8 @@ class Endpoint:
         with self.lock:
             self.sessions.pop(session.id, None)
             self.ended[session.id] = session.ended or "ended"
+            if len(self.ended) > ENDED_KEPT:  # the oldest: a request that late reads "unknown session"
+                del self.ended[next(iter(self.ended))]
 
     def _session(self, session_id: str, authorization: str | None) -> Session:
         with self.lock:
@@ -373,7 +377,8 @@ class Endpoint:
             try:
                 checked_body(body, session.limits)  # what can be refused before the episode reads it
             except Refused as refused:
-                session.refused += 1
+                with session.lock:
+                    session.refused += 1
                 return JSONResponse(refused.body(), status_code=refused.status)
             request = Request(body)
             session.submit(request)
