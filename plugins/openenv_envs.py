@@ -27,6 +27,7 @@ import inspect
 import json
 import math
 import sys
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -210,6 +211,9 @@ class Episode:
     """One episode's session (a sync client, or an in-process environment), closed by `close`."""
 
     session: Any
+    # a step is still waiting for its answer (rlkit closes an episode whose step ran past its timeout), or it failed (a
+    # timeout: the client dropped its socket): `close` then waits for nothing
+    unanswered: bool = False
     tool_calls: int = 0
     tool_errors: int = 0
 
@@ -337,7 +341,13 @@ class OpenEnv(Environment):
         return session
 
     @staticmethod
-    def _quietly_close(session: Any) -> None:
+    def _quietly_close(session: Any, wait: bool = True) -> None:
+        """Close a session, its failure ignored; `wait` False: in a thread of its own, for a session
+        whose call timed out (the client waits for the dropped socket's close handshake with a
+        server that may still be busy with the call, up to websockets' close timeout)."""
+        if not wait:
+            threading.Thread(target=OpenEnv._quietly_close, args=(session,), daemon=True, name="rlkit-openenv-close").start()
+            return
         try:
             session.close()
         except Exception:
@@ -423,8 +433,8 @@ class OpenEnv(Environment):
         try:
             opening = self.call(session, "reset", **kwargs)
             text = self.said(opening)
-        except BaseException:
-            self._quietly_close(session)
+        except BaseException as exc:
+            self._quietly_close(session, wait=not isinstance(exc, TimeoutError))
             raise
         prompt = str(record.get("prompt") or "")
         if config.prompt_role == "system" and prompt:
@@ -441,6 +451,12 @@ class OpenEnv(Environment):
         return {**numbers(outcome.metadata), **counts}
 
     def step(self, state: Episode, reply: Reply) -> Step:
+        state.unanswered = True
+        answer = self.answer(state, reply)
+        state.unanswered = False
+        return answer
+
+    def answer(self, state: Episode, reply: Reply) -> Step:
         if self.config.action == "tool_call":
             return self.call_tools(state, reply)
         action = {**self.config.action_fields, self.config.text_field: reply.text}
@@ -476,7 +492,10 @@ class OpenEnv(Environment):
         return Step(messages=[] if done else messages, reward=sum(rewards) if rewards else None, done=done, info=self.info(state, last))
 
     def close(self, state: Episode) -> None:
-        state.session.close()
+        if state.unanswered:
+            self._quietly_close(state.session, wait=False)
+        else:
+            state.session.close()
 
 
 def tool_text(observation: dict[str, Any]) -> str:
