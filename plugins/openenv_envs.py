@@ -270,7 +270,14 @@ class OpenEnv(Environment):
 
     @staticmethod
     def imports(config: OpenEnvConfig, where: str) -> list[str]:
-        return [spec.rpartition(":")[0] for spec in (config.factory, config.action_class) if spec]
+        """The code `rlkit run` imports for the factory and the action class (listed by `rlkit check`)."""
+        found = []
+        for setting_name, spec, what in (("factory", config.factory, "its factory"), ("action_class", config.action_class, "its action class")):
+            target, _, name = spec.rpartition(":")
+            if target:
+                module = f"the file {str(Path(target).resolve())!r}" if target.endswith(".py") else f"the module {target!r}"
+                found.append(f"{module} for {what} {name!r} ({where}.{setting_name})")
+        return found
 
     @staticmethod
     def probe(config: OpenEnvConfig, where: str) -> list[str]:

@@ -421,3 +421,14 @@ def test_an_echo_recipe_trains_through_the_rlkit_command(tmp_path, recipe_docume
     for row in trained:
         assert 0.0 <= row["score/mean"] <= 2.0 and row["env/status_ok"] > 0.0 and row["env/turns"] >= 1 and row["env/step"] >= 1.0
         assert row["env/status_error"] == row["env/status_timeout"] == 0.0
+
+
+def test_rlkit_check_lists_the_factory_and_plays_its_first_record(recipe_document, write_recipe, capsys):
+    recipe_document.pop("reward")
+    recipe_document["environment"] = {"type": "openenv", "factory": "tests.openenv_servers:slow",
+                                      "action_class": "tests.openenv_servers:SlowAction", "observation_field": "text"}
+    code = main(["check", write_recipe(recipe_document)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert ("[environment] imports the module 'tests.openenv_servers' for its factory 'slow' ($.environment.factory)" in out.out
+            and "on the first record of the data: 1 opening message(s), ok" in out.out), out.out
