@@ -117,6 +117,15 @@ def agent_recipe(recipe_document, write_recipe, model: Path, name: str) -> str:
     return write_recipe(recipe_document)
 
 
+def test_an_agent_recipe_is_told_by_its_environments_class(recipe_document, builtin_registry, chatml):
+    from rlkit_core.recipe.document import parse_recipe
+
+    path, tokenizer = chatml
+    agent = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [[1]], **harness("talk")).recipe
+    game = parse_recipe({**recipe_document, "environment": {"type": "guess-number"}}, builtin_registry)
+    assert agent_check.is_agent_recipe(agent) and not agent_check.is_agent_recipe(game)
+
+
 def test_no_agent_episodes_builds_no_policy_and_resets_once(recipe_document, write_recipe, chatml, monkeypatch, capsys):
     """The data's first record through `reset` alone, as for any environment; the session it
     opened (the harness waiting on its first answer) is closed."""
@@ -171,7 +180,7 @@ def test_rlkit_check_plays_an_agent_recipe_and_names_a_forgetful_harness(recipe_
     assert "  episode 2:          status ok, reward 0.5 (the harness's)" in episodes
     assert "    turns             2: 0 merged into the stream, 1 started a new sample (1 by history rewrites of the harness" in episodes
     assert "each one's ids are its conversation rendered at once" in episodes
-    assert "REWRITES THE HISTORY ON EVERY TURN: tests.agent_harnesses:forgetful" in episodes
+    assert "REWRITES THE HISTORY ON EVERY TURN: the harness tests.agent_harnesses:forgetful changed" in episodes
     failed = check("raises")
     assert failed.returncode == 2 and failed.stdout == ""
     assert ("$.environment: agent episode 1 of 2 (record 1 of the data) ended with status error: the environment's step raised "

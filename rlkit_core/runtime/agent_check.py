@@ -1,5 +1,6 @@
 # pyright: standard
-"""`rlkit check`'s conformance run of an agent recipe (the `agent` environment): a few episodes
+"""`rlkit check`'s conformance run of an agent recipe (the `agent` environment, or another
+`HarnessEnvironment`, whose episodes an outside agent plays through the endpoint): a few episodes
 played as `rlkit run` plays them, before any training. The policy is built, the recipe's generator
 samples it, the harness talks to the endpoint and `EpisodeRunner` plays the turns; then each
 episode is reported as the training samples it made: the harness's requests and refusals, the
@@ -25,6 +26,7 @@ import torch
 from rlkit_core.chat_format import ChatFormat
 from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
+from rlkit_core.harness import HarnessEnvironment
 from rlkit_core.interfaces import NullTracker
 from rlkit_core.launch import ONE_PROCESS
 from rlkit_core.prompts import PromptLengthLimit, prepare_prompts, within_context
@@ -33,13 +35,13 @@ from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.engine import RolloutEngine, start_accelerator
 from rlkit_core.runtime.episodes import EnvironmentFault, Episode, EpisodeRunner, Sample
 
-AGENT = "agent"  # the environment whose recipes are played
 EPISODES = 2  # played by default (rlkit check --agent-episodes N)
 FAILED = ("error", "timeout")  # kept out of training by a run
 
 
 def is_agent_recipe(recipe: Recipe) -> bool:
-    return "environment" in recipe.components and recipe["environment"].component.name == AGENT
+    """Whether the recipe's environment is a `HarnessEnvironment` (by its class: nothing is built)."""
+    return "environment" in recipe.components and issubclass(recipe["environment"].component.factory, HarnessEnvironment)
 
 
 @attrs.frozen
@@ -126,9 +128,10 @@ def agent_episodes(recipe: Recipe, count: int = EPISODES) -> tuple[list[str], li
     except RecipeError as exc:  # the environment found the recipe at fault, as it would stop a run
         return [], exc.problems, []
     settings = recipe["environment"].config
-    harness = settings.harness or shlex.join(settings.command)
+    spec = getattr(settings, "harness", "") or shlex.join(getattr(settings, "command", None) or [])  # the `agent` environment's
+    harness = f"the harness {spec}" if spec else f"the {recipe['environment'].component.name} environment's agent"
     head = [f"agent episodes      {len(checks)}, on the data's first {len(records)} record(s) (rlkit check --agent-episodes N; 0: none), "
-            f"played as a run plays them: the harness {harness} through the endpoint,",
+            f"played as a run plays them: {harness} through the endpoint,",
             "                    the policy built for them (rlkit check builds it for agent recipes only) and sampled by the generator"]
     lines = head + describe(checks, harness, "reward" in recipe.components)
     return lines, failures(checks), []

@@ -48,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                             "and, without --num-processes, its num_processes")
     check.add_argument("--prompt-tokens", type=int, default=128, metavar="N", help="prompt length the memory estimate assumes")
     check.add_argument("--agent-episodes", type=int, default=2, metavar="N",
-                       help="for a recipe whose environment is 'agent': play N episodes (the data's first N records) with the policy, "
-                            "which is built for them, the harness and the endpoint, and report each; 0: none, nothing built")
+                       help="for a recipe whose environment is 'agent' (or another HarnessEnvironment): play N episodes (the data's first "
+                            "N records) with the policy, which is built for them, the harness and the endpoint, and report each; 0: none, "
+                            "nothing built")
 
     verify = commands.add_parser("check-checkpoint",
                                  help="verify a checkpoint's files against its manifest, and that its layout is one this rlkit resumes; trains nothing")
