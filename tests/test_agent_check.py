@@ -39,8 +39,9 @@ def played(recipe_document, registry, chatml, name: str, text: str, **environmen
     return checks, agent_check.describe(checks, f"tests.agent_harnesses:{name}", False)
 
 
-def test_a_harness_that_keeps_the_conversation_makes_one_sample_its_render(recipe_document, builtin_registry, chatml):
-    checks, lines = played(recipe_document, builtin_registry, chatml, "talk", "7")
+@pytest.mark.parametrize("barrier", [True, False], ids=["turn-barrier", "as-ready"])
+def test_a_harness_that_keeps_the_conversation_makes_one_sample_its_render(recipe_document, builtin_registry, chatml, barrier):
+    checks, lines = played(recipe_document, builtin_registry, chatml, "talk", "7", turn_barrier=barrier)
     c = checks[0]
     assert (c.status, c.reward, c.requests, c.refused, c.rewrites, c.turns, c.merged, c.splits) == ("ok", 1.0, 3, 0, 0, 3, 2, 0)
     assert [s.matches for s in c.samples] == [True]
