@@ -205,6 +205,8 @@ class Session:
         self.conversation: list[dict[str, Any]] = []  # normalized, as the endpoint returned it
         self.tools: list[dict[str, Any]] = []  # as the first request named them
         self.turns = self.requests = self.refused = self.rewrites = 0
+        self.calls: set[str] = set()  # ids of the tool calls the model made (the endpoint named them)
+        self.answered: set[str] = set()  # those the harness sent a tool result for
         self.ended: str | None = None  # why no request is taken any more
 
     @property
@@ -255,6 +257,7 @@ class Session:
         if self.turns and tools != self.tools:
             raise Refused(400, "'tools' differ from the episode's first request: the tools are fixed for an episode", "tools_changed")
         self.tools = tools
+        self.answered.update(m["tool_call_id"] for m in messages if m["role"] == "tool" and m["tool_call_id"] in self.calls)
         known = len(self.conversation)
         extends = bool(known) and messages[:known] == self.conversation and len(messages) > known \
             and all(m["role"] != "assistant" for m in messages[known:])
@@ -270,6 +273,7 @@ class Session:
         self.turns += 1
         calls = [(f"call_{self.id}_{self.turns}_{i}", c["function"]["name"], c["function"]["arguments"])
                  for i, c in enumerate(message.get("tool_calls", ()))]
+        self.calls.update(call_id for call_id, _, _ in calls)
         content = message.get("content") or ""
         wire: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:

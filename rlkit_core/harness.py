@@ -143,7 +143,8 @@ class HarnessEnvironment(Environment):
     def _counts(self, state: HarnessEpisode) -> dict[str, float]:
         session = state.session
         return {"agent_requests": float(session.requests), "agent_refused": float(session.refused),
-                "agent_rewrites": float(session.rewrites)}
+                "agent_rewrites": float(session.rewrites), "agent_tool_calls": float(len(session.calls)),
+                "agent_tool_results": float(len(session.answered))}
 
     def _wait(self, state: HarnessEpisode) -> float | None:
         """How long a reset or step waits on the agent: within step_timeout_s (a little less, so

@@ -72,6 +72,16 @@ def forgetful(record: dict, client: OpenAI) -> float:
     return 0.5
 
 
+def summarises(record: dict, client: OpenAI) -> float:
+    """Keeps the conversation as returned for its second request, then sends a summary in place of
+    the history: one change of history in two later turns."""
+    messages = [{"role": "user", "content": record["prompt"]}]
+    messages += [ask(client, messages).model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    ask(client, messages)
+    ask(client, [{"role": "user", "content": "two guesses so far; again"}])
+    return 1.0
+
+
 def tool_user(record: dict, client: OpenAI) -> float:
     """Answers every tool call the model makes by its id, until the model answers without one."""
     messages = [{"role": "user", "content": record["prompt"]}]

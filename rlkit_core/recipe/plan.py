@@ -15,7 +15,8 @@ from rlkit_core.recipe.schema import kl_warnings, output_dir_problems
 from rlkit_core.settings import ModelSettings
 
 # A record of the data through the environment's `reset`: (lines for the episodes section, problems, notes). The runtime gives
-# it (`rlkit_core.runtime.cli.first_reset`): it builds live components and holds the environment's contract, which this layer does not.
+# it (`rlkit_core.runtime.reset_check.first_reset`; for an agent recipe, `rlkit_core.runtime.agent_check.agent_episodes`, whole
+# episodes): it builds live components and holds the environment's contract, which this layer does not.
 ResetProbe = Callable[[Recipe], tuple[list[str], list[str], list[str]]]
 
 

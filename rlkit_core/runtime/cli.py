@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="check for `accelerate launch --config_file FILE` (e.g. configs/accelerate/fsdp.yaml): its engine "
                             "and, without --num-processes, its num_processes")
     check.add_argument("--prompt-tokens", type=int, default=128, metavar="N", help="prompt length the memory estimate assumes")
+    check.add_argument("--agent-episodes", type=int, default=2, metavar="N",
+                       help="for a recipe whose environment is 'agent' (or another HarnessEnvironment): play N episodes (the data's first "
+                            "N records) with the policy, which is built for them, the harness and the endpoint, and report each; 0: none, "
+                            "nothing built")
 
     verify = commands.add_parser("check-checkpoint",
                                  help="verify a checkpoint's files against its manifest, and that its layout is one this rlkit resumes; trains nothing")
@@ -131,12 +135,20 @@ def _cmd_check(args) -> int:
     from rlkit_core.recipe.document import load_recipe
     from rlkit_core.recipe.plan import describe_plan
     from rlkit_core.recipe.plugins import load_registry
+    from rlkit_core.runtime.agent_check import agent_episodes, is_agent_recipe
     from rlkit_core.runtime.reset_check import first_reset
 
+    if args.agent_episodes < 0:
+        raise RlkitError(f"--agent-episodes {args.agent_episodes}: give a number of episodes, 0 or more")
     launch = check_launch(args.accelerate_config, args.num_processes)
     recipe = load_recipe(args.recipe, load_registry(), args.overrides, launch)
-    print(describe_plan(recipe, args.prompt_tokens, probe=not args.offline, launch=launch,
-                        reset_probe=lambda checked: first_reset(checked, launch, args.offline)))
+
+    def reset_probe(checked):
+        if args.agent_episodes and is_agent_recipe(checked):  # the episodes start with the reset
+            return agent_episodes(checked, args.agent_episodes)
+        return first_reset(checked, launch, args.offline)
+
+    print(describe_plan(recipe, args.prompt_tokens, probe=not args.offline, launch=launch, reset_probe=reset_probe))
     return 0
 
 

@@ -56,6 +56,9 @@ class Sample:
     sampled: list[bool] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
     rewards: dict[int, float] = attrs.field(factory=dict)  # stream position -> reward of the turn ending there
+    # the conversation its ids render before its last turn (its opening's, else its last bridge's), its turns as read:
+    # `rlkit check` compares them with that conversation rendered at once
+    messages: list[dict] = attrs.field(factory=list)
 
     def extend(self, ids: list[int], logprobs: list[float] | None = None) -> None:
         self.ids += ids
@@ -71,6 +74,7 @@ class Episode:
     messages: list[dict] = attrs.field(factory=list)
     samples: list[Sample] = attrs.field(factory=list)
     status: str | None = None  # None while it runs
+    failure: str = ""  # why it ended "error" or "timeout" (`rlkit check` says it per episode)
     turns: int = 0
     tokens: int = 0  # after the first prompt, sampled and rendered alike
     reward: float = 0.0  # the environment's rewards, summed
@@ -84,8 +88,8 @@ class Episode:
     def sample(self) -> Sample:
         return self.samples[-1]
 
-    def finish(self, status: str) -> None:
-        self.status = status
+    def finish(self, status: str, failure: str = "") -> None:
+        self.status, self.failure = status, failure
 
 
 class EnvironmentFault(UserWarning):
@@ -189,7 +193,7 @@ class EpisodeRunner:
                 continue
             episode.state, episode.messages, episode.info = reset.state, list(reset.messages), dict(reset.info)
             episode.tools = self.tools if reset.tools is None else list(reset.tools)
-            episode.samples.append(Sample(prompt=self.format.opening(episode.messages, episode.tools)))
+            episode.samples.append(Sample(prompt=self.format.opening(episode.messages, episode.tools), messages=list(episode.messages)))
             if not self.room_for_a_turn(episode.sample):
                 self._opening_overflow(episode)
         if not self.settings.turn_barrier:
@@ -287,10 +291,13 @@ class EpisodeRunner:
                                        f"{self.settings.step_timeout_s:g} s: the episode ends as a timeout, and the call is left running in "
                                        f"one of environment.call_threads = {self.calls.size} threads until it returns (env/hung_calls counts "
                                        "them; when every one is held, the run stops)")
-            return episode.finish("timeout")
+            return episode.finish("timeout", f"the environment's {call} did not return in time (environment.step_timeout_s = "
+                                             f"{self.settings.step_timeout_s:g} s, episode_timeout_s = {self.settings.episode_timeout_s:g} s)")
         if status != "stopped":
-            text = f"the environment's {call} {'raised ' if status == 'error' else ''}{why}; the episode is kept out of training (env/status_error)"
+            said = f"the environment's {call} {'raised ' if status == 'error' else ''}{why}"
+            text = f"{said}; the episode is kept out of training (env/status_error)"
             self._say_once(text, text)
+            return episode.finish("error", said)
         return episode.finish("error")
 
     def _say_once(self, key: str, text: str) -> None:
@@ -364,17 +371,17 @@ class EpisodeRunner:
             reward = float(step.reward)
             if not math.isfinite(reward):
                 self.bad_rewards.append(f"returned a reward that is not finite ({step.reward!r}) in turn {episode.turns}")
-                return episode.finish("error")
+                return episode.finish("error", f"the environment's step {self.bad_rewards[-1]}")
             position = len(episode.sample.ids) - 1
             episode.sample.rewards[position] = episode.sample.rewards.get(position, 0.0) + reward
             episode.reward += reward
         episode.info.update(step.info)
         if step.status == "error":
-            return episode.finish("error")
+            return episode.finish("error", "the environment's step returned status 'error'")
         if step.done or last_turn:
             return episode.finish("ok")
         if self.settings.episode_timeout_s and time.monotonic() - episode.started > self.settings.episode_timeout_s:
-            return episode.finish("timeout")
+            return episode.finish("timeout", f"the episode ran past environment.episode_timeout_s = {self.settings.episode_timeout_s:g} s")
         if step.history is not None:  # the environment changed the conversation: a new sample starts from it
             episode.messages = list(step.history)
             return self._start_sample(episode)
@@ -385,13 +392,14 @@ class EpisodeRunner:
         if episode.tokens + len(bridge) >= self.token_limit(len(episode.samples[0].prompt)):
             return episode.finish("overflow")
         episode.sample.extend(bridge)
+        episode.sample.messages = list(episode.messages)
         episode.tokens += len(bridge)
         return None
 
     def _start_sample(self, episode: Episode) -> None:
         """The next turn starts a new sample from the conversation rendered whole (one that leaves
         no room for a turn ends the episode as "overflow" before that turn)."""
-        episode.samples.append(Sample(prompt=self.format.opening(episode.messages, episode.tools)))
+        episode.samples.append(Sample(prompt=self.format.opening(episode.messages, episode.tools), messages=list(episode.messages)))
 
 
 def chat_audit(recipe, policy) -> TemplateAudit:

@@ -6,6 +6,8 @@ nothing. Only the data and the environment are built, never the model."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from rlkit_core.context import BuildContext
@@ -52,4 +54,7 @@ def first_reset(recipe: Recipe, launch: Launch, offline: bool) -> tuple[list[str
         return [], [f"{WHERE} raised {answer}"], []
     if problem := answer_problem(answer, Reset):
         return [], [f"{WHERE} {problem}"], []
+    # what the reset opened (an agent's harness, its process) is released as after any episode; a close that fails changes nothing here
+    with contextlib.suppress(RecipeError):
+        CallPool(1).run([(environment.close, (answer.state,))], timeout, "close")
     return [f"reset               on the first record of the data: {len(answer.messages)} opening message(s), ok"], [], []
