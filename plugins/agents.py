@@ -15,16 +15,13 @@ How an episode runs, and how each failure of a harness becomes a status, is
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from rlkit_core import HarnessEnvironment, RecipeError, StandardEpisode, building_at, hookimpl, setting
+from rlkit_core import HarnessEnvironment, RecipeError, StandardEpisode, building_at, hookimpl, load_module, setting
 
 
 @attrs.frozen
@@ -44,17 +41,7 @@ def load_harness(spec: str, where: str) -> Callable:
     if not module_name or not name:
         raise RecipeError([f"{where}.harness: {spec!r} is not 'package.module:function' or 'path/to/agent.py:function'"])
     try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise FileNotFoundError(f"no file {path.resolve()}")
-            loader = importlib.util.spec_from_file_location(f"rlkit_harness_{path.stem}", path)
-            assert loader is not None and loader.loader is not None
-            module = importlib.util.module_from_spec(loader)
-            sys.modules[loader.name] = module
-            loader.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
+        module = load_module(module_name, "rlkit_harness")
     except Exception as exc:
         raise RecipeError([f"{where}.harness: {module_name!r} could not be loaded ({type(exc).__name__}: {exc}); "
                            f"{loading_hint(module_name, name, exc)}"]) from None

@@ -21,12 +21,9 @@ imported only when the environment is checked or built, so that `rlkit plugins` 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import json
 import math
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -35,7 +32,20 @@ from typing import Any
 
 import attrs
 
-from rlkit_core import Environment, RecipeError, Reply, Reset, StandardEpisode, Step, building_at, greater_than, hookimpl, one_of, setting
+from rlkit_core import (
+    Environment,
+    RecipeError,
+    Reply,
+    Reset,
+    StandardEpisode,
+    Step,
+    building_at,
+    greater_than,
+    hookimpl,
+    load_module,
+    one_of,
+    setting,
+)
 
 INSTALL = "pip install 'rlkit[openenv]'"
 SCHEMES = ("http://", "https://", "ws://", "wss://")
@@ -89,17 +99,7 @@ def load_object(spec: str, where: str) -> Any:
     if not module_name or not name:
         raise RecipeError([f"{where}: {spec!r} is not 'package.module:name' or 'path/to/file.py:name'"])
     try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise FileNotFoundError(f"no file {path.resolve()}")
-            found = importlib.util.spec_from_file_location(f"rlkit_openenv_{path.stem}", path)
-            assert found is not None and found.loader is not None
-            module = importlib.util.module_from_spec(found)
-            sys.modules[found.name] = module
-            found.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
+        module = load_module(module_name, "rlkit_openenv")
     except Exception as exc:
         raise RecipeError([f"{where}: {module_name!r} could not be loaded ({type(exc).__name__}: {exc})"]) from None
     if not hasattr(module, name):

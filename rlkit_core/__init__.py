@@ -29,6 +29,7 @@ from rlkit_core.episode_limits import StandardEpisode
 from rlkit_core.errors import Problem, RecipeError, RunError
 from rlkit_core.harness import HarnessEnvironment
 from rlkit_core.hookspecs import hookimpl
+from rlkit_core.imports import load_module
 from rlkit_core.interfaces import (
     AdvantageEstimator,
     ComponentBase,
@@ -81,7 +82,7 @@ __all__ = [
     "PolicyOutput", "PolicySettings", "Problem", "Progress", "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError",
     "Reply", "Reset", "RewardSource", "RunConfig", "RunError", "SamplingSettings", "Session", "StandardEpisode", "StandardSampling",
     "Step", "Surrogate", "SurrogateTerms", "ToolCall", "ToolCallFormat", "ToolEnvironment", "Tracker", "Turn", "ValueHead",
-    "agent_endpoint", "at_least", "between", "building_at", "chat_format_for", "greater_than", "hookimpl", "nested_component",
+    "agent_endpoint", "at_least", "between", "building_at", "chat_format_for", "greater_than", "hookimpl", "load_module", "nested_component",
     "nested_components", "one_of", "parse_tool_calls", "read_call_blocks", "sampling_seed", "setting", "switch_off_dropout", "tool",
     "tool_schema", "typed_arguments", "without_call_blocks", "__version__",
 ]
