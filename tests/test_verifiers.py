@@ -8,6 +8,7 @@ short run goes through the `rlkit` command. Skipped without verifiers."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import os
@@ -28,6 +29,7 @@ from rlkit_plugins.verifiers_envs import (  # noqa: E402 (after the skip)
 
 from rlkit_core.errors import RecipeError  # noqa: E402
 from rlkit_core.runtime.cli import main  # noqa: E402
+from rlkit_core.testing.contracts import PromptSourceContract  # noqa: E402
 from rlkit_core.testing.offline_models import write_tiny_model  # noqa: E402
 from tests.test_agents import rows_of, sampled_of, turn_ids  # noqa: E402
 from tests.test_episodes import Scripted, render_ids  # noqa: E402
@@ -79,6 +81,11 @@ def conversation_of(prompt: str, replies: list[str]) -> list[dict]:
             messages.append({"role": "user", "content": "again"})
         messages.append({"role": "assistant", "content": reply})
     return messages
+
+
+class TestVerifiersDataset(PromptSourceContract):
+    component = "verifiers-dataset"
+    config = {"env_id": "rlkit_vf_echo", "env_args": {"taskset": {"num_tasks": 3}}}
 
 
 def test_the_dataset_makes_a_record_of_each_task():
@@ -173,6 +180,23 @@ def test_an_episode_verifiers_did_not_complete_is_a_status_never_a_score(recipe_
     with pytest.warns(EnvironmentFault, match=said):
         batch, metrics = rollout_with(trainer, [record], samples_per_prompt=1)
     assert metrics["env/status_error"] == 1.0 and int(batch.loss_mask.sum()) == 0
+
+
+def test_an_episode_rlkit_ended_is_cancelled_in_verifiers(recipe_document, builtin_registry, chatml):
+    """A harness that hangs after its first answer: rlkit ends the episode as a timeout, and its
+    close cancels verifiers' episode, so that nothing of it keeps running."""
+    path, tokenizer = chatml
+    trainer = verifiers_trainer(recipe_document, builtin_registry, chatml, [turn_ids(tokenizer, "7")], step_timeout_s=2.0,
+                                env_args={"agent": {"harness": {"id": "rlkit_vf_echo", "hang": True}}})
+    _, metrics = rollout_with(trainer, dataset(env_args={"taskset": {"num_tasks": 1}}), samples_per_prompt=1)
+    assert metrics["env/status_timeout"] == 1.0
+    runner = trainer.components.environment.runner
+
+    async def running() -> list[str]:
+        await asyncio.sleep(0.5)  # the cancelled episode unwinds
+        return [task.get_coro().__qualname__ for task in asyncio.all_tasks()]  # type: ignore[union-attr]
+
+    assert "Verifiers._episode" not in runner.submit(running()).result(timeout=30) and not trainer.components.environment.running
 
 
 def test_an_environment_built_in_code_is_named_by_its_callable(recipe_document, builtin_registry, chatml):

@@ -12,6 +12,7 @@ streamed (`stream = true`) or whole, with the extra request fields `request` nam
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import verifiers.v1 as vf
@@ -73,6 +74,7 @@ class ChatHarnessConfig(vf.HarnessConfig):
     stream: bool = False
     request: dict[str, Any] = {}
     tools: bool = False  # offer `lookup`, answer each call by its id with "found", until a turn makes none
+    hang: bool = False  # after the first answer, wait for ever
 
 
 class ChatHarness(vf.Harness[ChatHarnessConfig]):
@@ -96,6 +98,8 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
                 while True:
                     reply = await self.ask(client, ctx.model, messages)
                     messages.append(reply)
+                    if self.config.hang:
+                        await asyncio.sleep(3600)
                     if not reply.get("tool_calls"):
                         break
                     messages += [{"role": "tool", "tool_call_id": call["id"], "content": "found"} for call in reply["tool_calls"]]
