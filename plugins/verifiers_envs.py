@@ -200,6 +200,17 @@ def check_source(config: VerifiersSource, where: str, type_name: str) -> list[st
     return []
 
 
+def imports_of(config: VerifiersSource, where: str) -> list[str]:
+    """The code a part imports for its environment (listed by `rlkit check`)."""
+    if config.environment:
+        target, _, name = config.environment.rpartition(":")
+        what = f"the file {str(Path(target).resolve())!r}" if target.endswith(".py") else f"the module {target!r}"
+        return [f"{what} for its function {name!r} ({where}.environment)"]
+    if config.env_id:
+        return [f"verifiers' environment {config.env_id!r}: its taskset's package and those its [env] table names ({where}.env_id)"]
+    return []
+
+
 def installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -422,6 +433,10 @@ class Verifiers(HarnessEnvironment):
                              "be the environment's task type")
         return problems, notes
 
+    @staticmethod
+    def imports(config: VerifiersConfig, where: str) -> list[str]:
+        return imports_of(config, where)
+
     def reset(self, record, seed):
         task_of(self.vf_env, record, self.where)  # a record that makes no task stops the run, located, before any episode starts
         return super().reset(record, seed)
@@ -482,6 +497,10 @@ class VerifiersDataset(PromptSource):
     @staticmethod
     def check(config: VerifiersDatasetConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         return check_source(config, where, "verifiers-dataset"), []
+
+    @staticmethod
+    def imports(config: VerifiersDatasetConfig, where: str) -> list[str]:
+        return imports_of(config, where)
 
     def load(self) -> list[dict[str, Any]]:
         taskset = load_environment(self.config, self.where, "verifiers-dataset").taskset

@@ -227,17 +227,21 @@ def test_a_streamed_answer_is_the_whole_one_as_events():
     assert len(server_sent(completion, include_usage=False).decode().split("\n\n")) == 3
 
 
-def check(recipe_document, write_recipe, capsys, environment: dict, data: dict | None = None) -> tuple[int, str]:
+def check(recipe_document, write_recipe, capsys, environment: dict, data: dict | None = None, out: bool = False) -> tuple[int, str]:
     recipe_document.pop("reward")
     recipe_document["environment"] = {"type": "verifiers", **environment}
     recipe_document["data"] = {"type": "verifiers-dataset", **(environment if data is None else data)}
     code = main(["check", "--offline", write_recipe(recipe_document)])
-    return code, capsys.readouterr().err
+    captured = capsys.readouterr()
+    return code, captured.out if out else captured.err
 
 
-def test_rlkit_check_passes_an_installed_environment(recipe_document, write_recipe, capsys):
-    code, err = check(recipe_document, write_recipe, capsys, {"env_id": "rlkit_vf_echo"})
-    assert code == 0, err
+def test_rlkit_check_starts_an_episode_of_an_installed_environment(recipe_document, write_recipe, capsys):
+    """The check's reset of the first record runs verifiers' episode to the harness's first request."""
+    code, out = check(recipe_document, write_recipe, capsys, {"env_id": "rlkit_vf_echo"}, out=True)
+    assert code == 0, out
+    assert "reset               on the first record of the data: 1 opening message(s), ok" in out
+    assert "[environment] imports verifiers' environment 'rlkit_vf_echo'" in out
 
 
 CHECKED = {
