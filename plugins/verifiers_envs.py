@@ -339,7 +339,10 @@ class Relay:
         stream = bool(body.pop("stream", False))
         include_usage = bool((body.pop("stream_options", None) or {}).get("include_usage"))
         base_url, key = route
-        answer = await self.http.post(f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        try:
+            answer = await self.http.post(f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        except Exception as exc:  # the endpoint is this process's: it went away only as the run ends
+            return self.refused(502, f"rlkit's endpoint did not answer: {type(exc).__name__}: {exc}", "endpoint_unreachable")
         if answer.status_code != 200 or not stream:
             return web.Response(body=answer.content, status=answer.status_code, content_type="application/json")
         return web.Response(body=server_sent(answer.json(), include_usage), content_type="text/event-stream")
@@ -426,11 +429,9 @@ class Verifiers(HarnessEnvironment):
         data = recipe.components.get("data")
         notes = []
         if not problems and data is not None and data.component.factory is VerifiersDataset:
-            mine = (config.env_id, config.environment, config.env_args)
-            theirs = (data.config.env_id, data.config.environment, data.config.env_args)
-            if mine != theirs:
-                notes.append(f"{where}: names another verifiers environment than data (env_id, environment, env_args): the records' tasks must "
-                             "be the environment's task type")
+            if (config.env_id, config.environment) != (data.config.env_id, data.config.environment):
+                notes.append(f"{where}: names another verifiers environment than data does (env_id, environment): the records' tasks must be "
+                             "of the environment's task type")
         return problems, notes
 
     @staticmethod

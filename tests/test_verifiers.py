@@ -244,6 +244,11 @@ def test_rlkit_check_starts_an_episode_of_an_installed_environment(recipe_docume
     assert "[environment] imports verifiers' environment 'rlkit_vf_echo'" in out
 
 
+def test_rlkit_check_notes_data_of_another_environment(recipe_document, write_recipe, capsys):
+    code, out = check(recipe_document, write_recipe, capsys, {"env_id": "rlkit_vf_echo"}, data={"environment": "rlkit_vf_echo:build"}, out=True)
+    assert code == 0 and "$.environment: names another verifiers environment than data does (env_id, environment)" in out, out
+
+
 CHECKED = {
     "unknown id": ({"env_id": "rlkit_vf_ech"}, "$.environment.env_id: verifiers has no environment 'rlkit_vf_ech': no installed package "
                                                "'rlkit_vf_ech' (prime env install <owner>/<name>, or pip install the environment's package)"),
