@@ -78,7 +78,7 @@ class VerifiersDatasetConfig(PromptLengthLimit, VerifiersSource):
 def import_verifiers(where: str, type_name: str):
     """`verifiers.v1`, or a located error saying how to install it."""
     try:
-        import verifiers.v1 as vf
+        import verifiers.v1 as vf  # pyright: ignore[reportMissingImports] (an optional extra)
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "verifiers":
             raise RecipeError([f"{where}.type: the verifiers package failed to import: {exc}"]) from None
@@ -169,8 +169,8 @@ def load_environment(config: VerifiersSource, where: str, type_name: str):
 def with_local_runtimes(env_config, table: dict[str, Any]):
     """Each agent whose runtime is verifiers' default (a Prime sandbox, which needs an account and
     a tunnel) and not set in `table` runs in a local subprocess instead."""
-    from verifiers.v1 import PrimeConfig, SubprocessConfig
-    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1 import PrimeConfig, SubprocessConfig  # pyright: ignore[reportMissingImports] (an optional extra)
+    from verifiers.v1.configs.agent import agent_config_fields  # pyright: ignore[reportMissingImports] (an optional extra)
 
     local = {}
     for name, agent in agent_config_fields(env_config).items():
@@ -288,12 +288,15 @@ class Relay:
     def __init__(self, model: str, key: str):
         self.model, self.key = model, key
         self.routes: dict[str, tuple[str, str]] = {}
-        self.url = ""
+        self.url = ""  # set by `start`, with aiohttp's `web` and the client that forwards
+        self.web: Any = None
+        self.http: Any = None
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
         import httpx
-        from aiohttp import web
+        from aiohttp import web  # pyright: ignore[reportMissingImports] (verifiers' dependency)
 
+        self.web = web
         self.http = await stack.enter_async_context(httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)))
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -308,23 +311,17 @@ class Relay:
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
 
     def refused(self, status: int, message: str, code: str):
-        from aiohttp import web
-
-        return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": code}}, status=status)
+        return self.web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": code}}, status=status)
 
     def authorized(self, request) -> bool:
         return secrets.compare_digest(request.headers.get("Authorization", ""), f"Bearer {self.key}")
 
     async def models(self, request):
-        from aiohttp import web
-
         if not self.authorized(request):
             return self.refused(401, "not this relay's key", "invalid_api_key")
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlkit"}]})
+        return self.web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlkit"}]})
 
     async def chat(self, request):
-        from aiohttp import web
-
         if not self.authorized(request):
             return self.refused(401, "not this relay's key", "invalid_api_key")
         route = self.routes.get(request.headers.get("X-Session-ID", ""))
@@ -344,8 +341,8 @@ class Relay:
         except Exception as exc:  # the endpoint is this process's: it went away only as the run ends
             return self.refused(502, f"rlkit's endpoint did not answer: {type(exc).__name__}: {exc}", "endpoint_unreachable")
         if answer.status_code != 200 or not stream:
-            return web.Response(body=answer.content, status=answer.status_code, content_type="application/json")
-        return web.Response(body=server_sent(answer.json(), include_usage), content_type="text/event-stream")
+            return self.web.Response(body=answer.content, status=answer.status_code, content_type="application/json")
+        return self.web.Response(body=server_sent(answer.json(), include_usage), content_type="text/event-stream")
 
 
 class Runner:
@@ -466,7 +463,7 @@ class Verifiers(HarnessEnvironment):
             return self.runner
 
     async def _episode(self, task, base_url: str, key: str):
-        from verifiers.v1 import EvalClientConfig, ModelContext, SamplingConfig
+        from verifiers.v1 import EvalClientConfig, ModelContext, SamplingConfig  # pyright: ignore[reportMissingImports] (an optional extra)
 
         runner = self.runner
         assert runner is not None
