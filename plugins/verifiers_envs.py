@@ -31,7 +31,6 @@ import math
 import os
 import secrets
 import socket
-import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -41,7 +40,18 @@ from typing import Any
 
 import attrs
 
-from rlkit_core import HarnessEnvironment, PromptLengthLimit, PromptSource, RecipeError, StandardEpisode, at_least, building_at, hookimpl, setting
+from rlkit_core import (
+    HarnessEnvironment,
+    PromptLengthLimit,
+    PromptSource,
+    RecipeError,
+    StandardEpisode,
+    at_least,
+    building_at,
+    hookimpl,
+    load_module,
+    setting,
+)
 
 INSTALL = "pip install 'rlkit[verifiers]'"
 # the environment variable that holds the relay's key, read by verifiers' client (`api_key_var`);
@@ -92,17 +102,7 @@ def load_callable(spec: str, where: str) -> Callable:
     if not module_name or not name:
         raise RecipeError([f"{where}: {spec!r} is not 'package.module:function' or 'path/to/file.py:function'"])
     try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise FileNotFoundError(f"no file {path.resolve()}")
-            found = importlib.util.spec_from_file_location(f"rlkit_verifiers_{path.stem}", path)
-            assert found is not None and found.loader is not None
-            module = importlib.util.module_from_spec(found)
-            sys.modules[found.name] = module
-            found.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
+        module = load_module(module_name, "rlkit_verifiers")
     except Exception as exc:
         raise RecipeError([f"{where}: {module_name!r} could not be loaded ({type(exc).__name__}: {exc}); name an importable module or a file "
                            "relative to the working directory"]) from None
