@@ -236,11 +236,13 @@ def check(recipe_document, write_recipe, capsys, environment: dict, data: dict |
     return code, captured.out if out else captured.err
 
 
-def test_rlkit_check_starts_an_episode_of_an_installed_environment(recipe_document, write_recipe, capsys):
-    """The check's reset of the first record runs verifiers' episode to the harness's first request."""
+def test_rlkit_check_plays_episodes_of_an_installed_environment(recipe_document, write_recipe, capsys):
+    """The environment is a HarnessEnvironment, so `rlkit check` plays a few of its episodes with the
+    policy, each verifiers' own, through the endpoint."""
     code, out = check(recipe_document, write_recipe, capsys, {"env_id": "rlkit_vf_echo"}, out=True)
     assert code == 0, out
-    assert "reset               on the first record of the data: 1 opening message(s), ok" in out
+    assert "played as a run plays them: the verifiers environment's agent through the endpoint" in out
+    assert out.count("    requests          1, 0 refused") == 2
     assert "[environment] imports verifiers' environment 'rlkit_vf_echo'" in out
 
 
