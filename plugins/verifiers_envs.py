@@ -194,7 +194,7 @@ def check_source(config: VerifiersSource, where: str, type_name: str) -> list[st
         if not taskset:
             return [f"{where}.env_id: {config.env_id!r} names no taskset (an id, or 'env+taskset')"]
         module = taskset.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()  # as verifiers imports an id
-        if not installed(module) and not (Path(vf.__file__).parent / "tasksets" / module).is_dir():
+        if not installed(module) and not (Path(vf.__file__ or ".").parent / "tasksets" / module).is_dir():
             return [f"{where}.env_id: verifiers has no environment {config.env_id!r}: no installed package {module!r} (prime env install "
                     "<owner>/<name>, or pip install the environment's package)"]
     return []
