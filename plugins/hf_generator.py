@@ -10,6 +10,11 @@ suppressed ids), so a hub model's `generation_config.json` never changes what is
 sampled log-probs come from the scores after all of these, so `check/logprob_gap` (learner vs
 sampler) shows any processing that makes the sampler differ from π.
 
+Inside `continuing_streams` (a rollout's episodes) the loop keeps each row's KV cache when the row
+ends, keyed by the ids it holds, and a later prompt whose ids begin with a kept row's ids prefills
+only the tokens after them: a turn costs its own tokens, not the whole conversation again. The ids
+decide, never a render; the block ends before the weights change, and the kept caches with it.
+
 The random draws are generate's: `torch.multinomial(probs, 1)` draws one exponential variate per
 row and token (a sample is argmax(p / q), q ~ Exp(1)), so the loop draws q for every row of the call,
 finished ones included, and uses the running rows' part. The same seed gives the same tokens as
@@ -18,6 +23,7 @@ finished ones included, and uses the running rows' part. The same seed gives the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -57,6 +63,15 @@ def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list
     return sizes
 
 
+def joinable(config) -> bool:
+    """Whether the model's KV cache is plain full attention in every layer, so that rows' caches can
+    be padded and joined (not sliding windows or linear layers)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+
+
 def joined_cache(caches: list, width: int, config):
     """One KV cache for the rows of all `caches` (in order): each group's keys and values
     left-padded with zeros to `width` columns, which the attention mask leaves out."""
@@ -68,6 +83,28 @@ def joined_cache(caches: list, width: int, config):
                         for tensors in zip(*((layer.keys, layer.values) for layer in layers)))
         joined.update(torch.cat(keys), torch.cat(values), index)
     return joined
+
+
+class KeptStreams:
+    """The KV caches of the rows a block's calls sampled, each keyed by the ids whose keys and values
+    it holds (per layer, [heads, len(ids), head_dim]); a prompt takes the longest kept stream its ids
+    begin with. Each is taken once: the row that continues it keeps its own when it ends."""
+
+    def __init__(self):
+        self.by_length: dict[int, dict[tuple[int, ...], list[list]]] = {}
+        self.reused, self.prompted = 0, 0  # prompt tokens taken from kept caches, and all prompt tokens, this block
+
+    def keep(self, ids: list[int], layers: list) -> None:
+        self.by_length.setdefault(len(ids), {}).setdefault(tuple(ids), []).append(layers)
+
+    def take(self, ids: list[int]) -> list | None:
+        """The layers of the longest kept stream that `ids` begin with and go past (a prompt needs one
+        token of its own to be prefilled), removed from the kept ones; None if none."""
+        for length in sorted((n for n in self.by_length if n < len(ids)), reverse=True):
+            found = self.by_length[length].get(tuple(ids[:length]))
+            if found:
+                return found.pop()
+        return None
 
 
 class HFGenerator(Generator):
@@ -83,6 +120,21 @@ class HFGenerator(Generator):
         # (positions the model computed, real tokens among them), summed over calls: the benchmark's
         # padding share; the real count stays a device tensor (reading it would wait on the device)
         self.positions = (0, 0)
+        self.kept: KeptStreams | None = None  # inside `continuing_streams` only
+        self.reused = (0, 0)  # (prompt tokens taken from kept caches, all prompt tokens) of the last block
+
+    @contextlib.contextmanager
+    def continuing_streams(self):
+        self.kept = KeptStreams()
+        try:
+            yield
+        finally:
+            kept, self.kept = self.kept, None
+            self.reused = (kept.reused, kept.prompted)
+
+    def pop_metrics(self) -> dict[str, float]:
+        (reused, prompted), self.reused = self.reused, (0, 0)
+        return {"generate/kept_prefix": reused / prompted} if prompted else {}
 
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
@@ -126,10 +178,13 @@ class HFGenerator(Generator):
         cache_name = "cache" if "cache" in accepted else "past_key_values"
         options: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1} if "logits_to_keep" in accepted else {"use_cache": True}
         rows, limit = prompt_ids.shape[0], self.config.max_new_tokens
-        logits, cache, running = self._prefill(model, base.config, prompt_ids, prompt_mask, options, cache_name)
+        keeping = self.kept is not None and joinable(base.config)
+        prompts = [ids[row_mask.bool()].tolist() for ids, row_mask in zip(prompt_ids, prompt_mask)] if keeping else []
+        continued = self._continued(prompts) if keeping else {}
+        logits, cache, running, mask = self._prefill(model, base.config, prompt_ids, prompt_mask, options, cache_name, continued)
         options[cache_name] = cache
         ends = torch.tensor(self.policy.eos_token_ids, device=prompt_ids.device)
-        mask = prompt_mask[running]
+        ended = []  # (row, step, its cache's layers) as rows end, when keeping
         positions = (mask.long().cumsum(dim=1) - 1)[:, -1:]  # real tokens only, as generate counts them
         tokens, logprobs = [], []  # per step, for the running rows
         chosen = torch.empty(0)  # the previous step's tokens, fed back from the second step on
@@ -145,8 +200,12 @@ class HFGenerator(Generator):
             tokens.append((running, chosen))
             logprobs.append(torch.log_softmax(scores, dim=-1).gather(-1, chosen[:, None]).squeeze(-1))
             if step + 1 == limit:
+                if keeping:
+                    ended += self._ending(cache, mask, running, range(len(running)), step)
                 break
             kept = torch.isin(chosen, ends, invert=True).nonzero().squeeze(1)  # the step's one read from the device
+            if keeping and len(kept) < len(running):
+                ended += self._ending(cache, mask, running, torch.isin(chosen, ends).nonzero().squeeze(1).tolist(), step)
             if len(kept) == 0:
                 break
             if len(kept) < len(running):
@@ -159,29 +218,92 @@ class HFGenerator(Generator):
         sampled = torch.zeros(rows, len(tokens), device=prompt_ids.device)
         for step, ((at, chosen), logprob) in enumerate(zip(tokens, logprobs)):
             response_ids[at, step], sampled[at, step] = chosen, logprob
+        if self.kept is not None:
+            for row, step, layers in ended:  # the cache holds the prompt and the tokens fed back: all but the last sampled
+                self.kept.keep(prompts[row] + response_ids[row, :step].tolist(), layers)
         return response_ids, sampled
 
-    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name) -> tuple[torch.Tensor, Any, torch.Tensor]:
-        """The prompts through the model in groups of similar length, each cut to its longest prompt:
-        (last-position logits, one KV cache for all rows, the rows' order in both). A cache that
-        is not plain full attention in every layer (sliding windows, linear layers) is not joined:
-        then one group."""
+    def _continued(self, prompts: list[list[int]]) -> dict[int, list]:
+        """{row: kept cache layers} for the prompts that continue a kept stream; counts the reuse."""
+        assert self.kept is not None
+        continued = {}
+        for row, ids in enumerate(prompts):
+            layers = self.kept.take(ids)
+            if layers is not None:
+                continued[row] = layers
+                self.kept.reused += layers[0][0].shape[-2]
+            self.kept.prompted += len(ids)
+        return continued
+
+    @staticmethod
+    def _ending(cache, mask, running, at, step: int) -> list[tuple[int, int, list]]:
+        """(batch row, step, per layer its keys and values at its real columns) of the running rows at `at`."""
+        ending = []
+        for index in at:
+            columns = mask[index].bool()
+            ending.append((int(running[index]), step, [(layer.keys[index][:, columns], layer.values[index][:, columns]) for layer in cache.layers]))
+        return ending
+
+    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name, continued: dict[int, list]
+                 ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+        """The prompts through the model in groups of similar length, each cut to its longest prompt,
+        then the rows in `continued` in one group after their kept caches: (last-position logits,
+        one KV cache for all rows, the rows' order in both, the cache's attention mask). A cache
+        that is not plain full attention in every layer (sliding windows, linear layers) is not
+        joined: then one group, and nothing continued."""
         from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
 
         lengths = prompt_mask.sum(dim=1)
         order = lengths.argsort(descending=True, stable=True)
-        joinable = all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
-        sizes = prefill_groups(lengths[order].tolist()) if joinable else [len(order)]
-        logits, caches = [], []
-        for rows in order.split(sizes):
+        if continued:
+            order = order[torch.isin(order, torch.tensor(list(continued), device=order.device), invert=True)]
+        sizes = prefill_groups(lengths[order].tolist()) if joinable(config) else [len(order)]
+        logits, caches, masks = [], [], []
+        for rows in order.split(sizes) if len(order) else ():
             ids, mask = without_padding_columns(prompt_ids[rows], prompt_mask[rows])
             caches.append(DynamicCache(config=config))
             positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **options, **{cache_name: caches[-1]})
             logits.append(out.logits[:, -1])
+            masks.append(mask)
             self.positions = (self.positions[0] + mask.numel(), self.positions[1] + mask.sum())
-        return torch.cat(logits), caches[0] if len(caches) == 1 else joined_cache(caches, prompt_ids.shape[1], config), order
+        if continued:
+            rows = torch.tensor(list(continued), device=order.device)
+            logit, cache, mask = self._prefill_after(model, config, prompt_ids[rows], prompt_mask[rows], list(continued.values()), options,
+                                                     cache_name)
+            logits.append(logit)
+            caches.append(cache)
+            masks.append(mask)
+            order = torch.cat([order, rows])
+        width = max(mask.shape[1] for mask in masks)
+        mask = torch.cat([torch.nn.functional.pad(mask, (width - mask.shape[1], 0)) for mask in masks])
+        return torch.cat(logits), caches[0] if len(caches) == 1 else joined_cache(caches, width, config), order, mask
+
+    def _prefill_after(self, model, config, prompt_ids, prompt_mask, kept: list[list], options, cache_name) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """Rows whose prompts continue kept streams: each kept cache left-padded to the longest and
+        joined, then only the tokens after it through the model. (last-position logits, the cache,
+        its mask: the kept columns, then the new ones, each left-padded)."""
+        from transformers import DynamicCache
+
+        held = [layers[0][0].shape[-2] for layers in kept]
+        wide = max(held)
+        cache = DynamicCache(config=config)
+        for index, layers in enumerate(zip(*kept)):
+            keys, values = ([torch.nn.functional.pad(t, (0, 0, wide - t.shape[-2], 0)) for t in tensors] for tensors in zip(*layers))
+            cache.update(torch.stack(keys), torch.stack(values), index)
+        real = [ids[row_mask.bool()] for ids, row_mask in zip(prompt_ids, prompt_mask)]
+        added = [ids[length:] for ids, length in zip(real, held)]
+        width = max(len(ids) for ids in added)
+        ids = prompt_ids.new_full((len(added), width), self.policy.tokenizer.pad_token_id)
+        mask = prompt_mask.new_zeros((len(added), wide + width))
+        for row, (new, length) in enumerate(zip(added, held)):
+            ids[row, width - len(new):] = new
+            mask[row, wide - length:wide] = 1
+            mask[row, wide + width - len(new):] = 1
+        positions = (mask.long().cumsum(dim=1) - 1)[:, wide:].clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **options, **{cache_name: cache})
+        self.positions = (self.positions[0] + ids.numel(), self.positions[1] + sum(len(new) for new in added))
+        return out.logits[:, -1], cache, mask
 
     def _processed(self, logits: torch.Tensor, step: int, greedy: bool) -> torch.Tensor:
         """The scores a token is chosen from, as generate processes them: end ids forbidden before

@@ -13,6 +13,7 @@ Shapes follow `rlkit_core.batch`: B rollouts, L = P + R sequence positions, V vo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import typing
 import warnings
@@ -343,6 +344,14 @@ class Generator(ComponentBase):
         The loop calls it, after `sync_weights`, inside the policy's full-weights block (under FSDP
         every process holds the whole model meanwhile) and under the run's autocast
         (`run.mixed_precision`), unless the class sets `runs_own_precision`."""
+
+    @contextlib.contextmanager
+    def continuing_streams(self):
+        """A block in which calls may continue the streams an earlier call of the block sampled (the
+        turns of a rollout's episodes, on unchanged weights): the generator may keep what it
+        computed for a stream (its KV cache) and compute only the tokens added since. Whether a
+        prompt continues a stream is decided by its ids alone. Nothing kept by default."""
+        yield
 
     def sync_weights(self, policy: Policy) -> None:
         """Bring the sampler's weights up to date with the policy; in-process samplers share them.

@@ -85,8 +85,23 @@ def test_recomputed_logprobs_equal_the_generators_over_four_turns(recipe_documen
     batch, metrics = rollout_with(trainer, trainer.stream.batch(0))
     batch = compare_with(trainer, batch)
     assert metrics["env/turns"] >= 3
+    assert metrics["generate/kept_prefix"] > 0.5  # later turns continued their streams' caches (sampled from them)
     sampled = batch.response_mask.bool() & ~torch.isnan(batch.sampled_logprobs)
     assert torch.allclose(batch.old_logprobs[sampled], batch.sampled_logprobs[sampled], atol=1e-5, rtol=0)
+
+
+def test_episodes_sampled_on_kept_streams_are_the_episodes_of_whole_prefills(recipe_document, builtin_registry, ending_tiny_model,
+                                                                              monkeypatch):
+    document = episode_document(recipe_document, ending_tiny_model, max_turns=4, max_episode_tokens=200)
+    trainer = make_trainer(document, builtin_registry)
+    torch.manual_seed(5)
+    kept, metrics = rollout_with(trainer, trainer.stream.batch(0))
+    monkeypatch.setattr(type(trainer.components.generator), "continuing_streams", Generator.continuing_streams)
+    torch.manual_seed(5)
+    whole, whole_metrics = rollout_with(trainer, trainer.stream.batch(0))
+    assert metrics["generate/kept_prefix"] > 0.5 and "generate/kept_prefix" not in whole_metrics
+    assert torch.equal(kept.response_ids, whole.response_ids) and torch.equal(kept.loss_mask, whole.loss_mask)
+    assert torch.allclose(kept.sampled_logprobs.nan_to_num(), whole.sampled_logprobs.nan_to_num(), atol=1e-5, rtol=0)
 
 
 def test_environment_tokens_carry_no_loss_and_no_gradient(recipe_document, builtin_registry, ending_tiny_model):

@@ -154,7 +154,8 @@ class EpisodeRunner:
         2), `CallsHung`, or the recipe's bad-reward policy for a reward that is not a finite number."""
         self.bad_rewards: list[str] = []
         self.stopped_by: RecipeError | CallsHung | None = None
-        episodes = self._play(records, groups, seeds, greedy)
+        with self.components.generator.continuing_streams():  # each turn continues its episode's stream on the same weights
+            episodes = self._play(records, groups, seeds, greedy)
         stop = self.stopped_by
         mine = (stop.problems if isinstance(stop, RecipeError) else str(stop) if stop else None, self.bad_rewards[0] if self.bad_rewards else None)
         found = self.engine.processes.gather_objects(mine)
