@@ -85,25 +85,34 @@ def joined_cache(caches: list, width: int, config):
     return joined
 
 
+@attrs.frozen
+class KeptRow:
+    """One row's KV cache as its call left it: per layer (keys, values) [heads, columns, head_dim], and
+    `mask` [columns], whose ones are the columns of the ids it was kept under, in order."""
+
+    mask: torch.Tensor
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+
 class KeptStreams:
     """The KV caches of the rows a block's calls sampled, each keyed by the ids whose keys and values
-    it holds (per layer, [heads, len(ids), head_dim]); a prompt takes the longest kept stream its ids
-    begin with. Each is taken once: the row that continues it keeps its own when it ends."""
+    it holds; a prompt takes the longest kept stream its ids begin with. Each is taken once: the row
+    that continues it keeps its own when it ends."""
 
     def __init__(self):
-        self.by_length: dict[int, dict[tuple[int, ...], list[list]]] = {}
+        self.by_length: dict[int, dict[tuple[int, ...], list]] = {}
         self.reused, self.prompted = 0, 0  # prompt tokens taken from kept caches, and all prompt tokens, this block
 
-    def keep(self, ids: list[int], layers: list) -> None:
-        self.by_length.setdefault(len(ids), {}).setdefault(tuple(ids), []).append(layers)
+    def keep(self, ids: list[int], row) -> None:
+        self.by_length.setdefault(len(ids), {}).setdefault(tuple(ids), []).append(row)
 
-    def take(self, ids: list[int]) -> list | None:
-        """The layers of the longest kept stream that `ids` begin with and go past (a prompt needs one
-        token of its own to be prefilled), removed from the kept ones; None if none."""
+    def take(self, ids: list[int]) -> tuple[int, Any] | None:
+        """(how many of `ids` it holds, the row) of the longest kept stream that `ids` begin with and
+        go past (a prompt needs one token of its own to be prefilled), removed from the kept ones."""
         for length in sorted((n for n in self.by_length if n < len(ids)), reverse=True):
             found = self.by_length[length].get(tuple(ids[:length]))
             if found:
-                return found.pop()
+                return length, found.pop()
         return None
 
 
@@ -184,7 +193,7 @@ class HFGenerator(Generator):
         logits, cache, running, mask = self._prefill(model, base.config, prompt_ids, prompt_mask, options, cache_name, continued)
         options[cache_name] = cache
         ends = torch.tensor(self.policy.eos_token_ids, device=prompt_ids.device)
-        ended = []  # (row, step, its cache's layers) as rows end, when keeping
+        ended: list[tuple[int, int, KeptRow]] = []  # (batch row, step, its cache) as rows end, when keeping
         positions = (mask.long().cumsum(dim=1) - 1)[:, -1:]  # real tokens only, as generate counts them
         tokens, logprobs = [], []  # per step, for the running rows
         chosen = torch.empty(0)  # the previous step's tokens, fed back from the second step on
@@ -201,11 +210,11 @@ class HFGenerator(Generator):
             logprobs.append(torch.log_softmax(scores, dim=-1).gather(-1, chosen[:, None]).squeeze(-1))
             if step + 1 == limit:
                 if keeping:
-                    ended += self._ending(cache, mask, running, range(len(running)), step)
+                    ended += self._ending(cache, mask, running, torch.arange(len(running)), step)
                 break
             kept = torch.isin(chosen, ends, invert=True).nonzero().squeeze(1)  # the step's one read from the device
             if keeping and len(kept) < len(running):
-                ended += self._ending(cache, mask, running, torch.isin(chosen, ends).nonzero().squeeze(1).tolist(), step)
+                ended += self._ending(cache, mask, running, torch.isin(chosen, ends).nonzero().squeeze(1), step)
             if len(kept) == 0:
                 break
             if len(kept) < len(running):
@@ -219,32 +228,31 @@ class HFGenerator(Generator):
         for step, ((at, chosen), logprob) in enumerate(zip(tokens, logprobs)):
             response_ids[at, step], sampled[at, step] = chosen, logprob
         if self.kept is not None:
-            for row, step, layers in ended:  # the cache holds the prompt and the tokens fed back: all but the last sampled
-                self.kept.keep(prompts[row] + response_ids[row, :step].tolist(), layers)
+            for row, step, kept in ended:  # the cache holds the prompt and the tokens fed back: all but the last sampled
+                self.kept.keep(prompts[row] + response_ids[row, :step].tolist(), kept)
         return response_ids, sampled
 
-    def _continued(self, prompts: list[list[int]]) -> dict[int, list]:
-        """{row: kept cache layers} for the prompts that continue a kept stream; counts the reuse."""
+    def _continued(self, prompts: list[list[int]]) -> dict[int, tuple[int, KeptRow]]:
+        """{row: (ids held, kept cache)} for the prompts that continue a kept stream; counts the reuse."""
         assert self.kept is not None
         continued = {}
         for row, ids in enumerate(prompts):
-            layers = self.kept.take(ids)
-            if layers is not None:
-                continued[row] = layers
-                self.kept.reused += layers[0][0].shape[-2]
+            found = self.kept.take(ids)
+            if found is not None:
+                continued[row] = found
+                self.kept.reused += found[0]
             self.kept.prompted += len(ids)
         return continued
 
     @staticmethod
-    def _ending(cache, mask, running, at, step: int) -> list[tuple[int, int, list]]:
-        """(batch row, step, per layer its keys and values at its real columns) of the running rows at `at`."""
-        ending = []
-        for index in at:
-            columns = mask[index].bool()
-            ending.append((int(running[index]), step, [(layer.keys[index][:, columns], layer.values[index][:, columns]) for layer in cache.layers]))
-        return ending
+    def _ending(cache, mask, running, at: torch.Tensor, step: int) -> list[tuple[int, int, KeptRow]]:
+        """(batch row, step, its cache) of the running rows at `at`: one copy per layer for all of them."""
+        at = at.to(mask.device)
+        picked = [(layer.keys.index_select(0, at), layer.values.index_select(0, at)) for layer in cache.layers]
+        masks = mask.index_select(0, at)
+        return [(row, step, KeptRow(masks[i], [(keys[i], values[i]) for keys, values in picked])) for i, row in enumerate(running[at].tolist())]
 
-    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name, continued: dict[int, list]
+    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name, continued: dict[int, tuple[int, KeptRow]]
                  ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
         """The prompts through the model in groups of similar length, each cut to its longest prompt,
         then the rows in `continued` in one group after their kept caches: (last-position logits,
@@ -279,18 +287,25 @@ class HFGenerator(Generator):
         mask = torch.cat([torch.nn.functional.pad(mask, (width - mask.shape[1], 0)) for mask in masks])
         return torch.cat(logits), caches[0] if len(caches) == 1 else joined_cache(caches, width, config), order, mask
 
-    def _prefill_after(self, model, config, prompt_ids, prompt_mask, kept: list[list], options, cache_name) -> tuple[torch.Tensor, Any, torch.Tensor]:
-        """Rows whose prompts continue kept streams: each kept cache left-padded to the longest and
-        joined, then only the tokens after it through the model. (last-position logits, the cache,
-        its mask: the kept columns, then the new ones, each left-padded)."""
+    def _prefill_after(self, model, config, prompt_ids, prompt_mask, continued: list[tuple[int, KeptRow]], options, cache_name
+                       ) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """Rows whose prompts continue kept streams: the kept caches' own columns gathered into one
+        cache, each left-padded to the longest, then only the tokens after them through the model.
+        (last-position logits, the cache, its mask: the kept columns, then the new ones, each left-padded)."""
         from transformers import DynamicCache
 
-        held = [layers[0][0].shape[-2] for layers in kept]
-        wide = max(held)
+        held = [length for length, _ in continued]
+        kept = [row for _, row in continued]
+        wide, columns = max(held), max(row.mask.shape[0] for row in kept)
+        # for each row, the indices of its held columns (right-padded rows keep their indices), left-padded with column 0
+        gather = torch.zeros((len(kept), wide), dtype=torch.long, device=prompt_ids.device)
+        for index, (row, length) in enumerate(zip(kept, held)):
+            gather[index, wide - length:] = row.mask.nonzero().squeeze(1)
         cache = DynamicCache(config=config)
-        for index, layers in enumerate(zip(*kept)):
-            keys, values = ([torch.nn.functional.pad(t, (0, 0, wide - t.shape[-2], 0)) for t in tensors] for tensors in zip(*layers))
-            cache.update(torch.stack(keys), torch.stack(values), index)
+        for index, layers in enumerate(zip(*(row.layers for row in kept))):
+            keys, values = (torch.stack([torch.nn.functional.pad(t, (0, 0, 0, columns - t.shape[-2])) for t in tensors]) for tensors in zip(*layers))
+            at = gather[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+            cache.update(keys.gather(2, at), values.gather(2, at), index)
         real = [ids[row_mask.bool()] for ids, row_mask in zip(prompt_ids, prompt_mask)]
         added = [ids[length:] for ids, length in zip(real, held)]
         width = max(len(ids) for ids in added)
