@@ -281,7 +281,7 @@ class Session:
         self.conversation = [*self.conversation, {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}]
         request = self.in_flight
         choice: dict[str, Any] = {"index": 0, "message": wire, "finish_reason": "tool_calls" if calls else "stop", "logprobs": None,
-                                  "token_ids": list(reply.ids)}
+                                  "token_ids": list(reply.ids), "weights_version": reply.weights_version}
         if request is not None and request.body.get("logprobs") and logprob_pieces is not None:
             choice["logprobs"] = {"content": [{"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
                                               for piece, lp in zip(logprob_pieces, reply.logprobs)]}

@@ -104,6 +104,9 @@ class Policy(ComponentBase):
     tokenizer: Any  # a transformers tokenizer with distinct pad and EOS tokens
     eos_token_ids: tuple[int, ...]  # every id that ends a response; the tokenizer's EOS first
     suppressed_token_ids: tuple[int, ...] = ()  # ids never emitted (a PAD rlkit added): masked out of every softmax
+    # the run's iterations done when the module's weights were current: set by the trainer (and a copy's by the
+    # scheduler's producer, when it loads pushed weights); every turn an episode samples is labelled with it
+    weights_version: int = 0
     # the longest prompt + response the model takes, or None when it has no such limit or cannot
     # tell: prompts are cut to fit it with the longest response (`data.max_prompt_tokens` checked against it)
     context_length: int | None = None

@@ -46,6 +46,8 @@ class Reply:
     # the turn as the conversation records it (`ToolCallFormat.assistant_message`: its content and
     # the calls read from it), which the chat template renders back
     message: dict[str, Any] = attrs.field(factory=dict)
+    # the weights that sampled the turn (`Policy.weights_version`: the run's iterations done when they were current)
+    weights_version: int = 0
 
 
 @attrs.frozen

@@ -166,3 +166,15 @@ if __name__ == "__main__":
     record = json.loads(sys.stdin.read())
     print("some chatter first")
     print(json.dumps(globals()[name](record, OpenAI(max_retries=0))))
+
+
+def versions(record: dict, client: OpenAI) -> dict:
+    """`talk`, reporting the weights version each answer says sampled it: the first, and 1 when all agree."""
+    messages, seen = [{"role": "user", "content": record["prompt"]}], []
+    for turn in range(3):
+        if turn:
+            messages.append({"role": "user", "content": "again"})
+        completion = client.chat.completions.create(model="policy", messages=messages)
+        seen.append((completion.choices[0].model_extra or {})["weights_version"])
+        messages.append(completion.choices[0].message.model_dump(exclude_none=True))
+    return {"reward": 1.0, "weights_version": float(seen[0]), "one_version": float(len(set(seen)) == 1)}

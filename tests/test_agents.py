@@ -145,6 +145,16 @@ def test_tool_calls_go_out_with_ids_and_their_results_come_back_rendered(recipe_
     assert sampled_of(batch)[0] == call + answer
 
 
+def test_each_answer_names_the_weights_that_sampled_it(recipe_document, builtin_registry, chatml):
+    """`choices[0].weights_version`: the run's iterations done when the sampling weights were current,
+    the same for every turn of an episode, one more after each update."""
+    path, tokenizer = chatml
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7")], **harness("versions"))
+    rows = [trainer.step() for _ in range(3)]
+    assert [(row["env/weights_version"], row["env/one_version"], row["env/status_ok"]) for row in rows] == [(0.0, 1.0, 1.0), (1.0, 1.0, 1.0),
+                                                                                                              (2.0, 1.0, 1.0)]
+
+
 @pytest.mark.parametrize("name", ["wrong_tool_id", "hot", "stranger", "too_many"])
 def test_every_bad_request_is_an_http_error_the_harness_reads_and_the_episode_goes_on(recipe_document, builtin_registry, chatml, name):
     """A tool result for a call nobody made, a temperature not the run's, another session's key or

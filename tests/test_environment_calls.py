@@ -85,3 +85,34 @@ def test_one_pool_per_environment_for_the_process():
     first, second = Environment(), Environment()
     assert pool_for(first, 4) is pool_for(first, 8) and pool_for(first, 8).size == 8
     assert pool_for(second, 4) is not pool_for(first, 4)
+
+
+def test_threads_are_kept_between_calls_and_end_with_their_environment():
+    import gc
+    import sys
+
+    class Environment:
+        pass
+
+    environment = Environment()
+    pool = pool_for(environment, 3)
+    before = threading.active_count()
+    idents = set()
+
+    def where():
+        time.sleep(0.01)
+        idents.add(threading.get_ident())
+
+    for _ in range(20):  # 120 calls, three at a time
+        assert pool.run([(where, ()) for _ in range(6)], timeout=5) == [("ok", None)] * 6
+    assert len(idents) == 3 and pool.threads == 3 and threading.active_count() - before == 3
+    # a call that exits the interpreter's way is an error, and its thread serves the next calls
+    status, text = pool.run([(sys.exit, (4,))], timeout=5)[0]
+    assert status == "error" and "SystemExit" in text
+    assert pool.run([(where, ()) for _ in range(3)], timeout=5) == [("ok", None)] * 3 and len(idents) == 3
+    del environment
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before

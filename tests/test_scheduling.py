@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -242,6 +243,36 @@ def test_episodes_made_one_step_off_train_their_own_prompts(recipe_document, bui
     for iteration, row in enumerate(rows):
         assert row.batch.columns["secret"] == [r["secret"] for r in trainer.stream_records(iteration)]
         assert row.metrics["env/turns"] > 1 and row.batch.turn_rewards is not None
+
+
+def test_every_turn_made_ahead_is_labelled_with_the_weights_that_sampled_it(recipe_document, builtin_registry, tmp_path):
+    """`Reply.weights_version` (what the agent endpoint answers with) of each episode's turns is the
+    version its batch was made from: the iteration trained minus its staleness."""
+    from tests.test_episodes import ending_model, episode_document
+
+    document = episode_document(recipe_document, ending_model(tmp_path / "ending"))
+    trainer = make_trainer(document, builtin_registry, scheduler__type="one-step-off", loss__tis_cap=2.0)
+    environment = trainer.components.environment
+    # the producer makes up to two batches past the last one trained: their episodes are labelled too
+    iteration_of = {id(record): iteration for iteration in range(6) for record in trainer.stream_records(iteration)}
+    seen: dict[int, set[int]] = {iteration: set() for iteration in range(6)}
+    reset, step = environment.reset, environment.step
+
+    def labelled_reset(record, seed):
+        opened = reset(record, seed)
+        return attrs.evolve(opened, state=(iteration_of[id(record)], opened.state))
+
+    def recorded_step(state, reply):
+        seen[state[0]].add(reply.weights_version)
+        return step(state[1], reply)
+
+    environment.reset, environment.step = labelled_reset, recorded_step
+    try:
+        rows = [trainer.iterate() for _ in range(3)]
+    finally:
+        trainer.close()
+    assert [seen[iteration] for iteration in range(3)] == [{iteration - int(row.metrics["async/staleness"])} for iteration, row in enumerate(rows)]
+    assert trainer.components.policy.weights_version == 3  # the trainer's own weights, after three iterations
 
 
 @pytest.mark.slow

@@ -6,13 +6,16 @@ past its timeout ends its episode (status "timeout") and is left running in its 
 unbounded, such threads pile up: one per hung call, for the whole run. Here every call runs in a
 thread of its environment's `CallPool`, which runs at most `size` calls at once (the environment's
 `call_threads` setting); a call waits for a free thread and its timeout counts from when it starts.
-A hung call holds its thread until it returns (`hung`, logged as `env/hung_calls`). When every thread
+The threads are kept and reused, call after call (a multi-turn batch makes hundreds of calls), and
+end when their environment is collected. A hung call holds its thread until it returns (`hung`, logged as `env/hung_calls`). When every thread
 is held by a hung call, no episode can go on: the run ends (`CallsHung`), located, with a checkpoint,
 rather than ending every later episode as a timeout that never ran.
 """
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
 import time
 import weakref
@@ -29,11 +32,13 @@ class CallsHung(RunError):
 
 
 class CallPool:
-    """At most `size` calls of one environment at once, each in a daemon thread (see the module)."""
+    """At most `size` calls of one environment at once, in daemon threads kept between calls (see the module)."""
 
     def __init__(self, size: int):
         self.size = size
         self.changed = threading.Condition()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # calls for the threads to run; None ends a thread
+        self.threads = 0  # threads started and not ended: at least `running`, the others wait on `jobs`
         self.running = 0  # calls whose thread has not returned, this batch's and hung ones alike
         self.hung = 0  # calls past their timeout whose thread has not returned
         self.said: set[str] = set()  # what was said of this environment's faults already, each said once (`EpisodeRunner._say_once`)
@@ -57,7 +62,7 @@ class CallPool:
                 outcome = ("error", str(exc))
             except TimeoutError:  # the call gave up waiting on what it called (a socket, an agent's harness): a timeout
                 outcome = ("timeout", None)
-            except Exception as exc:  # the environment's code: its failure is the episode's status
+            except BaseException as exc:  # the environment's code (a sys.exit too): its failure is the episode's status, the thread lives on
                 outcome = ("error", failure_text(exc))
             with self.changed:
                 self.running -= 1
@@ -75,7 +80,10 @@ class CallPool:
                     started[index] = time.monotonic()
                     self.running += 1
                     function, args = calls[index]
-                    threading.Thread(target=call, args=(index, function, args), daemon=True, name="rlkit-environment-call").start()
+                    if self.threads < self.running:  # every thread is running a call: one more
+                        self.threads += 1
+                        threading.Thread(target=self._serve, daemon=True, name="rlkit-environment-call").start()
+                    self.jobs.put(functools.partial(call, index, function, args))
                 if timeout:
                     now = time.monotonic()
                     for index, began in started.items():
@@ -95,6 +103,17 @@ class CallPool:
             raise recipe_errors[0]
         return results
 
+    def _serve(self) -> None:
+        """A thread of the pool: the calls it is given, one after another, until it is given None."""
+        while (job := self.jobs.get()) is not None:
+            job()
+
+    def close(self) -> None:
+        """End the pool's threads once each has returned from the call it runs (a hung one, when it returns)."""
+        for _ in range(self.threads):
+            self.jobs.put(None)
+        self.threads = 0
+
 
 _POOLS: dict[int, CallPool] = {}
 
@@ -107,8 +126,15 @@ def pool_for(environment: Any, size: int) -> CallPool:
     if pool is None:
         pool = _POOLS[key] = CallPool(size)
         try:
-            weakref.finalize(environment, _POOLS.pop, key, None)
+            weakref.finalize(environment, _forget, key)
         except TypeError:  # not weakly referenceable: the pool keeps it, so its id is never reused
             pool.owner = environment
     pool.size = size
     return pool
+
+
+def _forget(key: int) -> None:
+    """The environment of the pool `key` was collected: its pool and threads go too."""
+    pool = _POOLS.pop(key, None)
+    if pool is not None:
+        pool.close()

@@ -82,6 +82,7 @@ class WeightsCopy:
         self.model.requires_grad_(False)
         for name in ("tokenizer", "eos_token_ids", "suppressed_token_ids", "context_length"):
             setattr(self, name, getattr(policy, name))
+        self.weights_version = policy.weights_version  # the producer sets it as it loads pushed weights
 
 
 class SideEngine:
@@ -231,7 +232,7 @@ class Producer:
             try:
                 if worker.copy is not None and weights is not None and worker.version != version:
                     worker.copy.model.load_state_dict(weights)
-                    worker.version = version
+                    worker.version = worker.copy.weights_version = version
                 doing = "making the batch (generation, environment or reward)"
                 with torch.no_grad():
                     made.batch, made.metrics = self._make(iteration, worker.components, worker.engine)

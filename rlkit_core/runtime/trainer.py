@@ -75,6 +75,16 @@ class Trainer:
         self.state = RunState()
         self.producer: Producer | None = None  # started at the first iteration (after a resume has set the state)
 
+    @property
+    def state(self) -> RunState:
+        return self._state
+
+    @state.setter
+    def state(self, state: RunState) -> None:
+        """The run's state; the policy's weights are labelled with its iteration (`Policy.weights_version`)."""
+        self._state = state
+        self.components.policy.weights_version = state.iteration
+
     def close(self) -> None:
         """Stop the thread that makes batches ahead, if any (its batches are made again on resume)."""
         if self.producer is not None:
