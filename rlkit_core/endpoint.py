@@ -166,8 +166,6 @@ def checked_body(body: Any, limits: Limits) -> dict[str, Any]:
     """The request's own fields, refused where they ask for what the run's sampling does not do."""
     if not isinstance(body, dict):
         raise Refused(400, "the request body is not a JSON object", "invalid_request")
-    if body.get("stream"):
-        raise Refused(400, "streaming is not served: leave 'stream' out (rlkit answers each request whole)", "stream_unsupported")
     if body.get("n", 1) != 1:
         raise Refused(400, "'n' must be 1: an episode is one conversation (set samples_per_prompt in the recipe for more)", "invalid_n")
     temperature = body.get("temperature")
@@ -190,6 +188,22 @@ def checked_body(body: Any, limits: Limits) -> dict[str, Any]:
                                               and isinstance(t["function"].get("name"), str) for t in tools):
         raise Refused(400, "'tools' must be a list of {'type': 'function', 'function': {'name': ..., ...}}", "invalid_tools")
     return body
+
+
+def as_chunks(completion: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole completion as the chunks of a stream (`stream: true`): the role and the content with
+    its log-probs, then the tool calls, then the finish reason with the sampled ids. The turn is
+    sampled whole before its first chunk is sent: a stream is its answer in OpenAI's stream layout."""
+    choice, head = completion["choices"][0], {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
+                                              "model": completion["model"]}
+    message = choice["message"]
+    deltas = [{"index": 0, "delta": {"role": "assistant", "content": message["content"]}, "logprobs": choice["logprobs"], "finish_reason": None}]
+    if message.get("tool_calls"):
+        calls = [{"index": index, **call} for index, call in enumerate(message["tool_calls"])]
+        deltas.append({"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None})
+    deltas.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"], "token_ids": choice["token_ids"],
+                   "weights_version": choice["weights_version"]})
+    return [{**head, "choices": [delta]} for delta in deltas]
 
 
 class Session:
@@ -358,7 +372,7 @@ class Endpoint:
     def _serve(self, listener: socket.socket) -> None:
         import uvicorn
         from starlette.applications import Starlette
-        from starlette.responses import JSONResponse
+        from starlette.responses import JSONResponse, StreamingResponse
         from starlette.routing import Route
 
         async def models(http):
@@ -387,7 +401,10 @@ class Endpoint:
             request = Request(body)
             session.submit(request)
             status, answer = await asyncio.wrap_future(request.answer)
-            return JSONResponse(answer, status_code=status)
+            if status != 200 or not body.get("stream"):
+                return JSONResponse(answer, status_code=status)
+            events = [f"data: {json.dumps(chunk)}\n\n" for chunk in as_chunks(answer)] + ["data: [DONE]\n\n"]
+            return StreamingResponse(iter(events), media_type="text/event-stream")
 
         app = Starlette(routes=[Route("/sessions/{session_id}/v1/models", models, methods=["GET"]),
                                 Route("/sessions/{session_id}/v1/chat/completions", chat_completions, methods=["POST"])])

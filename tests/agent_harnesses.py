@@ -178,3 +178,43 @@ def versions(record: dict, client: OpenAI) -> dict:
         seen.append((completion.choices[0].model_extra or {})["weights_version"])
         messages.append(completion.choices[0].message.model_dump(exclude_none=True))
     return {"reward": 1.0, "weights_version": float(seen[0]), "one_version": float(len(set(seen)) == 1)}
+
+
+def streamed(client: OpenAI, messages: list, **fields) -> dict:
+    """One answer asked with `stream=True`, put together from its chunks as an agent that streams does:
+    the assistant message to send back, and the extension fields of the last chunk."""
+    content, calls, extra = "", {}, {}
+    for chunk in client.chat.completions.create(model="policy", messages=messages, stream=True, **fields):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or ():
+                entry = calls.setdefault(call.index, {"id": call.id, "type": "function", "function": {"name": "", "arguments": ""}})
+                entry["function"]["name"] += (call.function and call.function.name) or ""
+                entry["function"]["arguments"] += (call.function and call.function.arguments) or ""
+            if choice.finish_reason:
+                extra = {"finish_reason": choice.finish_reason, **(choice.model_extra or {})}
+    message = {"role": "assistant", "content": content or None, **({"tool_calls": [calls[i] for i in sorted(calls)]} if calls else {})}
+    return {"message": message, **extra}
+
+
+def talk_streaming(record: dict, client: OpenAI, turns: int = 3) -> dict:
+    """`talk`, every answer streamed; `streamed_ids` is 1 when each answer's last chunk carried its sampled ids."""
+    messages, with_ids = [{"role": "user", "content": record["prompt"]}], []
+    for turn in range(turns):
+        if turn:
+            messages.append({"role": "user", "content": "again"})
+        answer = streamed(client, messages)
+        messages.append(answer["message"])
+        with_ids.append(bool(answer.get("token_ids")) and answer["finish_reason"] == "stop")
+    return {"reward": 1.0, "talked": float(turns), "streamed_ids": float(all(with_ids))}
+
+
+def tool_user_streaming(record: dict, client: OpenAI) -> float:
+    """`tool_user`, every answer streamed."""
+    messages = [{"role": "user", "content": record["prompt"]}]
+    while True:
+        answer = streamed(client, messages, tools=[LOOKUP])
+        messages.append(answer["message"])
+        if not answer["message"].get("tool_calls"):
+            return 1.0
+        messages += [{"role": "tool", "tool_call_id": call["id"], "content": "found"} for call in answer["message"]["tool_calls"]]

@@ -73,8 +73,8 @@ def sampled_of(batch) -> list[list[int]]:
 RECORDS = [{"prompt": PROMPT, "secret": 3}] * 2
 
 
-@pytest.mark.parametrize("how", [harness("talk"), command("talk"), {**harness("talk"), "turn_barrier": False}],
-                         ids=["callable", "command", "callable-as-ready"])
+@pytest.mark.parametrize("how", [harness("talk"), command("talk"), {**harness("talk"), "turn_barrier": False}, harness("talk_streaming")],
+                         ids=["callable", "command", "callable-as-ready", "streaming"])
 def test_an_agents_episode_is_the_templates_render_of_its_conversation(recipe_document, builtin_registry, chatml, how):
     """Three turns of a harness that keeps the conversation as the endpoint returned it: one sample,
     equal to the template's render of the whole conversation at once (but for the newline the
@@ -90,6 +90,7 @@ def test_an_agents_episode_is_the_templates_render_of_its_conversation(recipe_do
     conversation.append({"role": "assistant", "content": "7"})
     assert (metrics["env/status_ok"], metrics["env/splits"], metrics["env/agent_rewrites"], metrics["env/turns"]) == (1.0, 0.0, 0.0, 3.0)
     assert metrics["env/reward"] == 1.0 and metrics["env/talked"] == 3.0 and metrics["env/agent_requests"] == 3.0
+    assert metrics.get("env/streamed_ids", 1.0) == 1.0  # a streaming agent read the sampled ids from the last chunk
     assert rows_of(batch)[0] == render_ids(tokenizer, conversation)[:-1]
     assert sampled_of(batch) == [turn * 3] * 2
     assert batch.scores.tolist() == [1.0, 1.0]
@@ -124,14 +125,15 @@ def test_a_harness_that_changes_history_starts_a_new_sample_from_its_conversatio
     assert batch.episode_ids.tolist() == [0, 0, 1, 1] and batch.scores.tolist() == [0.5] * 4  # one episode, one score
 
 
-def test_tool_calls_go_out_with_ids_and_their_results_come_back_rendered(recipe_document, builtin_registry, chatml):
+@pytest.mark.parametrize("name", ["tool_user", "tool_user_streaming"])
+def test_tool_calls_go_out_with_ids_and_their_results_come_back_rendered(recipe_document, builtin_registry, chatml, name):
     """The model's call (read by the template's tool-call format) reaches the harness as an OpenAI
     tool call with an id; the harness's result, sent by that id, is rendered as the template renders
     a tool result of that tool: the episode is the render of the conversation with its tools."""
     path, tokenizer = chatml
     call = turn_ids(tokenizer, '<tool_call>\n{"name": "lookup", "arguments": {"word": "fig"}}\n</tool_call>')
     answer = turn_ids(tokenizer, "done")
-    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [call, answer], **harness("tool_user"))
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [call, answer], **harness(name))
     batch, metrics = rollout_with(trainer, RECORDS)
     from tests.agent_harnesses import LOOKUP
 
@@ -225,7 +227,7 @@ def test_the_endpoint_lists_the_model_and_names_what_it_refuses_before_an_episod
     session = agent_endpoint().open(Limits(max_turns=2, max_new_tokens=8, temperature=1.0, model="tiny"))
     client = openai.OpenAI(base_url=session.base_url, api_key=session.key, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    cases = [({"stream": True}, "stream_unsupported"), ({"n": 2}, "invalid_n"), ({"max_tokens": 4}, "invalid_max_tokens"),
+    cases = [({"n": 2}, "invalid_n"), ({"max_tokens": 4}, "invalid_max_tokens"),
              ({"tool_choice": "required"}, "tool_choice_unsupported"), ({"stop": ["x"]}, "stop_unsupported")]
     for fields, code in cases:
         with pytest.raises(openai.BadRequestError) as raised:
