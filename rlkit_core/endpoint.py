@@ -26,6 +26,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -281,9 +282,10 @@ class Session:
         new = for_template(messages)[known:] if extends else None
         return Turn(messages=for_template(messages), tools=tools, new=new)
 
-    def respond(self, reply: Reply, message: dict[str, Any], logprob_pieces: list[str] | None = None) -> None:
+    def respond(self, reply: Reply, message: dict[str, Any], logprob_pieces: Callable[[], list[str]] | None = None) -> None:
         """Answer the request in flight with the model's turn: `message` as the chat format recorded
-        it (its content and the calls it read), the sampled ids and, when asked, their log-probs."""
+        it (its content and the calls it read), the sampled ids and, when asked, their log-probs
+        (`logprob_pieces` gives each id's text, called only then: a decode per id costs)."""
         self.turns += 1
         calls = [(f"call_{self.id}_{self.turns}_{i}", c["function"]["name"], c["function"]["arguments"])
                  for i, c in enumerate(message.get("tool_calls", ()))]
@@ -298,7 +300,7 @@ class Session:
                                   "token_ids": list(reply.ids), "weights_version": reply.weights_version}
         if request is not None and request.body.get("logprobs") and logprob_pieces is not None:
             choice["logprobs"] = {"content": [{"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
-                                              for piece, lp in zip(logprob_pieces, reply.logprobs)]}
+                                              for piece, lp in zip(logprob_pieces(), reply.logprobs)]}
         body = {"id": f"chatcmpl-{self.id}-{self.turns}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.limits.model, "choices": [choice]}
         if request is not None:

@@ -115,8 +115,8 @@ class HarnessEnvironment(Environment):
 
     def step(self, state: HarnessEpisode, reply: Reply) -> Step:
         session = state.session
-        pieces = [self.tokenizer.decode([i]) for i in reply.ids] if self.tokenizer is not None else None
-        session.respond(reply, reply.message, pieces)
+        tokenizer = self.tokenizer
+        session.respond(reply, reply.message, None if tokenizer is None else lambda: [tokenizer.decode([i]) for i in reply.ids])
         event = session.next_event(self._wait(state))
         if isinstance(event, HarnessEnded):
             if event.failure:

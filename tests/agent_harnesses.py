@@ -218,3 +218,20 @@ def tool_user_streaming(record: dict, client: OpenAI) -> float:
         if not answer["message"].get("tool_calls"):
             return 1.0
         messages += [{"role": "tool", "tool_call_id": call["id"], "content": "found"} for call in answer["message"]["tool_calls"]]
+
+
+def talk_with_logprobs(record: dict, client: OpenAI) -> dict:
+    """Two turns asked with `logprobs=True`: `logprobs_ok` is 1 when every answer has one entry per
+    sampled id, its pieces spell the content (then the end token's text), and `logprob_sum` adds them all."""
+    messages, ok, total = [{"role": "user", "content": record["prompt"]}], [], 0.0
+    for turn in range(2):
+        if turn:
+            messages.append({"role": "user", "content": "again"})
+        choice = client.chat.completions.create(model="policy", messages=messages, logprobs=True).choices[0]
+        entries = choice.logprobs.content if choice.logprobs else []
+        spelled = "".join(entry.token for entry in entries)
+        ok.append(len(entries) == len((choice.model_extra or {})["token_ids"]) and spelled.startswith(choice.message.content or "")
+                  and all(bytes(entry.bytes or []).decode() == entry.token for entry in entries))
+        total += sum(entry.logprob for entry in entries)
+        messages.append(choice.message.model_dump(exclude_none=True))
+    return {"reward": 1.0, "logprobs_ok": float(all(ok)), "logprob_sum": total}

@@ -157,6 +157,17 @@ def test_each_answer_names_the_weights_that_sampled_it(recipe_document, builtin_
                                                                                                               (2.0, 1.0, 1.0)]
 
 
+def test_log_probs_come_back_when_asked_one_per_sampled_id(recipe_document, builtin_registry, chatml):
+    path, tokenizer = chatml
+    turn = turn_ids(tokenizer, "7")
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn], **harness("talk_with_logprobs"))
+    batch, metrics = rollout_with(trainer, RECORDS)
+    assert metrics["env/logprobs_ok"] == 1.0 and len(turn) == 2
+    assert metrics["env/logprob_sum"] == pytest.approx(-0.5 * 2 * len(turn))  # the scripted generator's -0.5 per sampled id
+    sampled = batch.sampled_logprobs[0][batch.loss_mask[0].bool()]
+    assert sampled.sum().item() == pytest.approx(metrics["env/logprob_sum"])
+
+
 @pytest.mark.parametrize("name", ["wrong_tool_id", "hot", "stranger", "too_many"])
 def test_every_bad_request_is_an_http_error_the_harness_reads_and_the_episode_goes_on(recipe_document, builtin_registry, chatml, name):
     """A tool result for a call nobody made, a temperature not the run's, another session's key or
