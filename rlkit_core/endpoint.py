@@ -167,6 +167,8 @@ def checked_body(body: Any, limits: Limits) -> dict[str, Any]:
     """The request's own fields, refused where they ask for what the run's sampling does not do."""
     if not isinstance(body, dict):
         raise Refused(400, "the request body is not a JSON object", "invalid_request")
+    if not isinstance(body.get("stream_options") or {}, dict):
+        raise Refused(400, "'stream_options' must be an object, e.g. {'include_usage': true}", "invalid_request")
     if body.get("n", 1) != 1:
         raise Refused(400, "'n' must be 1: an episode is one conversation (set samples_per_prompt in the recipe for more)", "invalid_n")
     temperature = body.get("temperature")
@@ -191,10 +193,11 @@ def checked_body(body: Any, limits: Limits) -> dict[str, Any]:
     return body
 
 
-def as_chunks(completion: dict[str, Any]) -> list[dict[str, Any]]:
+def as_chunks(completion: dict[str, Any], usage: bool) -> list[dict[str, Any]]:
     """A whole completion as the chunks of a stream (`stream: true`): the role and the content with
-    its log-probs, then the tool calls, then the finish reason with the sampled ids. The turn is
-    sampled whole before its first chunk is sent: a stream is its answer in OpenAI's stream layout."""
+    its log-probs, then the tool calls, then the finish reason with the sampled ids, then (`usage`:
+    the request's `stream_options.include_usage`) the token counts. The turn is sampled whole before
+    its first chunk is sent: a stream is its answer in OpenAI's stream layout."""
     choice, head = completion["choices"][0], {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
                                               "model": completion["model"]}
     message = choice["message"]
@@ -204,7 +207,7 @@ def as_chunks(completion: dict[str, Any]) -> list[dict[str, Any]]:
         deltas.append({"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None})
     deltas.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"], "token_ids": choice["token_ids"],
                    "weights_version": choice["weights_version"]})
-    return [{**head, "choices": [delta]} for delta in deltas]
+    return [{**head, "choices": [delta]} for delta in deltas] + ([{**head, "choices": [], "usage": completion["usage"]}] if usage else [])
 
 
 class Session:
@@ -301,8 +304,9 @@ class Session:
         if request is not None and request.body.get("logprobs") and logprob_pieces is not None:
             choice["logprobs"] = {"content": [{"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
                                               for piece, lp in zip(logprob_pieces(), reply.logprobs)]}
+        usage = {"prompt_tokens": reply.prompt_tokens, "completion_tokens": len(reply.ids), "total_tokens": reply.prompt_tokens + len(reply.ids)}
         body = {"id": f"chatcmpl-{self.id}-{self.turns}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.limits.model, "choices": [choice]}
+                "model": self.limits.model, "choices": [choice], "usage": usage}
         if request is not None:
             self._settle(request, 200, body)
 
@@ -405,7 +409,8 @@ class Endpoint:
             status, answer = await asyncio.wrap_future(request.answer)
             if status != 200 or not body.get("stream"):
                 return JSONResponse(answer, status_code=status)
-            events = [f"data: {json.dumps(chunk)}\n\n" for chunk in as_chunks(answer)] + ["data: [DONE]\n\n"]
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            events = [f"data: {json.dumps(chunk)}\n\n" for chunk in as_chunks(answer, usage)] + ["data: [DONE]\n\n"]
             return StreamingResponse(iter(events), media_type="text/event-stream")
 
         app = Starlette(routes=[Route("/sessions/{session_id}/v1/models", models, methods=["GET"]),

@@ -48,6 +48,8 @@ class Reply:
     message: dict[str, Any] = attrs.field(factory=dict)
     # the weights that sampled the turn (`Policy.weights_version`: the run's iterations done when they were current)
     weights_version: int = 0
+    # the ids the model was given for the turn: its sample's stream before it (an endpoint's `usage.prompt_tokens`)
+    prompt_tokens: int = 0
 
 
 @attrs.frozen

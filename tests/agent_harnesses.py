@@ -27,12 +27,16 @@ def ask(client: OpenAI, messages: list, **fields):
 
 
 def talk(record: dict, client: OpenAI, turns: int = 3) -> dict:
-    """Says 'again' after each of the model's turns, keeping the conversation as the endpoint returned it."""
-    messages = [{"role": "user", "content": record["prompt"]}]
-    for _ in range(turns - 1):
-        messages += [ask(client, messages).model_dump(exclude_none=True), {"role": "user", "content": "again"}]
-    ask(client, messages)
-    return {"reward": 1.0, "talked": float(turns)}
+    """Says 'again' after each of the model's turns, keeping the conversation as the endpoint returned it;
+    reports the first answer's `usage.prompt_tokens` and the last one's `usage.total_tokens`."""
+    messages, usage = [{"role": "user", "content": record["prompt"]}], []
+    for turn in range(turns):
+        if turn:
+            messages.append({"role": "user", "content": "again"})
+        completion = client.chat.completions.create(model="policy", messages=messages)
+        usage.append(completion.usage)
+        messages.append(completion.choices[0].message.model_dump(exclude_none=True))
+    return {"reward": 1.0, "talked": float(turns), "opening_tokens": float(usage[0].prompt_tokens), "last_total_tokens": float(usage[-1].total_tokens)}
 
 
 TOLD = threading.Lock()
@@ -184,7 +188,9 @@ def streamed(client: OpenAI, messages: list, **fields) -> dict:
     """One answer asked with `stream=True`, put together from its chunks as an agent that streams does:
     the assistant message to send back, and the extension fields of the last chunk."""
     content, calls, extra = "", {}, {}
-    for chunk in client.chat.completions.create(model="policy", messages=messages, stream=True, **fields):
+    for chunk in client.chat.completions.create(model="policy", messages=messages, stream=True, stream_options={"include_usage": True}, **fields):
+        if chunk.usage is not None:
+            extra["usage"] = chunk.usage
         for choice in chunk.choices:
             content += choice.delta.content or ""
             for call in choice.delta.tool_calls or ():
@@ -192,21 +198,23 @@ def streamed(client: OpenAI, messages: list, **fields) -> dict:
                 entry["function"]["name"] += (call.function and call.function.name) or ""
                 entry["function"]["arguments"] += (call.function and call.function.arguments) or ""
             if choice.finish_reason:
-                extra = {"finish_reason": choice.finish_reason, **(choice.model_extra or {})}
+                extra.update({"finish_reason": choice.finish_reason, **(choice.model_extra or {})})
     message = {"role": "assistant", "content": content or None, **({"tool_calls": [calls[i] for i in sorted(calls)]} if calls else {})}
     return {"message": message, **extra}
 
 
 def talk_streaming(record: dict, client: OpenAI, turns: int = 3) -> dict:
     """`talk`, every answer streamed; `streamed_ids` is 1 when each answer's last chunk carried its sampled ids."""
-    messages, with_ids = [{"role": "user", "content": record["prompt"]}], []
+    messages, with_ids, usage = [{"role": "user", "content": record["prompt"]}], [], []
     for turn in range(turns):
         if turn:
             messages.append({"role": "user", "content": "again"})
         answer = streamed(client, messages)
         messages.append(answer["message"])
         with_ids.append(bool(answer.get("token_ids")) and answer["finish_reason"] == "stop")
-    return {"reward": 1.0, "talked": float(turns), "streamed_ids": float(all(with_ids))}
+        usage.append(answer["usage"])
+    return {"reward": 1.0, "talked": float(turns), "streamed_ids": float(all(with_ids)), "opening_tokens": float(usage[0].prompt_tokens),
+            "last_total_tokens": float(usage[-1].total_tokens)}
 
 
 def tool_user_streaming(record: dict, client: OpenAI) -> float:

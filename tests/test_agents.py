@@ -91,6 +91,8 @@ def test_an_agents_episode_is_the_templates_render_of_its_conversation(recipe_do
     assert (metrics["env/status_ok"], metrics["env/splits"], metrics["env/agent_rewrites"], metrics["env/turns"]) == (1.0, 0.0, 0.0, 3.0)
     assert metrics["env/reward"] == 1.0 and metrics["env/talked"] == 3.0 and metrics["env/agent_requests"] == 3.0
     assert metrics.get("env/streamed_ids", 1.0) == 1.0  # a streaming agent read the sampled ids from the last chunk
+    # `usage`: the first turn was given the opening prompt; the last answer's total is the whole stream
+    assert (metrics["env/opening_tokens"], metrics["env/last_total_tokens"]) == (batch.prompt_mask[0].sum().item(), len(rows_of(batch)[0]))
     assert rows_of(batch)[0] == render_ids(tokenizer, conversation)[:-1]
     assert sampled_of(batch) == [turn * 3] * 2
     assert batch.scores.tolist() == [1.0, 1.0]

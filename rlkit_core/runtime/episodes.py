@@ -357,8 +357,9 @@ class EpisodeRunner:
         if not ids or ids[-1] not in self.eos:
             return episode.finish("cut_off")
         reply = self.format.read(ids, turn, episode.tools)
+        stream = episode.sample
         reply = attrs.evolve(reply, ids=tuple(ids), logprobs=tuple(logprobs), message=self.format.assistant_message(reply),
-                             weights_version=self.components.policy.weights_version)
+                             weights_version=self.components.policy.weights_version, prompt_tokens=len(stream.prompt) + len(stream.ids) - len(ids))
         episode.unreadable += reply.parse_error is not None
         episode.messages.append(reply.message)
         episode.reply = reply
