@@ -110,7 +110,7 @@ def test_a_harness_that_fails_is_a_problem_with_its_status_and_reason(recipe_doc
     assert problems[0].endswith(f"a run keeps such episodes out of training (env/status_{status})")
 
 
-def agent_recipe(recipe_document, write_recipe, model: Path, name: str) -> str:
+def agent_recipe(recipe_document, write_recipe, model: Path | str, name: str) -> str:
     recipe_document["policy"]["model"] = str(model)
     recipe_document.pop("reward")
     recipe_document["environment"] = {"type": "agent", "harness": f"tests.agent_harnesses:{name}", "max_turns": 3, "step_timeout_s": 60.0}
@@ -187,3 +187,15 @@ def test_rlkit_check_plays_an_agent_recipe_and_names_a_forgetful_harness(recipe_
     assert ("$.environment: agent episode 1 of 2 (record 1 of the data) ended with status error: the environment's step raised "
             "HarnessFailed: the harness raised ValueError: the harness broke") in failed.stderr
     assert "Traceback" not in failed.stderr
+
+
+def test_offline_a_hub_model_not_in_the_cache_plays_no_episode_and_says_so(recipe_document, write_recipe, tmp_path):
+    """Not the recipe's fault: `rlkit check --offline` on an agent recipe whose model only the hub has
+    notes why no episode was played, and the check passes (a process of its own: the hub library
+    reads HF_HUB_OFFLINE once, when it is first imported)."""
+    env = {**os.environ, "RLKIT_PLUGINS": "none", "HF_HUB_CACHE": str(tmp_path / "empty-cache")}
+    path = agent_recipe(recipe_document, write_recipe, "rlkit-tests/no-such-model", "talk")
+    done = subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", "check", path, "--offline"], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "$.policy: no agent episode played: 'rlkit-tests/no-such-model' is a hub name not in the local cache" in done.stdout

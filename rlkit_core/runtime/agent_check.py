@@ -27,6 +27,7 @@ from rlkit_core.chat_format import ChatFormat
 from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
 from rlkit_core.harness import HarnessEnvironment
+from rlkit_core.hf import is_local, offline
 from rlkit_core.interfaces import NullTracker
 from rlkit_core.launch import ONE_PROCESS
 from rlkit_core.prompts import PromptLengthLimit, prepare_prompts, within_context
@@ -102,10 +103,26 @@ class CheckEngine:
         return self.accelerator.autocast()
 
 
+def uncached_hub_models(recipe: Recipe) -> list[str]:
+    """With HF_HUB_OFFLINE (`rlkit check --offline`), the policy's model and tokenizer names that are
+    hub names missing from the local cache: the episodes cannot be played, which is not the recipe's fault."""
+    if not offline():
+        return []
+    from huggingface_hub import try_to_load_from_cache
+
+    config = recipe["policy"].config
+    names = dict.fromkeys(n for n in (getattr(config, "model", ""), getattr(config, "tokenizer", "")) if isinstance(n, str) and n)
+    return [name for name in names if not is_local(name)
+            and not any(isinstance(try_to_load_from_cache(name, file), str) for file in ("config.json", "tokenizer_config.json"))]
+
+
 def agent_episodes(recipe: Recipe, count: int = EPISODES) -> tuple[list[str], list[str], list[str]]:
     """The plan's `ResetProbe` for an agent recipe: `count` episodes on the first records of the
     data, reported (lines, problems, notes). Parts that do not build without what the check lacks
     (a hub model with --offline) are a note; the recipe's own errors are problems."""
+    if missing := uncached_hub_models(recipe):
+        return [], [], [f"$.policy: no agent episode played: {', '.join(map(repr, missing))} is a hub name not in the local cache, and "
+                        "--offline reads nothing else (run the check with network once, or give a local model directory)"]
     run = recipe.run
     if run.threads:
         torch.set_num_threads(run.threads)
