@@ -432,3 +432,32 @@ def test_rlkit_check_lists_the_factory_and_plays_its_first_record(recipe_documen
     assert code == 0, out.err
     assert ("[environment] imports the module 'tests.openenv_servers' for its factory 'slow' ($.environment.factory)" in out.out
             and "on the first record of the data: 1 opening message(s), ok" in out.out), out.out
+
+
+@pytest.mark.slow
+def test_the_shipped_recipe_plays_its_in_process_game_and_trains(tmp_path):
+    """recipes/grpo_openenv.toml as a user would shrink it to try it, from the repository root (its
+    factory is a path from there): `rlkit check --offline` passes; with a tiny model in place of the
+    hub one, `rlkit check` resets the game on the first record, and `rlkit run` trains two
+    iterations of the game (examples/openenv/guess_number.py, in process) whose episodes reach it."""
+    recipe, root, rlkit = TESTS.parent / "recipes" / "grpo_openenv.toml", TESTS.parent, str(Path(sys.executable).with_name("rlkit"))
+    checked = subprocess.run([rlkit, "check", "--offline", str(recipe)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-3000:]
+    model = ending_model(tmp_path / "model", "gpt2")  # ends its turns after a token or three, so the game answers them
+    small = {"run.steps": 2, "run.output_dir": str(tmp_path / "run"), "run.threads": 1, "policy.model": str(model), "policy.dtype": "float32",
+             "ppo.batch_size": 8, "ppo.samples_per_prompt": 4, "ppo.minibatch_size": 4, "generator.max_new_tokens": 6,
+             "environment.max_turns": 3, "environment.max_episode_tokens": 120, "data.size": 32, "eval.size": 4, "eval.every": 0,
+             "tracker.type": "none"}
+    overrides = [f"--set={key}={value!r}" if isinstance(value, str) else f"--set={key}={value}" for key, value in small.items()]
+    probed = subprocess.run([rlkit, "check", str(recipe), *overrides], capture_output=True, text=True, timeout=300, cwd=root)
+    assert probed.returncode == 0 and "reset               on the first record of the data: 1 opening message(s), ok" in probed.stdout, \
+        probed.stdout[-2000:] + probed.stderr[-3000:]
+    done = subprocess.run([rlkit, "run", str(recipe), *overrides, "--quiet"], capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if "score/mean" in row]
+    assert len(trained) == 2, rows
+    for row in trained:  # a return is at most 1 (a win) and at least -0.05 a guess
+        assert -0.15 <= row["score/mean"] <= 1.0 and "train/approx_kl" in row and row["env/status_ok"] > 0.0 and row["env/guesses"] >= 1.0
+        assert 0.0 <= row["env/won"] <= 1.0 and row["env/status_error"] == row["env/status_timeout"] == 0.0
+    assert any("eval/score" in row for row in rows)

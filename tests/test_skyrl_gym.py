@@ -201,3 +201,42 @@ def test_an_env_that_needs_more_than_the_package_is_noted():
     problems, notes = SkyRLGym.check(SkyRLGymConfig(env_id="search"), None, "$.environment")
     assert problems == [] and notes == ["$.environment.env_id: 'search' needs a retrieval server over HTTP (env_config.search_url); "
                                         "rlkit does not test it"]
+
+
+@pytest.mark.slow
+def test_the_shipped_recipe_trains_on_gsm8k_records_its_script_makes(tmp_path):
+    """recipes/grpo_skyrl_gym.toml as a user would run it, shrunk: examples/skyrl_gym/gsm8k.py turns
+    rows in GSM8K's own format into the records the recipe reads (data/gsm8k_train.jsonl, from the
+    working directory), `rlkit check --offline` passes and resets the environment on the first one,
+    and a tiny model in place of the hub one trains two iterations whose episodes the env scored."""
+    from tests.test_episodes import ending_model
+
+    root, rlkit = Path(__file__).resolve().parents[1], str(Path(sys.executable).with_name("rlkit"))
+    recipe = root / "recipes" / "grpo_skyrl_gym.toml"
+    source = tmp_path / "gsm8k_source.jsonl"  # GSM8K's own rows: the worked answer, then "#### <number>"
+    source.write_text("".join(json.dumps({"question": question, "answer": f"We work it out.\n#### {answer}"}) + "\n"
+                              for question, answer in QUESTIONS * 11))
+    made = subprocess.run([sys.executable, str(root / "examples" / "skyrl_gym" / "gsm8k.py"), "--source", str(source)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert made.returncode == 0 and made.stdout.strip() == "wrote 33 records to data/gsm8k_train.jsonl", made.stdout + made.stderr
+    first = json.loads((tmp_path / "data" / "gsm8k_train.jsonl").read_text().splitlines()[0])
+    assert first["prompt"] == f"{QUESTIONS[0][0]} Let's think step by step and output the final answer after \"####\"."
+    assert first["reward_spec"] == {"method": "rule", "ground_truth": "7"} and first["extra_info"] == {"split": "train", "index": 0}
+    [right] = play(SkyRLGym(SkyRLGymConfig(env_id="gsm8k")), first, ["3 + 4 = 7.\n#### 7"])  # the env reads the record as made
+    assert right.reward == 1.0 and right.done
+    checked = subprocess.run([rlkit, "check", "--offline", str(recipe)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-3000:]
+    assert "  reset               on the first record of the data: 1 opening message(s), ok" in checked.stdout
+    model = ending_model(tmp_path / "model", "gpt2")  # ends its turn after a token or three, so the env scores it
+    small = {"run.steps": 2, "run.output_dir": str(tmp_path / "run"), "run.threads": 1, "policy.model": str(model), "policy.dtype": "float32",
+             "ppo.batch_size": 8, "ppo.samples_per_prompt": 4, "ppo.minibatch_size": 4, "generator.max_new_tokens": 8,
+             "eval.size": 4, "eval.every": 0, "tracker.type": "none"}
+    overrides = [f"--set={key}={value!r}" if isinstance(value, str) else f"--set={key}={value}" for key, value in small.items()]
+    done = subprocess.run([rlkit, "run", str(recipe), *overrides, "--quiet"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if "score/mean" in row]
+    assert len(trained) == 2, rows
+    for row in trained:
+        assert 0.0 <= row["score/mean"] <= 1.0 and "train/approx_kl" in row and row["env/turns"] == 1.0 and row["env/status_ok"] > 0.0
+    assert any("eval/score" in row for row in rows)
