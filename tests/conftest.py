@@ -34,6 +34,20 @@ def tiny_reward_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def chatml(tmp_path_factory):
+    """A tiny Qwen-style chat model: its BPE and ChatML template (the tool tags added, think blocks of
+    earlier turns stripped), with room for a tools preamble; (its folder, its tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from rlkit_core.testing.offline_models import write_tiny_model
+
+    path = write_tiny_model(tmp_path_factory.mktemp("chatml"), "chatml")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="session")
 def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
     rng = random.Random(0)

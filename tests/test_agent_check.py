@@ -20,13 +20,11 @@ from rlkit_core.runtime import agent_check
 from rlkit_core.runtime.cli import main
 from rlkit_core.runtime.episodes import EnvironmentFault
 from rlkit_core.testing.offline_models import write_tiny_model
-from tests import test_agents
 from tests.test_agents import PROMPT, RECORDS, agent_trainer, harness, turn_ids
 from tests.test_episodes import render_ids
 
 pytest.importorskip("openai")
 
-chatml = test_agents.chatml  # the fixture: a Qwen-style tokenizer and template with room for the tools' preamble
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,6 @@ harness is an episode status, never a reward of 0."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -15,7 +14,6 @@ import attrs
 import pytest
 import torch
 
-from rlkit_core.testing.offline_models import write_tiny_model
 from tests.test_episodes import Scripted, render_ids
 from tests.test_trainer import make_trainer, rollout_with
 
@@ -23,17 +21,6 @@ openai = pytest.importorskip("openai")
 
 HARNESSES = Path(__file__).parent / "agent_harnesses.py"
 PROMPT = "Guess my number, 1-16."
-
-
-@pytest.fixture(scope="module")
-def chatml(tmp_path_factory):
-    """A Qwen-style BPE and template (the tool tags added, think blocks of earlier turns stripped)."""
-    from transformers import AutoTokenizer
-
-    path = write_tiny_model(tmp_path_factory.mktemp("chatml"), "chatml")
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))  # room for the tools' preamble
-    return path, AutoTokenizer.from_pretrained(path)
 
 
 def turn_ids(tokenizer, text: str, end: bool = True) -> list[int]:

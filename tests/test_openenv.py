@@ -28,7 +28,6 @@ from rlkit_plugins.openenv_envs import OpenEnv, OpenEnvConfig  # noqa: E402 (aft
 from rlkit_core.errors import RecipeError  # noqa: E402
 from rlkit_core.runtime.cli import main  # noqa: E402
 from rlkit_core.testing.contracts import EnvironmentContract, read_reply  # noqa: E402
-from rlkit_core.testing.offline_models import write_tiny_model  # noqa: E402
 from tests.test_agents import rows_of, sampled_of, turn_ids  # noqa: E402
 from tests.test_episodes import Scripted, ending_model, render_ids  # noqa: E402
 from tests.test_trainer import make_trainer, rollout_with  # noqa: E402
@@ -98,17 +97,6 @@ def servers() -> Server:
     server = Server("openenv_servers:app", TESTS, health="/slow/health")
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def chatml(tmp_path_factory):
-    """A Qwen-style BPE and template (tool tags added), with room for the tools' preamble."""
-    from transformers import AutoTokenizer
-
-    path = write_tiny_model(tmp_path_factory.mktemp("chatml"), "chatml")
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
-    return path, AutoTokenizer.from_pretrained(path)
 
 
 def trainer_for(document, registry, model, tokenizer, turns: list[list[int]], **environment):

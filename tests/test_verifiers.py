@@ -30,23 +30,11 @@ from rlkit_plugins.verifiers_envs import (  # noqa: E402 (after the skip)
 from rlkit_core.errors import RecipeError  # noqa: E402
 from rlkit_core.runtime.cli import main  # noqa: E402
 from rlkit_core.testing.contracts import PromptSourceContract  # noqa: E402
-from rlkit_core.testing.offline_models import write_tiny_model  # noqa: E402
 from tests.test_agents import rows_of, sampled_of, turn_ids  # noqa: E402
 from tests.test_episodes import Scripted, render_ids  # noqa: E402
 from tests.test_trainer import make_trainer, rollout_with  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "data"
-
-
-@pytest.fixture(scope="module")
-def chatml(tmp_path_factory):
-    """As tests/test_agents.py's: a Qwen-style BPE and template, with room for the tools' preamble."""
-    from transformers import AutoTokenizer
-
-    path = write_tiny_model(tmp_path_factory.mktemp("chatml"), "chatml")
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
-    return path, AutoTokenizer.from_pretrained(path)
 
 
 @pytest.fixture(autouse=True)
