@@ -67,6 +67,8 @@ def loading_hint(module_name: str, name: str, exc: Exception) -> str:
 class Agent(HarnessEnvironment):
     """The recipe's agent per episode, through the endpoint (see the module)."""
 
+    requires = {"openai": "rlkit[agents]", "starlette": "rlkit[agents]", "uvicorn": "rlkit[agents]"}
+
     def __init__(self, config: AgentConfig, context=None):
         where = building_at(context, "environment")
         if bool(config.harness) == bool(config.command):

@@ -221,6 +221,8 @@ class Episode:
 class OpenEnv(Environment):
     """An OpenEnv environment, one session per episode (see the module)."""
 
+    requires = {"openenv": "rlkit[openenv]"}
+
     def __init__(self, config: OpenEnvConfig, context=None):
         self.config = config
         self.where = where = building_at(context, "environment")

@@ -91,6 +91,8 @@ class JsonlPrompts(PromptSource):
 
 
 class HFDatasetPrompts(PromptSource):
+    requires = {"datasets": "rlkit[datasets]"}
+
     def __init__(self, config: HFDatasetConfig, context=None):
         self.config = config
         self.where = building_at(context, "data")

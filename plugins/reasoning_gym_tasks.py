@@ -83,6 +83,8 @@ class ReasoningGymPrompts(PromptSource):
     question, answer, metadata, what `score_answer` reads) and `dataset` (name and settings, from
     which the reward rebuilds the dataset that scores it)."""
 
+    requires = {"reasoning_gym": "rlkit[reasoning-gym]"}
+
     def __init__(self, config: ReasoningGymConfig, context=None, where: str = ""):
         self.config = config
         self.where = where or building_at(context, "data")  # `where` when `check` builds it
@@ -125,6 +127,8 @@ class ReasoningGymPrompts(PromptSource):
 class ReasoningGymReward(RewardSource):
     """The dataset's own score of the answer between the response's last <answer> tags; a response
     without them is scored as reasoning-gym scores no answer (`score_answer(None, entry)`)."""
+
+    requires = {"reasoning_gym": "rlkit[reasoning-gym]"}
 
     def __init__(self, config: ReasoningGymRewardConfig, context=None):
         self.where = building_at(context, "reward")

@@ -80,6 +80,8 @@ class SkyRLGym(Environment):
     """A skyrl-gym environment per episode, made from the record's extras; its observations are the
     next messages, its reward is the turn's, its numeric metadata the episode's `info`."""
 
+    requires = {"skyrl_gym": "rlkit[skyrl-gym]"}
+
     def __init__(self, config: SkyRLGymConfig, context=None):
         self.config = config
         self.where = building_at(context, "environment")

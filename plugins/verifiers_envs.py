@@ -411,6 +411,8 @@ class Runner:
 class Verifiers(HarnessEnvironment):
     """A verifiers environment's episode per record, through the endpoint (see the module)."""
 
+    requires = {"verifiers": "rlkit[verifiers]", "starlette": "rlkit[verifiers]", "uvicorn": "rlkit[verifiers]"}
+
     def __init__(self, config: VerifiersConfig, context=None):
         self.where = building_at(context, "environment")
         self.vf_env = load_environment(config, self.where, "verifiers")
@@ -487,6 +489,8 @@ class Verifiers(HarnessEnvironment):
 class VerifiersDataset(PromptSource):
     """The environment's taskset as records: `prompt` (the task's prompt as text) and `task` (the
     task's data as verifiers serialises it, from which the `verifiers` environment rebuilds it)."""
+
+    requires = {"verifiers": "rlkit[verifiers]"}
 
     def __init__(self, config: VerifiersDatasetConfig, context=None):
         self.config = config

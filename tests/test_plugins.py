@@ -133,3 +133,20 @@ def test_a_plugin_whose_config_is_not_attrs_is_broken_and_the_rest_load():
     assert "not an attrs class" in registry.broken["careless"] and "'acme-dc'" in registry.broken["careless"]
     assert "acme-ok" not in registry.names("reward") and "acme-dc" not in registry.names("reward")
     assert "python" in registry.names("reward")  # the others still load
+
+
+def test_a_component_whose_package_is_missing_is_listed_with_what_to_install(builtin_registry):
+    import importlib.util
+
+    from rlkit_core.recipe.inventory import missing_requirements, registry_rows
+
+    class NeedsTwo:
+        requires = {"json": "never said: installed", "rlkit_no_such_module": "rlkit[nothing]"}
+
+    assert missing_requirements(NeedsTwo) == ["rlkit[nothing]"] and missing_requirements(object) == []
+    rows = {(row["kind"], row["name"]): row for row in registry_rows(builtin_registry)}
+    for kind, name, module, extra in [("environment", "verifiers", "verifiers", "rlkit[verifiers]"), ("environment", "openenv", "openenv", "rlkit[openenv]"),
+                                      ("environment", "skyrl-gym", "skyrl_gym", "rlkit[skyrl-gym]"),
+                                      ("prompt_source", "reasoning-gym", "reasoning_gym", "rlkit[reasoning-gym]")]:
+        assert rows[(kind, name)]["needs"] == ([] if importlib.util.find_spec(module) else [extra]), name
+    assert rows[("kl_controller", "adaptive")]["needs"] == []

@@ -3,6 +3,7 @@ the recipe flattened to `table.key` parameters, for the tracker and `rlkit check
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,13 +66,21 @@ def core_table_rows() -> list[dict[str, Any]]:
     return [{"table": table, "fields": field_rows(cls)} for table, cls in CORE_TABLES.items()]
 
 
+def missing_requirements(factory) -> list[str]:
+    """What to pip install for the modules a component requires (`ComponentBase.requires`) that are not installed."""
+    requires = getattr(factory, "requires", None)
+    if not isinstance(requires, dict):
+        return []
+    return sorted({install for module, install in requires.items() if importlib.util.find_spec(module) is None})
+
+
 def registry_rows(registry: Registry) -> list[dict[str, Any]]:
     """Every registered component (and function: surrogates; and nested class: tool-call formats,
     the core's `auto` among them) with its config fields, for `rlkit plugins`, and the `none` of each optional kind."""
     rows = []
     for kind in (*KIND_TABLE, *FUNCTION_KINDS, *NESTED_KINDS):
         found = [{"kind": c.kind, "name": c.name, "plugin": c.plugin, "distribution": c.distribution, "version": c.version,
-                  "fields": field_rows(c.config_class)} for c in registry.all() if c.kind == kind.name]
+                  "needs": missing_requirements(c.factory), "fields": field_rows(c.config_class)} for c in registry.all() if c.kind == kind.name]
         nothing = {"kind": kind.name, "name": NO_COMPONENT, **{k: v for k, v in _nothing_row(kind).items() if k != "type"}, "fields": []}
         rows += sorted([*found, nothing] if kind.optional else found, key=lambda row: row["name"])
     return rows

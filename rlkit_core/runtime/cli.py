@@ -95,7 +95,8 @@ def _cmd_plugins(args) -> int:
         if row["kind"] != kind:
             kind = row["kind"]
             print(f"\n{kind}")
-        print(f"  {row['name']:<16} {row['plugin']} ({row['distribution']} {row['version']})")
+        needs = f"  needs: pip install {', '.join(row['needs'])}" if row.get("needs") else ""
+        print(f"  {row['name']:<16} {row['plugin']} ({row['distribution']} {row['version']}){needs}")
         _print_fields(row["fields"])
     if registry.broken:  # again at the end, where a long listing leaves the reader
         print(f"\nrlkit plugins: {len(registry.broken)} broken plugin(s): {', '.join(registry.broken)}; see the top of the listing",
