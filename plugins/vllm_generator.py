@@ -308,6 +308,10 @@ class Engine(Protocol):
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Consumes the pairs one at a time, every weight of the model among them."""
 
+    def score(self, ids: list[int]) -> list[float]:
+        """The raw log-prob (temperature 1, no bias) of each of `ids[1:]` after the ids before it."""
+        ...
+
     def reset_prefix_cache(self) -> None: ...
 
     def sleep(self, level: int) -> None: ...
@@ -373,6 +377,14 @@ class InProcessEngine:
         if missing:
             raise RunError(f"the weight push left {len(missing)} of vLLM's weights unloaded ({', '.join(missing[:3])}, ...): "
                            "the engine would sample with placeholder weights")
+
+    def score(self, ids):
+        """vLLM's prompt log-probs, which skip the sampling processors (0.33.0: `_get_prompt_logprobs_dict`
+        in `v1/worker/gpu_model_runner.py`): the model's own, whatever the temperature. Greedy, so that
+        the one token sampled draws nothing from the engine's random stream."""
+        params = self._params(**{**self.sampling, "temperature": 0.0, "max_tokens": 1}, prompt_logprobs=0)
+        [output] = self.llm.generate([{"prompt_token_ids": ids}], [params], use_tqdm=False)
+        return [output.prompt_logprobs[t][token].logprob for t, token in enumerate(ids) if t > 0]
 
     def reset_prefix_cache(self):
         if self.llm.reset_prefix_cache() is False:
@@ -512,6 +524,9 @@ class VLLMGenerator(Generator):
             self._asleep = True
             self._pushed = self.config.sleep_level == 1  # level 2 drops the weights
         return to_generation(samples, self.policy.eos_token_ids, self.policy.tokenizer.pad_token_id, self.device)
+
+    def score(self, ids: list[int]) -> list[float]:
+        return self.engine.score(ids)
 
     def pop_metrics(self) -> dict[str, float]:
         reported, self._metrics = self._metrics, {}

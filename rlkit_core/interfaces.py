@@ -364,6 +364,14 @@ class Generator(ComponentBase):
         """Bring the sampler's weights up to date with the policy; in-process samplers share them.
         Called just before `generate`, in the same full-weights block (outside the autocast)."""
 
+    def score(self, ids: list[int]) -> list[float] | None:
+        """The log-prob of each of `ids[1:]` after the ids before it, at temperature 1, from the
+        weights it samples with. A generator that keeps weights of its own implements it: after
+        each `sync_weights` the loop scores a fixed probe and compares with the policy's
+        (`rlkit_core.runtime.push_check`), so that a push that did not land stops the run. The
+        default (None) is for generators that sample with the policy's own module."""
+        return None
+
     def pop_metrics(self) -> dict[str, float]:
         """Figures since the last call (e.g. `time/weight_sync`), merged into the iteration's metrics;
         the call resets them."""

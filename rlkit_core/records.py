@@ -34,6 +34,10 @@ class HealthConfig:
         10.0, help="warn when check/logprob_gap exceeds this many times its earlier mean (and logprob_gap_floor): the generator samples other weights; 0: off",
         validator=at_least(0))
     logprob_gap_floor: float = setting(0.05, help="a check/logprob_gap below this (nats per token) never counts as a jump", validator=at_least(0))
+    weight_push_tolerance: float = setting(
+        0.05, help="after each push of new weights to a generator with weights of its own (vllm), stop the run when its log-probs of a fixed "
+                   "probe differ from the policy's by more than this (nats per token, on average), or sit nearer the previous weights' "
+                   "than the new ones'; 0: off", validator=at_least(0))
     entropy_collapse: float = setting(
         0.05, help="warn when train/entropy falls below this share of the first iteration's: the policy samples almost deterministically; 0: off",
         validator=between(0.0, 1.0))

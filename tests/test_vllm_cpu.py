@@ -27,6 +27,7 @@ from rlkit_core.context import BuildContext
 from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.prompts import encode_prompts
 from rlkit_core.recipe.document import structure_table
+from rlkit_core.runtime.push_check import PushCheck
 
 FOUND = installed_vllm()
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(FOUND is None or not FOUND.cpu, reason="needs vLLM's CPU build (docs/generators.md: vLLM on a CPU)")]
@@ -211,10 +212,46 @@ def test_the_trainers_autocast_does_not_reach_the_engine(policy, generator):
     from rlkit_core.runtime import rollout
 
     prompt_ids, prompt_mask = _prompts(policy, TEXTS)
-    engine = types.SimpleNamespace(full_weights=contextlib.nullcontext, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
-    components = types.SimpleNamespace(policy=policy, generator=generator)
-    [out] = rollout.generate(engine, components, [(prompt_ids, prompt_mask)], greedy=False)
+    [out] = rollout.generate(*_generating_stage(policy, generator), [(prompt_ids, prompt_mask)], greedy=False)
     assert _max_gap(policy, prompt_ids, prompt_mask, out) < LOGPROB_TOLERANCE
+
+
+def _generating_stage(policy, generator):
+    """What `rollout.generate` reads of the engine (with the autocast of `mixed_precision = "bf16"`) and the components."""
+    engine = types.SimpleNamespace(full_weights=contextlib.nullcontext, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                                   push_check=PushCheck(0.05), device=torch.device("cpu"),
+                                   processes=types.SimpleNamespace(gather_objects=lambda value: [value]))
+    return engine, types.SimpleNamespace(policy=policy, generator=generator)
+
+
+def test_the_push_check_reads_vllms_prompt_logprobs_and_catches_a_push_the_engine_ignored(policy, generator, monkeypatch, capsys):
+    """vLLM's prompt log-probs of the probe equal transformers' after a push; then an engine that
+    takes a push without loading it (the silent failure) is caught at that push."""
+    from rlkit_core.runtime import rollout
+    from rlkit_core.runtime.push_check import WeightPushFailed, policy_logprobs
+
+    prompts = [_prompts(policy, TEXTS)]
+    engine, components = _generating_stage(policy, generator)
+    rollout.generate(engine, components, prompts, greedy=False)
+    probe = engine.push_check.probe
+    assert len(probe) >= 2
+    gap = float((torch.tensor(generator.score(probe)) - policy_logprobs(policy, probe, torch.device("cpu"))).abs().max())
+    assert gap < LOGPROB_TOLERANCE
+    saved = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    monkeypatch.setattr(generator.engine, "load_weights", lambda weights: None)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)  # a small step: under the tolerance, so the second rule must see it
+    with pytest.raises(WeightPushFailed, match="the push did not land") as caught:
+        rollout.generate(engine, components, prompts, greedy=False)
+    with capsys.disabled():
+        print(f"\nvLLM (CPU) push check: probe of {len(probe)} tokens, gap after a real push {gap:.1e}; an ignored push: {caught.value}")
+    monkeypatch.undo()
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            p.copy_(saved[name])
+    generator.sync_weights(policy)  # the engine holds the fixture's weights again for the tests after this one
 
 
 def test_a_push_that_leaves_weights_out_is_refused(policy, generator):
@@ -321,10 +358,13 @@ def test_rlkit_run_trains_with_the_vllm_generator_like_with_hf(recipe_document, 
     gains = {name: reward(rows, late) - reward(rows, early) for name, rows in [("hf", hf), ("vllm", ours)]}
     with capsys.disabled():
         print(f"\nrlkit run, reward gain over 10 iterations: hf {gains['hf']:+.3f}, vllm {gains['vllm']:+.3f}; "
-              f"vllm check/logprob_gap max {max(row['check/logprob_gap'] for row in ours):.1e}")
+              f"vllm check/logprob_gap max {max(row['check/logprob_gap'] for row in ours):.1e}, check/push_gap max "
+              f"{max(row['check/push_gap'] for row in ours):.1e}, push check "
+              f"{sum(row['time/push_check'] for row in ours) / sum(row['time/iteration'] for row in ours):.2%} of the iterations' time")
     assert gains["hf"] > 0.2 and gains["vllm"] > 0.2
     assert abs(gains["vllm"] - gains["hf"]) < 0.5 * gains["hf"]
     assert max(row["check/logprob_gap"] for row in ours) < LOGPROB_TOLERANCE
+    assert all(row["check/push_gap"] < 1e-3 for row in ours)  # every push verified
     assert all(row["time/weight_sync"] > 0 for row in ours)
 
 

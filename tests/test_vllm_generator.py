@@ -35,6 +35,7 @@ from rlkit_core.launch import Launch
 from rlkit_core.prompts import PromptLengthLimit, encode_prompts
 from rlkit_core.recipe.document import structure_table
 from rlkit_core.runtime.cli import main
+from rlkit_core.runtime.push_check import PushCheck
 from rlkit_core.testing import policy_inputs
 from rlkit_core.testing.contracts import GeneratorContract
 
@@ -438,6 +439,12 @@ class StandInEngine:
     def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache")
 
+    def score(self, ids):
+        tokens = torch.tensor([ids])
+        with torch.no_grad():
+            logits = self.model(tokens).logits
+        return torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, tokens[0, 1:, None]).squeeze(-1).tolist()
+
     def sleep(self, level):
         self.calls.append(f"sleep({level})")
 
@@ -570,7 +577,9 @@ def test_the_trainers_random_streams_go_on_as_if_vllm_had_not_seeded_them():
 def generating_stage(policy, generator):
     """What the rollout stage's `generate` reads of the engine and the components, with the autocast
     of `mixed_precision = "bf16"` on a CPU."""
-    engine = types.SimpleNamespace(full_weights=contextlib.nullcontext, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    engine = types.SimpleNamespace(full_weights=contextlib.nullcontext, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                                   push_check=PushCheck(0.05), device=torch.device("cpu"),
+                                   processes=types.SimpleNamespace(gather_objects=lambda value: [value]))
     return engine, types.SimpleNamespace(policy=policy, generator=generator)
 
 

@@ -35,6 +35,7 @@ from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.engine import RolloutEngine, start_accelerator
 from rlkit_core.runtime.episodes import EnvironmentFault, Episode, EpisodeRunner, Sample
+from rlkit_core.runtime.push_check import PushCheck
 
 EPISODES = 2  # played by default (rlkit check --agent-episodes N)
 FAILED = ("error", "timeout")  # kept out of training by a run
@@ -95,6 +96,7 @@ class CheckEngine:
 
     def __init__(self, recipe: Recipe):
         self.accelerator, self.processes, self.device = start_accelerator(recipe, ONE_PROCESS)
+        self.push_check = PushCheck(recipe.health.weight_push_tolerance)
 
     def full_weights(self):
         return contextlib.nullcontext()

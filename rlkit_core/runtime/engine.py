@@ -21,6 +21,7 @@ from rlkit_core.errors import RunError
 from rlkit_core.launch import Launch
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import Processes, TrainableModules, engine_problem, fsdp_plugin
+from rlkit_core.runtime.push_check import PushCheck
 
 
 def pick_device(name: str) -> torch.device:
@@ -65,6 +66,9 @@ class RolloutEngine(Protocol):
 
     def autocast(self) -> AbstractContextManager[object]: ...
 
+    # the comparison after each weight push to a generator with weights of its own (one per generator)
+    push_check: PushCheck
+
 
 class Engine:
     """The prepared policy and critic with their optimiser and schedule (see the module)."""
@@ -72,6 +76,7 @@ class Engine:
     def __init__(self, recipe: Recipe, accelerator: Accelerator, processes: Processes, device: torch.device, policy, value_head):
         run, ppo, optim = recipe.run, recipe.ppo, recipe.optim
         self.accelerator, self.processes, self.device = accelerator, processes, device
+        self.push_check = PushCheck(recipe.health.weight_push_tolerance)
         groups = [{"params": list(policy.parameters()), "lr": optim.learning_rate}]
         if value_head is not None:
             groups.append({"params": list(value_head.parameters()), "lr": optim.value_learning_rate or optim.learning_rate})

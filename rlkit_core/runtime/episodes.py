@@ -504,7 +504,7 @@ def episode_rollout(engine: RolloutEngine, components: Components, recipe: Recip
     metrics = {name: sum(values) / len(values) for name, values in _by_name([m for m, _ in gathered]).items()}
     metrics["env/hung_calls"] = float(sum(hung for _, hung in gathered))  # calls past their timeout still running
     metrics.update({"time/generate": runner.timings["generate"], "time/environment": runner.timings["environment"],
-                    "time/score": finished - scored, **components.generator.pop_metrics()})
+                    "time/score": finished - scored, **components.generator.pop_metrics(), **engine.push_check.pop_metrics()})
     return batch, metrics
 
 

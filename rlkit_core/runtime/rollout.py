@@ -56,7 +56,8 @@ def rollout(engine: RolloutEngine, components: Components, recipe: Recipe, recor
         response_ids=generation.response_ids, response_mask=mask, loss_mask=mask, sampled_logprobs=generation.logprobs,
         responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=device),
     )
-    return batch, {"time/generate": generated - started, "time/score": scored - generated, **components.generator.pop_metrics()}
+    return batch, {"time/generate": generated - started, "time/score": scored - generated, **components.generator.pop_metrics(),
+                   **engine.push_check.pop_metrics()}
 
 
 def generate(engine: RolloutEngine, components: Components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool,
@@ -69,6 +70,7 @@ def generate(engine: RolloutEngine, components: Components, prompts: list[tuple[
     with engine.full_weights():
         if sync:
             components.generator.sync_weights(components.policy)
+            engine.push_check.after_push(engine, components.generator, components.policy, prompts)
         with contextlib.nullcontext() if type(components.generator).runs_own_precision else engine.autocast():
             return [components.generator.generate(ids, mask, greedy=greedy) for ids, mask in prompts]
 
@@ -137,4 +139,5 @@ def sample_responses(engine: RolloutEngine, components: Components, recipe: Reci
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         generations = generate(engine, components, prompts, greedy)
     components.generator.pop_metrics()  # its sync time is the report's, not the next iteration's
+    engine.push_check.pop_metrics()
     return [text for g in generations for text in tokenizer.batch_decode(g.response_ids, skip_special_tokens=True)]

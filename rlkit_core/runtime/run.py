@@ -45,6 +45,7 @@ from rlkit_core.runtime.health import HealthMonitor, HealthStop
 from rlkit_core.runtime.metrics_log import MetricsLog
 from rlkit_core.runtime.plot import plot_curves
 from rlkit_core.runtime.prompt_stream import Prompts
+from rlkit_core.runtime.push_check import WeightPushFailed
 from rlkit_core.runtime.report import SAMPLES, print_report
 from rlkit_core.runtime.rollout import record_columns, sample_responses
 from rlkit_core.runtime.run_lock import RunLock, launched_as_main
@@ -274,7 +275,8 @@ def _train_or_skip(trainer: Trainer, checkpointer: Checkpointer) -> tuple[dict[s
         if run.on_bad_reward == "stop" or in_a_row >= run.max_skips_in_a_row:
             raise _reward_failed(trainer, checkpointer, fault, before, in_a_row) from None
         metrics, batch = _skip_batch(trainer, fault), None
-    except (ProducerFault, CallsHung) as fault:  # a batch made ahead failed or never came, or the environment's calls hung: what trained so far is kept
+    # a batch made ahead failed or never came, the environment's calls hung, or a weight push did not land: what trained so far is kept
+    except (ProducerFault, CallsHung, WeightPushFailed) as fault:
         saved = checkpointer.maybe_save(state, "stop")
         raise RunError(f"{fault}; saved {saved}; continue with --resume auto") from None
     except NonFiniteSteps as fault:

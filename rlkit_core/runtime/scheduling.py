@@ -48,6 +48,7 @@ from rlkit_core.recipe.assemble import Components
 from rlkit_core.runtime.distributed import SideProcesses
 from rlkit_core.runtime.engine import Engine, RolloutEngine
 from rlkit_core.runtime.faults import BadReward
+from rlkit_core.runtime.push_check import PushCheck
 from rlkit_core.runtime.rollout import rollout
 
 CLOSE_WAIT_S = 5.0  # the longest an ordinary close waits for the batches in flight, all workers together
@@ -92,6 +93,7 @@ class SideEngine:
 
     def __init__(self, engine: Engine):
         self.engine, self.device, self.processes = engine, engine.device, SideProcesses(engine.processes)
+        self.push_check = PushCheck(engine.push_check.tolerance)  # the worker's generator, compared on its own
 
     def full_weights(self):
         return contextlib.nullcontext()

@@ -549,6 +549,22 @@ class GeneratorContract(ComponentContract):
         gap = (recomputed - out.logprobs)[counted].abs().max()
         assert gap <= self.logprob_tolerance, f"sampled log-probs differ from π/T by up to {gap:.2e}"
 
+    def test_scores_match_the_policy_after_a_push(self, instance, policy):
+        """A generator with weights of its own scores what the loop's push check compares
+        (`Generator.score`): the policy's log-probs at temperature 1, one per token after the first."""
+        ids = policy.tokenizer("hello world, the quick brown fox")["input_ids"]
+        instance.sync_weights(policy)
+        scores = instance.score(ids)
+        if scores is None:
+            pytest.skip("samples with the policy's own module: nothing pushed to check")
+        assert len(scores) == len(ids) - 1, f"score() gave {len(scores)} log-probs for {len(ids) - 1} tokens after the first"
+        tokens = torch.tensor([ids])
+        with torch.no_grad():
+            logits = policy.forward(tokens, torch.ones_like(tokens), torch.arange(len(ids)).unsqueeze(0)).logits
+        expected = logprobs_from_logits(logits[:, :-1], tokens[:, 1:])[0]
+        gap = (expected - torch.tensor(scores)).abs().max()
+        assert gap <= self.logprob_tolerance, f"score() differs from the policy's log-probs by up to {gap:.2e}"
+
 
 # --- episode kinds -----------------------------------------------------------------------------
 
