@@ -50,3 +50,7 @@ class RunError(RlkitError):
     """A failure while training that is not the recipe's fault (exit code 1)."""
 
     exit_code = 1
+
+
+class RecipeDeprecation(FutureWarning):
+    """A recipe setting that still works under an earlier name; the CLI prints it as one plain line."""

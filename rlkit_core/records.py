@@ -5,11 +5,13 @@ tables (`[run]`, `[ppo]`, `[optim]`, `[eval]`, `[health]`), each checked compone
 Reading TOML into these, and the checks across tables, are the recipe layer's (`rlkit_core.recipe`).
 """
 
+import warnings
 from typing import Any, Protocol
 
 import attrs
 
 from rlkit_core.config import at_least, between, greater_than, one_of, setting
+from rlkit_core.errors import RecipeDeprecation
 from rlkit_core.functional import KL_ESTIMATORS
 
 CHECKS = ("zero_reward_variance", "all_truncated", "logprob_gap_jump", "entropy_collapse", "kl_over_target", "zero_gradients")
@@ -138,23 +140,38 @@ class EvalConfig:
     metrics: list[str] = setting(factory=list, help="more reward components to report on the held-out responses, by registered name (e.g. 'fact-copied')")
 
 
-SCHEDULERS = ("sync", "one-step-off", "bounded")
+SCHEDULERS = ("sync", "one-step-off", "bounded")  # the earlier names of a staleness bound: max_staleness says it alone
+
+
+def _earlier_scheduler_name(instance, attribute, value):
+    """`scheduler.type` still works, with a warning that names the setting to use instead."""
+    one_of("", *SCHEDULERS)(instance, attribute, value)
+    if value:
+        meaning = {"sync": "max_staleness = 0", "one-step-off": "max_staleness = 1"}.get(value, "max_staleness alone")
+        warnings.warn(f"scheduler.type = {value!r} is deprecated: write {meaning} in [scheduler] instead", RecipeDeprecation, stacklevel=2)
 
 
 @attrs.frozen
 class SchedulerConfig:
-    type: str = setting("sync", help="when rollouts are made: 'sync' (after each update), 'one-step-off' (the next batch while the "
-                                     "update runs, from the weights before it) or 'bounded' (up to max_staleness batches ahead)",
-                        validator=one_of(*SCHEDULERS))
-    max_staleness: int = setting(0, help="with 'bounded': the most policy versions a trained batch may be behind the weights it "
-                                         "trains (checked when the batch is consumed; a staler one is made again)", validator=at_least(0))
+    max_staleness: int = setting(
+        0, help="the most policy versions a trained batch may be behind the weights it trains: 0 samples each batch after the update "
+                "before it (sync); k > 0 samples up to k batches ahead, while the updates run, from copies of the weights (checked "
+                "when a batch is consumed; a staler one is made again)", validator=at_least(0))
+    type: str = setting("", help="deprecated: the bound by name ('sync' is max_staleness = 0, 'one-step-off' is 1, 'bounded' reads "
+                                 "max_staleness); leave it out and set max_staleness", validator=_earlier_scheduler_name)
     wait_timeout_s: float = setting(600.0, help="seconds the update may wait for a batch before the run ends with a checkpoint (a "
                                                "generator or reward that stalls)", validator=greater_than(0))
 
     @property
     def staleness_bound(self) -> int:
-        """The most versions a trained batch may lag: 0 for sync, 1 one step off, else max_staleness."""
+        """The most versions a trained batch may lag."""
         return {"sync": 0, "one-step-off": 1}.get(self.type, self.max_staleness)
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Batches come from the producer (`rlkit_core.runtime.scheduling`): a bound above 0, or the
+        earlier `bounded` at 0, which samples through the producer from the trainer's own module."""
+        return self.staleness_bound > 0 or self.type == "bounded"
 
 
 @attrs.frozen

@@ -117,3 +117,13 @@ def test_run_trains_and_writes_metrics(recipe_document, write_recipe):
     assert "tracking cost: median" in result.stdout
     lines = open(os.path.join(recipe_document["run"]["output_dir"], "metrics.jsonl")).read().splitlines()
     assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
+
+
+def test_an_earlier_scheduler_name_works_with_one_plain_line_naming_max_staleness(recipe_document, write_recipe):
+    recipe_document["scheduler"] = {"type": "one-step-off"}
+    recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
+    result = rlkit("check", write_recipe(recipe_document))
+    assert result.returncode == 0, result.stderr
+    assert "rlkit check: warning: scheduler.type = 'one-step-off' is deprecated: write max_staleness = 1 in [scheduler] instead\n" \
+        in result.stderr
+    assert "Warning" not in result.stderr and "max_staleness = 1: batches sampled ahead" in result.stdout

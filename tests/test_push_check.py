@@ -122,7 +122,7 @@ def test_a_generator_that_samples_with_the_policys_module_is_not_checked(recipe_
 
 def test_a_producer_whose_engine_ignores_pushes_stops_the_run(recipe_document, builtin_registry, monkeypatch):
     """Batches made one step ahead: the worker's own engine is checked against the worker's copy."""
-    recipe_document["scheduler"] = {"type": "one-step-off"}
+    recipe_document["scheduler"] = {"max_staleness": 1}
     recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0, "is_level": "sequence"}
     recipe_document["optim"]["learning_rate"] = 1e-4
     with pytest.raises(RunError, match=r"the producer's worker 0 failed .* WeightPushFailed: the weight push to the VLLMGenerator "

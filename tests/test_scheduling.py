@@ -17,7 +17,7 @@ import attrs
 import pytest
 import torch
 
-from rlkit_core.errors import RecipeError
+from rlkit_core.errors import RecipeDeprecation, RecipeError
 from rlkit_core.messages import Step
 from rlkit_core.recipe.document import parse_recipe
 from tests.test_trainer import make_trainer
@@ -69,13 +69,13 @@ def test_bounded_at_staleness_zero_is_sync_on_a_multi_turn_recipe(recipe_documen
         ahead.close()
 
 
-@pytest.mark.parametrize("kind, bound", [("one-step-off", 1), ("bounded", 1), ("bounded", 2), ("bounded", 3)])
+@pytest.mark.parametrize("kind, bound", [("", 1), ("", 2), ("", 3), ("one-step-off", 1), ("bounded", 2)])
 def test_no_trained_batch_is_staler_than_the_bound_under_a_jittery_reward(recipe_document, builtin_registry, tmp_path, kind, bound):
     reward = tmp_path / "slow.py"
     reward.write_text(SLOW_REWARD.format(most=0.05, counter=tmp_path / "unused"))
     recipe_document["reward"] = {"type": "python", "function": f"{reward}:jittery"}
-    changes = {"scheduler__type": kind, "loss__tis_cap": 2.0, "run__steps": 6}
-    if kind == "bounded":
+    changes = {"scheduler__type": kind, "loss__tis_cap": 2.0, "run__steps": 6}  # "": max_staleness alone; else the earlier names
+    if kind != "one-step-off":
         changes["scheduler__max_staleness"] = bound
     trainer = make_trainer(recipe_document, builtin_registry, **changes)
     sync_prompts = [trainer.stream_records(i) for i in range(6)]
@@ -90,7 +90,7 @@ def test_no_trained_batch_is_staler_than_the_bound_under_a_jittery_reward(recipe
 
 
 def test_a_batch_staler_than_the_bound_is_made_again(recipe_document, builtin_registry):
-    trainer = make_trainer(recipe_document, builtin_registry, scheduler__type="one-step-off", loss__tis_cap=2.0)
+    trainer = make_trainer(recipe_document, builtin_registry, scheduler__max_staleness=1, loss__tis_cap=2.0)
     try:
         trainer.step()
         producer = trainer.producer
@@ -104,12 +104,30 @@ def test_a_batch_staler_than_the_bound_is_made_again(recipe_document, builtin_re
     assert metrics["async/regenerated"] == 1 and metrics["async/staleness"] == 0
 
 
+@pytest.mark.parametrize("name, bound", [("sync", 0), ("one-step-off", 1), ("bounded", 2)])
+def test_the_earlier_scheduler_names_still_work_with_a_warning_naming_max_staleness(recipe_document, builtin_registry, name, bound):
+    recipe_document["scheduler"] = {"type": name, **({"max_staleness": 2} if name == "bounded" else {})}
+    recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
+    with pytest.warns(RecipeDeprecation, match=f"scheduler.type = '{name}' is deprecated: write max_staleness"):
+        recipe = parse_recipe(recipe_document, builtin_registry)
+    assert recipe.scheduler.staleness_bound == bound and recipe.scheduler.runs_ahead == (bound > 0)
+
+
+def test_max_staleness_zero_is_sync_without_a_producer(recipe_document, builtin_registry):
+    trainer = make_trainer(recipe_document, builtin_registry, scheduler__max_staleness=0)
+    trainer.step()
+    assert trainer.producer is None
+
+
 @pytest.mark.parametrize("changes, where", [
-    ({"scheduler__type": "bounded", "scheduler__max_staleness": 2}, r"\$\.loss: a batch may be 2 policy version\(s\) old"),
-    ({"scheduler__type": "one-step-off", "loss__tis_cap": 2.0, "generator__top_p": 0.9}, r"\$\.generator: top_k/top_p"),
-    ({"scheduler__type": "one-step-off", "scheduler__max_staleness": 3, "loss__tis_cap": 2.0}, r"\$\.scheduler\.max_staleness"),
+    ({"scheduler__max_staleness": 2}, r"\$\.loss: a batch may be 2 policy version\(s\) old"),
+    ({"scheduler__max_staleness": 1, "loss__tis_cap": 2.0, "generator__top_p": 0.9}, r"\$\.generator: top_k/top_p"),
+    ({"scheduler__type": "one-step-off", "scheduler__max_staleness": 3, "loss__tis_cap": 2.0},
+     r"\$\.scheduler\.type: 'one-step-off' is the earlier name of max_staleness = 1, and max_staleness = 3 is set too"),
+    ({"scheduler__max_staleness": 2, "ppo__dynamic_sampling": True, "ppo__samples_per_prompt": 4, "advantage__type": "grpo",
+      "value_head__type": "none"}, r"\$\.scheduler\.max_staleness: max_staleness = 2 makes one rollout batch"),
     ({"scheduler__type": "bounded", "ppo__dynamic_sampling": True, "ppo__samples_per_prompt": 4, "advantage__type": "grpo",
-      "value_head__type": "none"}, r"\$\.scheduler\.type: 'bounded' makes one rollout batch"),
+      "value_head__type": "none"}, r"\$\.scheduler\.type: type = 'bounded' makes one rollout batch"),
 ])
 def test_what_a_scheduler_ahead_of_the_update_needs_is_checked_before_the_run(recipe_document, builtin_registry, changes, where):
     for key, value in changes.items():
@@ -160,7 +178,7 @@ def test_a_stalled_reward_ends_the_run_with_a_checkpoint_not_a_hang(recipe_docum
     reward.write_text(SLOW_REWARD.format(most=0, counter=counter))
     recipe_document["reward"] = {"type": "python", "function": f"{reward}:stalls"}
     recipe_document["run"].update(steps=4)
-    recipe_document["scheduler"] = {"type": "one-step-off", "wait_timeout_s": 3.0}
+    recipe_document["scheduler"] = {"max_staleness": 1, "wait_timeout_s": 3.0}
     recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
     started = time.monotonic()
     done = rlkit("run", write_recipe(recipe_document), "--quiet", cwd=tmp_path)
@@ -171,12 +189,20 @@ def test_a_stalled_reward_ends_the_run_with_a_checkpoint_not_a_hang(recipe_docum
 
 
 @pytest.mark.slow
-def test_killed_mid_run_and_resumed_it_trains_every_prompt_once_in_order(recipe_document, write_recipe, tmp_path):
-    reward = tmp_path / "slow.py"
-    reward.write_text(SLOW_REWARD.format(most=0.2, counter=tmp_path / "unused"))
-    recipe_document["reward"] = {"type": "python", "function": f"{reward}:jittery"}
+@pytest.mark.parametrize("episodes", ["single-turn", "multi-turn"])
+def test_killed_mid_run_and_resumed_it_trains_every_prompt_once_in_order(recipe_document, write_recipe, tmp_path, episodes):
+    """SIGKILLed twice with batches made ahead in flight (and, multi-turn, episodes part-played by the
+    workers): the resumed run trains each iteration's prompts once, in order, as an uninterrupted one."""
+    if episodes == "multi-turn":
+        from tests.test_episodes import ending_model, episode_document
+
+        episode_document(recipe_document, ending_model(tmp_path / "ending"))
+    else:
+        reward = tmp_path / "slow.py"
+        reward.write_text(SLOW_REWARD.format(most=0.2, counter=tmp_path / "unused"))
+        recipe_document["reward"] = {"type": "python", "function": f"{reward}:jittery"}
     recipe_document["run"].update(steps=6, checkpoint_every=1)
-    recipe_document["scheduler"] = {"type": "bounded", "max_staleness": 2}
+    recipe_document["scheduler"] = {"max_staleness": 2}
     recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
     whole_dir = tmp_path / "whole"
     recipe_document["run"]["output_dir"] = str(whole_dir)
@@ -218,7 +244,7 @@ def test_a_failed_batch_made_ahead_is_raised_where_sync_raises_it_and_the_next_o
                       f"        raise ValueError('the service is down')\n"
                       f"    return [0.5] * len(responses)\n")
     recipe_document["reward"] = {"type": "python", "function": f"{reward}:second_fails"}
-    trainer = make_trainer(recipe_document, builtin_registry, scheduler__type="one-step-off", loss__tis_cap=2.0, run__steps=3)
+    trainer = make_trainer(recipe_document, builtin_registry, scheduler__max_staleness=1, loss__tis_cap=2.0, run__steps=3)
     try:
         trainer.step()
         with pytest.raises(BadReward, match="the service is down"):
@@ -234,7 +260,7 @@ def test_episodes_made_one_step_off_train_their_own_prompts(recipe_document, bui
     from tests.test_episodes import ending_model, episode_document
 
     document = episode_document(recipe_document, ending_model(tmp_path / "ending"))
-    trainer = make_trainer(document, builtin_registry, scheduler__type="one-step-off", loss__tis_cap=2.0)
+    trainer = make_trainer(document, builtin_registry, scheduler__max_staleness=1, loss__tis_cap=2.0)
     try:
         rows = [trainer.iterate() for _ in range(3)]
     finally:
@@ -251,7 +277,7 @@ def test_every_turn_made_ahead_is_labelled_with_the_weights_that_sampled_it(reci
     from tests.test_episodes import ending_model, episode_document
 
     document = episode_document(recipe_document, ending_model(tmp_path / "ending"))
-    trainer = make_trainer(document, builtin_registry, scheduler__type="one-step-off", loss__tis_cap=2.0)
+    trainer = make_trainer(document, builtin_registry, scheduler__max_staleness=1, loss__tis_cap=2.0)
     environment = trainer.components.environment
     # the producer makes up to two batches past the last one trained: their episodes are labelled too
     iteration_of = {id(record): iteration for iteration in range(6) for record in trainer.stream_records(iteration)}
@@ -283,8 +309,8 @@ def test_two_processes_make_batches_ahead_with_the_prompts_of_sync(recipe_docume
 
     recipe_document["run"].update(steps=3)
     crcs = {}
-    for name, scheduler in (("sync", {"type": "sync"}), ("ahead", {"type": "one-step-off"}),
-                            ("bounded", {"type": "bounded", "max_staleness": 2})):  # two workers, a process group each
+    for name, scheduler in (("sync", {"max_staleness": 0}), ("ahead", {"max_staleness": 1}),
+                            ("bounded", {"max_staleness": 2})):  # two workers, a process group each
         recipe_document["run"]["output_dir"] = str(tmp_path / name)
         recipe_document["scheduler"] = scheduler
         recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
@@ -299,9 +325,9 @@ def test_two_processes_make_batches_ahead_with_the_prompts_of_sync(recipe_docume
 def test_a_scheduler_ahead_of_the_update_is_refused_under_fsdp(recipe_document, builtin_registry):
     from rlkit_core.launch import Launch
 
-    recipe_document["scheduler"] = {"type": "one-step-off"}
+    recipe_document["scheduler"] = {"max_staleness": 1}
     recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
-    with pytest.raises(RecipeError, match=r"\$\.scheduler\.type: 'one-step-off' samples while the update runs, and FSDP"):
+    with pytest.raises(RecipeError, match=r"\$\.scheduler\.max_staleness: max_staleness = 1 samples while the update runs, and FSDP"):
         parse_recipe(recipe_document, builtin_registry, launch=Launch(processes=2, sharded=True, fsdp_version=2))
 
 
@@ -348,7 +374,7 @@ def test_a_failed_push_or_generation_ends_the_run_located_with_a_checkpoint(reci
     monkeypatch.setattr(scheduling, "WeightsCopy", Failing)
     monkeypatch.setattr(scheduling.Producer, "_worker", staticmethod(worker))
     recipe_document["run"].update(steps=5, checkpoint_every=100)
-    recipe_document["scheduler"] = {"type": "one-step-off", "wait_timeout_s": 3.0 if fails == "generation stalls" else 60.0}
+    recipe_document["scheduler"] = {"max_staleness": 1, "wait_timeout_s": 3.0 if fails == "generation stalls" else 60.0}
     recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
     started = time.monotonic()
     try:
@@ -453,7 +479,7 @@ def test_a_stall_with_every_worker_stuck_ends_the_run_at_the_wait_timeout_not_af
     if stuck == "environment":  # nothing else bounds a step
         recipe_document = episode_document(recipe_document, ending_model(tmp_path / "ending"), step_timeout_s=0, episode_timeout_s=0)
     recipe_document["run"].update(steps=5, checkpoint_every=100)
-    recipe_document["scheduler"] = {"type": "bounded", "max_staleness": 2, "wait_timeout_s": 3.0}
+    recipe_document["scheduler"] = {"max_staleness": 2, "wait_timeout_s": 3.0}
     recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
     try:
         with pytest.raises(RunError, match="no rollout batch for iteration 3 within scheduler.wait_timeout_s = 3 s"):
@@ -539,7 +565,7 @@ def test_batches_made_ahead_are_scored_by_a_reward_service_that_answers_late(rec
         address = server.stdout.readline().split()[3]
         recipe_document["data"] = {"type": "jsonl", "path": str(data)}
         recipe_document["reward"] = {"type": "http", "url": f"{address}/score", "batch_size": 8, "max_concurrent": 2}
-        trainer = make_trainer(recipe_document, builtin_registry, scheduler__type="one-step-off", loss__tis_cap=2.0,
+        trainer = make_trainer(recipe_document, builtin_registry, scheduler__max_staleness=1, loss__tis_cap=2.0,
                                loss__is_level="sequence", run__steps=3)
         try:
             iterations = [trainer.iterate() for _ in range(3)]

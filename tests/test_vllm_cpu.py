@@ -293,19 +293,23 @@ def test_a_lora_policys_every_adapted_layer_reaches_the_engine(lora_policy, tmp_
     state = torch.get_rng_state()
     generator = VLLMGenerator(VLLMGeneratorConfig(**ENGINE), _context(tmp_path, lora_policy, seed=0))
     assert torch.equal(torch.get_rng_state(), state)
+    from rlkit_core.runtime import rollout
+
     prompt_ids, prompt_mask = _prompts(lora_policy, TEXTS)
-    gaps = []
+    engine, components = _generating_stage(lora_policy, generator)  # each push checked (rlkit_core.runtime.push_check)
+    gaps, push_gaps = [], []
     for push in range(3):
         if push:
             _move_lora(lora_policy, 0.1)
-        generator.sync_weights(lora_policy)
-        out = generator.generate(prompt_ids, prompt_mask)
+        [out] = rollout.generate(engine, components, [(prompt_ids, prompt_mask)], greedy=False)
+        push_gaps.append(engine.push_check.pop_metrics()["check/push_gap"])
         merged = copy.deepcopy(lora_policy.model).merge_and_unload()
         expected = _logprobs(merged, lora_policy.suppressed_token_ids, prompt_ids, prompt_mask, out)
         gaps.append(float((expected - out.logprobs)[out.response_mask.bool()].abs().max()))
     with capsys.disabled():
-        print(f"\nvLLM (CPU) vs the merged LoRA model, max |log-prob gap| per push: {', '.join(f'{g:.1e}' for g in gaps)}")
-    assert max(gaps) < LOGPROB_TOLERANCE
+        print(f"\nvLLM (CPU) vs the merged LoRA model, max |log-prob gap| per push: {', '.join(f'{g:.1e}' for g in gaps)}; "
+              f"push check gap: {', '.join(f'{g:.1e}' for g in push_gaps)}")
+    assert max(gaps) < LOGPROB_TOLERANCE and max(push_gaps) < 1e-3
 
 
 # --- rlkit run, end to end ------------------------------------------------------------------------------
@@ -414,7 +418,7 @@ def test_episodes_run_on_vllm_with_one_push_per_rollout(recipe_document, byte_mo
 
 
 def test_batches_made_one_step_off_on_an_engine_of_their_own(recipe_document, byte_model, tmp_path):
-    """`[scheduler] one-step-off` with vllm: the producer's generator is a second engine, pushed the
+    """`[scheduler] max_staleness = 1` with vllm: the producer's generator is a second engine, pushed the
     copy of the weights at each batch (its prefix cache reset then), while the trainer's engine
     serves the evaluation; every batch is at most one version old and trains its own prompts."""
     from rlkit_core.recipe.plugins import load_registry
@@ -423,7 +427,7 @@ def test_batches_made_one_step_off_on_an_engine_of_their_own(recipe_document, by
     recipe_document["policy"]["model"] = str(byte_model)
     recipe_document["run"]["device"] = "cpu"
     recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8, "gpu_memory_fraction": 0.02}
-    trainer = make_trainer(recipe_document, load_registry(environ={"RLKIT_PLUGINS": "none"}), scheduler__type="one-step-off",
+    trainer = make_trainer(recipe_document, load_registry(environ={"RLKIT_PLUGINS": "none"}), scheduler__max_staleness=1,
                            loss__tis_cap=2.0)
     try:
         rows = [trainer.iterate() for _ in range(3)]

@@ -149,9 +149,9 @@ def _per_process(recipe: Recipe, launch: Launch) -> list[str]:
 
 def _scheduler_line(recipe: Recipe) -> str:
     scheduler = recipe.scheduler
-    if scheduler.type == "sync":
-        return "sync: each batch sampled after the update before it"
-    return (f"{scheduler.type}: batches sampled ahead from a copy of the weights, at most {scheduler.staleness_bound} "
+    if not scheduler.runs_ahead:
+        return "max_staleness = 0 (sync): each batch sampled after the update before it"
+    return (f"max_staleness = {scheduler.staleness_bound}: batches sampled ahead from a copy of the weights, at most {scheduler.staleness_bound} "
             f"version(s) behind when trained; a wait over {scheduler.wait_timeout_s:g} s ends the run")
 
 

@@ -176,16 +176,20 @@ def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, compon
     if scheduler is None:
         return []
     problems, loss, generator, advantage = [], components.get("loss"), components.get("generator"), components.get("advantage")
-    if scheduler.type != "sync":
+    bound = scheduler.staleness_bound
+    # the problems are located where the recipe says it: the earlier type, or max_staleness
+    where, named = ("$.scheduler.type", f"type = {scheduler.type!r}") if scheduler.type else \
+        ("$.scheduler.max_staleness", f"max_staleness = {bound}")
+    if scheduler.type in ("sync", "one-step-off") and scheduler.max_staleness:
+        problems.append(Problem("$.scheduler.type", f"{scheduler.type!r} is the earlier name of max_staleness = {bound}, and "
+                                                    f"max_staleness = {scheduler.max_staleness} is set too; keep max_staleness only"))
+    if scheduler.runs_ahead:
         if ppo.dynamic_sampling or (advantage is not None and advantage.component.factory.needs_baseline_scores):
-            problems.append(Problem("$.scheduler.type", f"{scheduler.type!r} makes one rollout batch per iteration ahead of the "
-                                                        "update; dynamic sampling and ReMax's greedy baseline run with 'sync' only"))
-    if scheduler.type != "bounded" and scheduler.max_staleness:
-        problems.append(Problem("$.scheduler.max_staleness", f"is read by type = 'bounded' only; {scheduler.type!r} has a bound "
-                                                             f"of {scheduler.staleness_bound}"))
-    if scheduler.type != "sync" and sharded:
-        problems.append(Problem("$.scheduler.type", f"{scheduler.type!r} samples while the update runs, and FSDP holds the weights "
-                                                    "in shards the producer cannot read then; use 'sync' under FSDP (DDP runs ahead)"))
+            problems.append(Problem(where, f"{named} makes one rollout batch per iteration ahead of the update; dynamic sampling "
+                                           "and ReMax's greedy baseline run with max_staleness = 0 only"))
+        if sharded:
+            problems.append(Problem(where, f"{named} samples while the update runs, and FSDP holds the weights in shards the producer "
+                                           "cannot read then; use max_staleness = 0 under FSDP (DDP runs ahead)"))
     if scheduler.staleness_bound == 0:
         return problems
     if loss is not None and not loss.component.factory.corrects_stale_samples(loss.config):

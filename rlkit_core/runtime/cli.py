@@ -14,10 +14,11 @@ import json
 import os
 import sys
 import traceback
+import warnings
 
 import attrs
 
-from rlkit_core.errors import RlkitError
+from rlkit_core.errors import RecipeDeprecation, RlkitError
 from rlkit_core.launch import Launch
 
 
@@ -217,9 +218,23 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def _plain_deprecations(command: str) -> None:
+    """A recipe's deprecated setting as one line naming the fix, not Python's warning with its source line."""
+    show = warnings.showwarning
+
+    def shown(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, RecipeDeprecation):
+            print(f"rlkit {command}: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = shown
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     args = _parser().parse_args(argv)
+    _plain_deprecations(args.command)
     try:
         return COMMANDS[args.command](args)
     except RlkitError as exc:

@@ -1,5 +1,5 @@
 # pyright: standard
-"""Rollouts made ahead of the update: the `[scheduler]` types `one-step-off` and `bounded`.
+"""Rollouts made ahead of the update: `[scheduler] max_staleness` above 0.
 
 Producer threads make the batch of iteration j, the prompt stream's batch j as `sync` would make
 it, from a copy of the policy's weights (a generator of their own samples from it: the module being

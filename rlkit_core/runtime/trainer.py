@@ -148,7 +148,7 @@ class Trainer:
         sampling when the recipe asks), or made ahead from a copy of the weights by the scheduler's
         producer (`rlkit_core.runtime.scheduling`)."""
         recipe, scheduler = self.recipe, self.recipe.scheduler
-        if scheduler.type != "sync":
+        if scheduler.runs_ahead:
             if self.producer is None:
                 self.producer = Producer(self, scheduler.staleness_bound, scheduler.wait_timeout_s)
             return self.producer.take(iteration)
