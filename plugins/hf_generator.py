@@ -187,10 +187,11 @@ class HFGenerator(Generator):
         cache_name = "cache" if "cache" in accepted else "past_key_values"
         options: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1} if "logits_to_keep" in accepted else {"use_cache": True}
         rows, limit = prompt_ids.shape[0], self.config.max_new_tokens
-        keeping = self.kept is not None and joinable(base.config)
+        joins = joinable(base.config)  # once per call: it builds a cache to look at its layers
+        keeping = self.kept is not None and joins
         prompts = [ids[row_mask.bool()].tolist() for ids, row_mask in zip(prompt_ids, prompt_mask)] if keeping else []
         continued = self._continued(prompts) if keeping else {}
-        logits, cache, running, mask = self._prefill(model, base.config, prompt_ids, prompt_mask, options, cache_name, continued)
+        logits, cache, running, mask = self._prefill(model, base.config, prompt_ids, prompt_mask, options, cache_name, continued, joins)
         options[cache_name] = cache
         ends = torch.tensor(self.policy.eos_token_ids, device=prompt_ids.device)
         ended: list[tuple[int, int, KeptRow]] = []  # (batch row, step, its cache) as rows end, when keeping
@@ -252,20 +253,20 @@ class HFGenerator(Generator):
         masks = mask.index_select(0, at)
         return [(row, step, KeptRow(masks[i], [(keys[i], values[i]) for keys, values in picked])) for i, row in enumerate(running[at].tolist())]
 
-    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name, continued: dict[int, tuple[int, KeptRow]]
-                 ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+    def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name, continued: dict[int, tuple[int, KeptRow]],
+                 joins: bool) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
         """The prompts through the model in groups of similar length, each cut to its longest prompt,
         then the rows in `continued` in one group after their kept caches: (last-position logits,
         one KV cache for all rows, the rows' order in both, the cache's attention mask). A cache
-        that is not plain full attention in every layer (sliding windows, linear layers) is not
-        joined: then one group, and nothing continued."""
+        that is not plain full attention in every layer (sliding windows, linear layers: `joins`
+        False) is not joined: then one group, and nothing continued."""
         from transformers import DynamicCache
 
         lengths = prompt_mask.sum(dim=1)
         order = lengths.argsort(descending=True, stable=True)
         if continued:
             order = order[torch.isin(order, torch.tensor(list(continued), device=order.device), invert=True)]
-        sizes = prefill_groups(lengths[order].tolist()) if joinable(config) else [len(order)]
+        sizes = prefill_groups(lengths[order].tolist()) if joins else [len(order)]
         logits, caches, masks = [], [], []
         for rows in order.split(sizes) if len(order) else ():
             ids, mask = without_padding_columns(prompt_ids[rows], prompt_mask[rows])
