@@ -38,8 +38,8 @@ class HealthConfig:
     logprob_gap_floor: float = setting(0.05, help="a check/logprob_gap below this (nats per token) never counts as a jump", validator=at_least(0))
     weight_push_tolerance: float = setting(
         0.05, help="after each push of new weights to a generator with weights of its own (vllm), stop the run when its log-probs of a fixed "
-                   "probe differ from the policy's by more than this (nats per token, on average), or sit nearer the previous weights' "
-                   "than the new ones'; 0: off", validator=at_least(0))
+                   "probe differ from the policy's by more than this (nats per token, on average), or by more than half of what the "
+                   "policy moved since the previous push (the push did not land); 0: off", validator=at_least(0))
     entropy_collapse: float = setting(
         0.05, help="warn when train/entropy falls below this share of the first iteration's: the policy samples almost deterministically; 0: off",
         validator=between(0.0, 1.0))

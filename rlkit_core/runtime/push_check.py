@@ -4,10 +4,10 @@ scores a fixed probe after each push, and its log-probs are compared with the po
 
 A push can fail without a word: an adapter never merged, an engine that ignores the update, a
 reload that leaves layers behind. The run then samples from old weights while its numbers look
-sane. Two rules catch it at the first push after it (`push_problem`): the sampler's log-probs are
-farther from the policy's than `health.weight_push_tolerance` (wrong weights), or they are nearer
-to where the policy was at the previous push than to where it is (the push did not land); the
-second rule reads only moves larger than the numerics' own gap, measured at the first push.
+sane. Two rules catch it at that push (`push_problem`): the sampler's log-probs are farther from
+the policy's than `health.weight_push_tolerance` (wrong weights), or farther than half of what the
+policy moved since the previous push (they stayed behind: the push did not land); the second rule
+reads only moves larger than the numerics' own gap, measured at the first push.
 """
 
 from __future__ import annotations
