@@ -32,8 +32,14 @@ from rlkit_core.errors import RecipeError
 from rlkit_core.messages import Reply, ToolCall
 from rlkit_core.tool_call_formats import CALL_CLOSE, CALL_OPEN, JSONInTags, ToolCallFormat, call_entry, chosen_format
 
-FORMATS = ("auto", "template", "plain")
+FORMATS = ("auto", "template", "plain")  # the core's own; plugins register more (`register_chat_formats`)
+KIND = "chat_format"
 TURN_MARKER = "rlkit-turn-marker-5d1c"  # stands in for an assistant turn's content, to find where the template ends it
+
+@attrs.frozen
+class CoreChatSettings:
+    """The core's chat formats take no settings."""
+
 
 def _tool_signature(tool: dict[str, Any]) -> str:
     function = tool.get("function", tool)
@@ -51,7 +57,9 @@ class ChatFormat(ABC):
     name: str
     keep_sampled: bool = False
 
-    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], tool_calls: ToolCallFormat | None = None):
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], tool_calls: ToolCallFormat | None = None, config: Any = None):
+        """`config`: the recipe's settings for a registered format (its config class), None for the core's own."""
+        self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.tool_calls = tool_calls or JSONInTags()
@@ -165,14 +173,20 @@ class PlainFormat(ChatFormat):
         return self.encode(self.render(new, [], False))
 
 
-def chat_format_for(name: str, tokenizer, eos_token_ids: tuple[int, ...], tool_calls: ToolCallFormat | None = None) -> ChatFormat:
-    """The format `name` ("auto", "template" or "plain"); "auto" takes the template when the
-    tokenizer has one. `tool_calls`: how turns write their calls (None: `JSONInTags`).
-    Raises ValueError with the fix for a name or tokenizer that cannot work."""
-    if name not in FORMATS:
-        raise ValueError(f"unknown chat format {name!r}: use one of {', '.join(FORMATS)}")
+def chat_format_for(name: str, tokenizer, eos_token_ids: tuple[int, ...], tool_calls: ToolCallFormat | None = None,
+                    registry: Any = None, config: Any = None) -> ChatFormat:
+    """The format `name`: "auto", "template" or "plain", or one a plugin registered (found in
+    `registry`, built with `config`, its config class's defaults when None); "auto" takes the
+    template when the tokenizer has one. `tool_calls`: how turns write their calls (None:
+    `JSONInTags`). Raises ValueError with the fix for a name or tokenizer that cannot work."""
     if not eos_token_ids:
         raise ValueError("the policy has no end-of-turn id, so no turn can end; give its tokenizer an eos_token")
+    if name not in FORMATS:
+        found = registry.find(KIND, name) if registry is not None and name in registry.names(KIND) else None
+        if found is None:
+            known = [*FORMATS, *(n for n in (registry.names(KIND) if registry is not None else ()) if n not in FORMATS)]
+            raise ValueError(f"unknown chat format {name!r}: use one of {', '.join(known)}")
+        return found.factory(tokenizer, eos_token_ids, tool_calls, config=config if config is not None else found.config_class())
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if name == "template" and not has_template:
         raise ValueError("the tokenizer has no chat template: give it one (`chat_template` in its tokenizer_config.json, or "
@@ -187,8 +201,10 @@ def episode_format(settings, tokenizer, eos_token_ids: tuple[int, ...], registry
     `tool_call_format` ("auto": the one the chat template writes, when the format renders with the
     template; `chosen_format`), and how that format was picked. A RecipeError located at the setting
     that cannot work."""
+    choice = settings.chat_format  # a ComponentChoice in a recipe; a name (or None: "auto") outside one
+    name = choice.component.name if hasattr(choice, "component") else (choice or "auto")
     try:
-        chat = chat_format_for(settings.chat_format, tokenizer, eos_token_ids)
+        chat = chat_format_for(name, tokenizer, eos_token_ids, registry=registry, config=getattr(choice, "config", None))
     except ValueError as exc:
         raise RecipeError([f"$.environment.chat_format: {exc}"]) from None
     try:
@@ -404,15 +420,15 @@ def _play(chat: ChatFormat, think: bool) -> _Probe:
 
 
 def audit(tokenizer, eos_token_ids: tuple[int, ...], name: str = "auto", tool_calls: ToolCallFormat | None = None,
-          tool_call_format: str = "", thinking_in_history: str = "rendered") -> TemplateAudit:
+          tool_call_format: str = "", thinking_in_history: str = "rendered", chat: ChatFormat | None = None) -> TemplateAudit:
     """Plays the probe conversation (a tool call and its result, an answer, another user message)
     the way an episode does, through the runner's bridge, twice: each turn's ids as a model of the
     template's family writes them (the template's render of that turn), without a think block, then
     with one (`PROBE_THINK`) opening each turn, which some templates strip from the history. The
     calls are read in `tool_calls`, picked as `tool_call_format` says (`rlkit_core.tool_call_formats.chosen_format`).
     The splits are those of `thinking_in_history`; the probe with think blocks is played with both
-    settings, for what each costs."""
-    chat = chat_format_for(name, tokenizer, eos_token_ids, tool_calls)
+    settings, for what each costs. `chat`: the format to play, built already (a registered one); else `name`'s."""
+    chat = chat or chat_format_for(name, tokenizer, eos_token_ids, tool_calls)
     plays = {}
     for setting in ("rendered", "kept"):
         chat.keep_sampled = setting == "kept"

@@ -31,9 +31,9 @@ class StandardEpisode:
                                             "generated as soon as its environment answers, beside whichever others are ready then, so a "
                                             "slow step holds only its own episode (which episodes share a generation then depends on "
                                             "timing, so runs do not repeat exactly)", kw_only=True)
-    chat_format: str = setting("auto", help="how messages become tokens: 'template' (the tokenizer's chat template), 'plain' (text lines) "
-                                            "or 'auto' (the template when the tokenizer has one)",
-                               validator=one_of("auto", "template", "plain"), kw_only=True)
+    chat_format: ComponentChoice | None = nested_component(
+        "chat_format", help="how messages become tokens: 'template' (the tokenizer's chat template), 'plain' (text lines), another "
+                            "registered format, or 'auto' (the template when the tokenizer has one)", default_type="auto", kw_only=True)
     thinking_in_history: str = setting(
         "rendered", help="how the model's earlier turns stand in its later prompts when the chat template would rewrite them (Qwen3's "
                          "drops the think blocks of turns before the last user message): 'rendered' (as the template renders them, "

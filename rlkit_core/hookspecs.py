@@ -76,3 +76,8 @@ def register_surrogates(register):
 @hookspec
 def register_tool_call_formats(register):
     """Register tool-call formats (`rlkit_core.interfaces.ToolCallFormat`), chosen by `tool_call_format` in `[environment]`."""
+
+
+@hookspec
+def register_chat_formats(register):
+    """Register chat formats (`rlkit_core.ChatFormat`), chosen by `chat_format` in `[environment]`."""

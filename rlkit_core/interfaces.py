@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from rlkit_core.batch import RolloutBatch
+from rlkit_core.chat_format import ChatFormat
 from rlkit_core.episode_limits import StandardEpisode
 from rlkit_core.messages import Reply, Reset, Step
 from rlkit_core.settings import PolicySettings, SamplingSettings
@@ -513,4 +514,5 @@ FUNCTION_KINDS = (
 # holding setting takes when a recipe leaves it out, one that the core answers for
 NESTED_KINDS = (
     Kind("tool_call_format", "environment.tool_call_format", ToolCallFormat, "register_tool_call_formats", "auto"),
+    Kind("chat_format", "environment.chat_format", ChatFormat, "register_chat_formats", "auto"),
 )

@@ -469,8 +469,7 @@ def test_standard_episode_settings_are_what_the_runner_reads():
     assert (config.max_turns, config.max_episode_tokens, config.step_timeout_s, config.episode_timeout_s, config.call_threads,
             config.chat_format) == (6, 256, 10.0, 60.0, 64, "plain")
     assert StandardEpisode().max_turns == 4
-    for bad in ({"max_turns": 0}, {"max_episode_tokens": -1}, {"step_timeout_s": -0.5}, {"episode_timeout_s": -1.0},
-                {"chat_format": "html"}):
+    for bad in ({"max_turns": 0}, {"max_episode_tokens": -1}, {"step_timeout_s": -0.5}, {"episode_timeout_s": -1.0}):
         with pytest.raises(ValueError, match="must be"):
             StandardEpisode(**bad)
 

@@ -181,7 +181,7 @@ def episode_plan(recipe: Recipe) -> list[str]:
                                if e is not None))
     try:
         chat, how = episode_format(settings, tokenizer, ends, recipe.registry)
-        report = audit(tokenizer, ends, settings.chat_format, chat.tool_calls, how, settings.thinking_in_history)
+        report = audit(tokenizer, ends, chat.name, chat.tool_calls, how, settings.thinking_in_history, chat)
     except RecipeError as exc:
         raise RecipeError(exc.problems, recipe.source) from None
     return [*lines, *report.lines()]

@@ -4,8 +4,9 @@ A component is known by (kind, name). The registry remembers which plugin, distr
 supplied each one, so that a run can be traced to the code that produced it, and it refuses a
 second component under a taken name instead of silently shadowing the first. A function kind's
 functions (`rlkit_core.interfaces.FUNCTION_KINDS`: surrogates) and a nested class kind's classes
-(`NESTED_KINDS`: tool-call formats) are held and checked the same way. The one component the core
-answers for itself, the tool-call format `auto`, is in every registry from the start.
+(`NESTED_KINDS`: tool-call and chat formats) are held and checked the same way. The components the
+core answers for itself, the tool-call format `auto` and the chat formats `auto`, `template` and
+`plain`, are in every registry from the start.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import inspect
 import attrs
 
 from rlkit_core import __version__
+from rlkit_core.chat_format import KIND as CHAT_KIND
+from rlkit_core.chat_format import ChatFormat, CoreChatSettings, PlainFormat, TemplateFormat
 from rlkit_core.errors import BrokenPluginContract, PluginError, Problem, RecipeError
 from rlkit_core.interfaces import COMPONENT_HOOKS, FUNCTION_KINDS, KIND_TABLE, KINDS, NESTED_KINDS, NO_COMPONENT, Kind, Policy, class_flags
 from rlkit_core.records import Component
@@ -25,12 +28,17 @@ _KIND_NAMED = {kind.name: kind for kind in (*KIND_TABLE, *FUNCTION_KINDS, *NESTE
 # the core's own: `tool_call_format = "auto"`, the format the chat template writes (`rlkit_core.tool_call_formats.chosen_format`)
 CORE_PLUGIN = "core: the format the chat template writes"
 AUTO_FORMAT = Component(KIND, AUTO, ToolCallFormat, AutoSettings, CORE_PLUGIN, "rlkit", __version__)
+CORE_CHAT_FORMATS = {name: Component(CHAT_KIND, name, factory, CoreChatSettings, f"core: {why}", "rlkit", __version__)
+                     for name, factory, why in (("auto", ChatFormat, "the template when the tokenizer has one, else plain"),
+                                                ("template", TemplateFormat, "the tokenizer's chat template"),
+                                                ("plain", PlainFormat, "text lines"))}
 
 
 class Registry:
     def __init__(self):
         self._components: dict[str, dict[str, Component]] = {kind: {} for kind in _KIND_NAMED}
         self._components[KIND][AUTO] = AUTO_FORMAT
+        self._components[CHAT_KIND].update(CORE_CHAT_FORMATS)
         self.broken: dict[str, str] = {}  # plugin name -> why it could not be loaded
         self.filtered: dict[str, str] = {}  # plugin name -> "distribution version", installed but left out by RLKIT_PLUGINS
 
@@ -145,14 +153,15 @@ def function_problems(kind: Kind, function) -> list[str]:
 
 def nested_class_problems(kind: Kind, factory) -> list[str]:
     """How a class registered for a nested class kind breaks its contract: it must derive from the
-    kind's interface, implement its abstract methods and keep `recognises(template)` a static or class method."""
+    kind's interface, implement its abstract methods and (a tool-call format) keep `recognises(template)`
+    a static or class method."""
     interface = kind.interface
     if not (isinstance(factory, type) and issubclass(factory, interface)):
         return [f"its factory {factory!r} is not a class deriving from rlkit_core.{interface.__name__}; "
-                f"register a subclass of {interface.__name__} whose __init__ takes (config)"]
+                f"register a subclass of {interface.__name__}" + (" whose __init__ takes (config)" if interface is ToolCallFormat else "")]
     problems = []
     if abstract := sorted(getattr(factory, "__abstractmethods__", ())):
         problems.append(f"{factory.__name__} does not implement {', '.join(abstract)}")
-    if not isinstance(inspect.getattr_static(factory, "recognises"), (staticmethod, classmethod)):
+    if hasattr(interface, "recognises") and not isinstance(inspect.getattr_static(factory, "recognises"), (staticmethod, classmethod)):
         problems.append(f"{factory.__name__}.recognises must be a @staticmethod recognises(template) or a @classmethod")
     return problems

@@ -409,7 +409,7 @@ def chat_audit(recipe, policy) -> TemplateAudit:
     """How the policy's chat template renders an episode's turns, read in the recipe's tool-call format (`rlkit_core.chat_format.audit`)."""
     settings = recipe["environment"].config
     chat, how = episode_format(settings, policy.tokenizer, policy.eos_token_ids, recipe.registry)
-    return audit(policy.tokenizer, policy.eos_token_ids, settings.chat_format, chat.tool_calls, how, settings.thinking_in_history)
+    return audit(policy.tokenizer, policy.eos_token_ids, chat.name, chat.tool_calls, how, settings.thinking_in_history, chat)
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

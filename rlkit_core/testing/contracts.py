@@ -872,3 +872,80 @@ class ToolCallFormatContract:
         assert registered.factory.recognises("") is False, "recognises('') must be False: a template without calls names no format"
         if self.template is not None:
             assert registered.factory.recognises(self.template) is True, f"{self.component!r} does not recognise the class's template"
+
+
+CHAT_OPENING = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "what is a fox?"}]
+
+
+class ChatFormatContract:
+    """What a chat format owes (`rlkit_core.ChatFormat`): an opening that is the ids of the
+    conversation it renders, generation prompt included; a sampled turn read with its end token
+    dropped and its calls read in the tool-call format; after that turn, a bridge of ids that
+    carries the next message and a generation prompt, or None where the stream is not what the
+    format renders (the runner then starts a new sample). A subclass names the format and may give
+    `config` (its table, without `type`) and override the `tokenizer` fixture (ByT5's byte-level
+    one by default, which needs no files):
+
+        class TestMyFormat(ChatFormatContract):
+            component = "my-format"
+    """
+
+    kind: ClassVar[str] = "chat_format"
+    component: ClassVar[str]
+    config: ClassVar[dict[str, Any]] = {}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def registry(cls):
+        return load_registry()
+
+    @pytest.fixture
+    def registered(self, registry):
+        component = registry.find(self.kind, self.component)
+        if component is None:
+            pytest.fail(f"no chat_format {self.component!r} is registered (registered: {', '.join(registry.names(self.kind))}); "
+                        "`pip install -e .` the package, check its `rlkit` entry point, and leave RLKIT_PLUGINS unset", pytrace=False)
+        return component
+
+    @pytest.fixture
+    def tokenizer(self):
+        from transformers import ByT5Tokenizer
+
+        return ByT5Tokenizer()
+
+    @pytest.fixture
+    def instance(self, registered, registry, tokenizer):
+        from rlkit_core.chat_format import chat_format_for
+
+        config, problems = structure_table(dict(self.config), registered.config_class, "$.environment.chat_format", registry)
+        if problems:
+            pytest.fail(f"the test's config does not check: {'; '.join(map(str, problems))}", pytrace=False)
+        return chat_format_for(self.component, tokenizer, (tokenizer.eos_token_id,), registry=registry, config=config)
+
+    def test_config_class_documents_every_field(self, registered):
+        rows = fields_help(registered.config_class)
+        undocumented = [name for name, _, _, _, help_text in rows if not help_text.strip() or "\n" in help_text]
+        assert not undocumented, f"{registered.config_class.__name__}: fields without a one-line help: {', '.join(undocumented)}"
+
+    def test_the_opening_is_the_rendered_conversation(self, instance):
+        text = instance.render(CHAT_OPENING, [LOOKUP_TOOL], True)
+        assert isinstance(text, str) and "what is a fox?" in text, f"render() lost the user's message: {text!r}"
+        assert instance.opening(CHAT_OPENING, [LOOKUP_TOOL]) == instance.encode(text)
+
+    def test_a_sampled_turn_is_read_without_its_end_and_with_its_calls(self, instance):
+        end = instance.eos_token_ids[0]
+        reply = instance.read([*instance.encode("a small wild dog"), end], 1)
+        assert reply.text == "a small wild dog" and reply.tool_calls == () and reply.parse_error is None
+        call = ToolCall("lookup", {"word": "fox"})
+        reply = instance.read([*instance.encode(instance.tool_calls.write([call])), end], 2, [LOOKUP_TOOL])
+        assert reply.tool_calls == (call,), f"a call written in the format's tool-call markup was read as {reply.tool_calls}"
+
+    def test_the_bridge_carries_the_next_message_and_a_generation_prompt(self, instance):
+        stream = [*instance.opening(CHAT_OPENING, []), *instance.encode("a small wild dog"), instance.eos_token_ids[0]]
+        history = [*CHAT_OPENING, {"role": "assistant", "content": "a small wild dog"}]
+        new = [{"role": "user", "content": "and a wolf?"}]
+        bridge = instance.bridge(stream, history, new, [])
+        if bridge is None:
+            return  # the stream is not what the format renders: a new sample starts, from `opening`
+        assert isinstance(bridge, list) and all(isinstance(i, int) for i in bridge), f"bridge() must give a list of ids, got {bridge!r}"
+        assert "and a wolf?" in instance.decode(bridge), f"the bridge lost the next message: {instance.decode(bridge)!r}"
