@@ -80,4 +80,4 @@ def register_tool_call_formats(register):
 
 @hookspec
 def register_chat_formats(register):
-    """Register chat formats (`rlkit_core.ChatFormat`), chosen by `chat_format` in `[environment]`."""
+    """Register chat formats (`rlkit_core.interfaces.ChatFormat`), chosen by `chat_format` in `[environment]`."""
