@@ -788,7 +788,41 @@ LOOKUP_TOOL = {"type": "function", "function": {"name": "lookup", "description":
     "required": ["word"]}}}
 
 
-class ToolCallFormatContract:
+class NestedFormatContract:
+    """The fixtures of a format's contract (a nested class kind, chosen in `[environment]`): the
+    installed registry, the component it names, and the test's `config` checked as a recipe's."""
+
+    kind: ClassVar[str]
+    component: ClassVar[str]
+    config: ClassVar[dict[str, Any]] = {}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def registry(cls):
+        return load_registry()
+
+    @pytest.fixture
+    def registered(self, registry):
+        component = registry.find(self.kind, self.component)
+        if component is None:
+            pytest.fail(f"no {self.kind} {self.component!r} is registered (registered: {', '.join(registry.names(self.kind))}); "
+                        "`pip install -e .` the package, check its `rlkit` entry point, and leave RLKIT_PLUGINS unset", pytrace=False)
+        return component
+
+    @pytest.fixture
+    def structured_config(self, registered, registry):
+        config, problems = structure_table(dict(self.config), registered.config_class, f"$.environment.{self.kind}", registry)
+        if problems:
+            pytest.fail(f"the test's config does not check: {'; '.join(map(str, problems))}", pytrace=False)
+        return config
+
+    def test_config_class_documents_every_field(self, registered):
+        rows = fields_help(registered.config_class)
+        undocumented = [name for name, _, _, _, help_text in rows if not help_text.strip() or "\n" in help_text]
+        assert not undocumented, f"{registered.config_class.__name__}: fields without a one-line help: {', '.join(undocumented)}"
+
+
+class ToolCallFormatContract(NestedFormatContract):
     """What a tool-call format owes (`rlkit_core.ToolCallFormat`): calls it writes read back as they
     were, typed by `tools`; a turn without markup has no calls and no error; a malformed turn gives
     no call and a reason (all or none); the message it leaves carries the calls and none of their
@@ -802,42 +836,15 @@ class ToolCallFormatContract:
     """
 
     kind: ClassVar[str] = "tool_call_format"
-    component: ClassVar[str]
-    config: ClassVar[dict[str, Any]] = {}
     tools: ClassVar[list[dict[str, Any]]] = [LOOKUP_TOOL]
     calls: ClassVar[list[ToolCall]] = [ToolCall("lookup", {"word": "fox", "count": 2, "exact": True}), ToolCall("lookup", {"word": "wolf"})]
     malformed: ClassVar[list[str]] = []
     template: ClassVar[str | None] = None
     prose: ClassVar[str] = "The answer is 42, no tool needed."
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def registry(cls):
-        return load_registry()
-
-    @pytest.fixture
-    def registered(self, registry):
-        component = registry.find(self.kind, self.component)
-        if component is None:
-            pytest.fail(f"no tool_call_format {self.component!r} is registered (registered: {', '.join(registry.names(self.kind))}); "
-                        "`pip install -e .` the package, check its `rlkit` entry point, and leave RLKIT_PLUGINS unset", pytrace=False)
-        return component
-
-    @pytest.fixture
-    def structured_config(self, registered, registry):
-        config, problems = structure_table(dict(self.config), registered.config_class, "$.environment.tool_call_format", registry)
-        if problems:
-            pytest.fail(f"the test's config does not check: {'; '.join(map(str, problems))}", pytrace=False)
-        return config
-
     @pytest.fixture
     def instance(self, registered, structured_config):
         return registered.factory(structured_config)
-
-    def test_config_class_documents_every_field(self, registered):
-        rows = fields_help(registered.config_class)
-        undocumented = [name for name, _, _, _, help_text in rows if not help_text.strip() or "\n" in help_text]
-        assert not undocumented, f"{registered.config_class.__name__}: fields without a one-line help: {', '.join(undocumented)}"
 
     def test_config_class_is_frozen(self, structured_config):
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
@@ -877,7 +884,7 @@ class ToolCallFormatContract:
 CHAT_OPENING = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "what is a fox?"}]
 
 
-class ChatFormatContract:
+class ChatFormatContract(NestedFormatContract):
     """What a chat format owes (`rlkit_core.ChatFormat`): an opening that is the ids of the
     conversation it renders, generation prompt included; a sampled turn read with its end token
     dropped and its calls read in the tool-call format; after that turn, a bridge of ids that
@@ -891,21 +898,6 @@ class ChatFormatContract:
     """
 
     kind: ClassVar[str] = "chat_format"
-    component: ClassVar[str]
-    config: ClassVar[dict[str, Any]] = {}
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def registry(cls):
-        return load_registry()
-
-    @pytest.fixture
-    def registered(self, registry):
-        component = registry.find(self.kind, self.component)
-        if component is None:
-            pytest.fail(f"no chat_format {self.component!r} is registered (registered: {', '.join(registry.names(self.kind))}); "
-                        "`pip install -e .` the package, check its `rlkit` entry point, and leave RLKIT_PLUGINS unset", pytrace=False)
-        return component
 
     @pytest.fixture
     def tokenizer(self):
@@ -914,18 +906,10 @@ class ChatFormatContract:
         return ByT5Tokenizer()
 
     @pytest.fixture
-    def instance(self, registered, registry, tokenizer):
+    def instance(self, registry, structured_config, tokenizer):
         from rlkit_core.chat_format import chat_format_for
 
-        config, problems = structure_table(dict(self.config), registered.config_class, "$.environment.chat_format", registry)
-        if problems:
-            pytest.fail(f"the test's config does not check: {'; '.join(map(str, problems))}", pytrace=False)
-        return chat_format_for(self.component, tokenizer, (tokenizer.eos_token_id,), registry=registry, config=config)
-
-    def test_config_class_documents_every_field(self, registered):
-        rows = fields_help(registered.config_class)
-        undocumented = [name for name, _, _, _, help_text in rows if not help_text.strip() or "\n" in help_text]
-        assert not undocumented, f"{registered.config_class.__name__}: fields without a one-line help: {', '.join(undocumented)}"
+        return chat_format_for(self.component, tokenizer, (tokenizer.eos_token_id,), registry=registry, config=structured_config)
 
     def test_the_opening_is_the_rendered_conversation(self, instance):
         text = instance.render(CHAT_OPENING, [LOOKUP_TOOL], True)
