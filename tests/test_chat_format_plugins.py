@@ -38,6 +38,15 @@ class TestRoleLinesContract(ChatFormatContract):
         return role_lines_registry()
 
 
+class TestRoleLinesOnABPE(TestRoleLinesContract):
+    """The same contract on a real-style tokenizer: a byte-level BPE with no pad token of its own,
+    whose merges cross the boundaries that ByT5 never merges."""
+
+    @pytest.fixture
+    def tokenizer(self, chatml):
+        return chatml[1]
+
+
 @pytest.fixture
 def counter_document(recipe_document):
     recipe_document.pop("reward")
@@ -76,6 +85,41 @@ def test_an_episode_trains_in_a_third_partys_format(counter_document):
     assert all(len(episode.samples) == 1 for episode in played)
     metrics = trainer.step()
     assert metrics["env/turns"] >= 1
+
+
+def test_an_episode_in_a_third_partys_format_on_a_bpe_keeps_the_ids_it_sampled(counter_document, chatml):
+    """On a BPE the ids the model samples need not be the ids their text encodes to: a turn sampled as
+    single characters (a call of the `read` tool) stays so in the trained stream, after the plugin's opening and before its bridge
+    (one sample an episode), and the rows train."""
+    import attrs
+
+    from rlkit_core.runtime.episodes import EpisodeRunner
+    from tests.test_episodes import Scripted
+    from tests.test_trainer import make_trainer
+
+    path, tokenizer = chatml
+    call = '{"name":"read","arguments":{}}'
+    pieces = [tokenizer.convert_tokens_to_ids("<tool_call>"), *map(tokenizer.convert_tokens_to_ids, call), tokenizer.convert_tokens_to_ids("</tool_call>")]
+    assert tokenizer(tokenizer.decode(pieces), add_special_tokens=False)["input_ids"] != pieces  # text would merge "arguments"
+    turn = [*pieces, tokenizer.eos_token_id]
+    counter_document["policy"]["model"] = str(path)
+    counter_document["environment"]["chat_format"] = {"type": "role-lines"}
+    trainer = make_trainer(counter_document, role_lines_registry())
+    trainer.components = attrs.evolve(trainer.components, generator=Scripted([turn], tokenizer.pad_token_id))
+    runner = EpisodeRunner(trainer.engine, trainer.components, trainer.recipe)
+    played = runner(trainer.stream.batch(0)[:2], [0, 1], [0, 1])
+    for episode in played:
+        [sample] = episode.samples
+        assert tokenizer.decode(sample.prompt).startswith("tools: add, read\nuser: ")
+        assert episode.turns == 3 and sample.sampled.count(True) == 3 * len(turn)
+        at = 0
+        for _ in range(episode.turns):  # each turn's sampled ids, verbatim, then the bridge the plugin rendered
+            start = sample.sampled.index(True, at)
+            assert sample.ids[start:start + len(turn)] == turn
+            at = start + len(turn)
+        assert tokenizer.decode(sample.ids[len(turn):sample.sampled.index(True, len(turn))]) == "\ntool: 0\nassistant: "  # the tool's answer
+    metrics = trainer.step()
+    assert metrics["env/turns"] == 3
 
 
 def test_rlkit_plugins_lists_the_chat_formats():
