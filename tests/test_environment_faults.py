@@ -19,6 +19,7 @@ import attrs
 import pytest
 import torch
 
+from rlkit_core.errors import RecipeError
 from rlkit_core.interfaces import Environment
 from rlkit_core.messages import Reset, Step
 from rlkit_core.runtime.after_update import data_checksum
@@ -210,7 +211,8 @@ def test_a_done_that_is_not_a_bool_ends_the_episode_as_an_error(recipe_document,
     assert metrics["env/status_error"] > 0.5 and metrics["env/status_ok"] == 0 and not batch.loss_mask.any()
 
 
-def test_threads_of_hung_calls_stay_within_the_pool_over_many_rollouts(recipe_document, builtin_registry, ending_tiny_model):
+@pytest.mark.parametrize("barrier", [True, False], ids=["turn-barrier", "as-ready"])
+def test_threads_of_hung_calls_stay_within_the_pool_over_many_rollouts(recipe_document, builtin_registry, ending_tiny_model, barrier):
     release = threading.Event()
 
     class HangsOnOddSeeds(Faulty):
@@ -222,7 +224,8 @@ def test_threads_of_hung_calls_stay_within_the_pool_over_many_rollouts(recipe_do
                 release.wait()
             return super().step(state, reply)
 
-    trainer = make_trainer(episode_document(recipe_document, ending_tiny_model, step_timeout_s=0.2, call_threads=20), builtin_registry)
+    trainer = make_trainer(episode_document(recipe_document, ending_tiny_model, step_timeout_s=0.2, call_threads=20, turn_barrier=barrier),
+                           builtin_registry)
     trainer.components = attrs.evolve(trainer.components, environment=HangsOnOddSeeds())
     before = threading.active_count()
     try:
@@ -238,6 +241,23 @@ def test_threads_of_hung_calls_stay_within_the_pool_over_many_rollouts(recipe_do
         assert hung and hung == sorted(hung) and hung[-1] <= 20
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("barrier", [True, False], ids=["turn-barrier", "as-ready"])
+def test_a_recipe_error_from_a_step_stops_the_rollout(recipe_document, builtin_registry, ending_tiny_model, barrier):
+    class FindsTheRecordWrong(Faulty):
+        def reset(self, record, seed):
+            return Reset([{"role": "user", "content": "go"}], {"bad": record["bad"]})
+
+        def step(self, state, reply):
+            if state["bad"]:
+                raise RecipeError(["$.data: the record has no 'board' column; add one to every record"])
+            return Step(messages=[{"role": "user", "content": "more"}])
+
+    trainer = make_trainer(episode_document(recipe_document, ending_tiny_model, turn_barrier=barrier), builtin_registry)
+    trainer.components = attrs.evolve(trainer.components, environment=FindsTheRecordWrong())
+    with pytest.raises(RecipeError, match="no 'board' column"):
+        rollout_with(trainer, [{"prompt": "p", "bad": i == 3} for i in range(16)])
 
 
 def test_the_data_checksum_tells_games_of_one_prompt_apart(recipe_document, builtin_registry, ending_tiny_model):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import threading
 import time
 
 import attrs
@@ -267,6 +268,41 @@ def test_without_a_turn_barrier_a_slow_step_holds_only_its_own_episode(recipe_do
         assert metrics["env/turns"] == 3 and metrics["env/status_ok"] == 1
     assert rows[True] == rows[False]
     assert generations > 3  # the fast episodes' turns were generated without waiting for the slow one's
+
+
+class Counting(Sleepy):
+    """Sleepy, noting the most threads alive while a step runs."""
+
+    def __init__(self):
+        self.most_threads = 0
+
+    def step(self, state, reply):
+        self.most_threads = max(self.most_threads, threading.active_count())
+        return super().step(state, reply)
+
+
+def test_without_a_turn_barrier_steps_run_in_the_pool_and_no_thread_more(recipe_document, builtin_registry, tmp_path):
+    """`turn_barrier = false` gives each step to the environment's pool as its episode's turn ends:
+    eight episodes stepping at once, uneven, with `call_threads = 2`, never have more threads than
+    the pool's two beside those alive before the rollout, and the rows are the barrier's."""
+    from transformers import AutoTokenizer
+
+    path = write_tiny_model(tmp_path / "bpe", "gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    turn = tokenizer("7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    records = [{"prompt": f"Guess my number, 1-{n}.", "secret": 1, "sleep": 0.05 * (n % 3)} for n in range(2, 10)]
+    rows = {}
+    for barrier in (True, False):
+        document = episode_document(copy.deepcopy(recipe_document), path, max_turns=3, turn_barrier=barrier, call_threads=2)
+        trainer = make_trainer(document, builtin_registry)
+        environment = Counting()
+        trainer.components = attrs.evolve(trainer.components, environment=environment, generator=Scripted([turn], tokenizer.eos_token_id))
+        before = threading.active_count()
+        batch, metrics = rollout_with(trainer, records, samples_per_prompt=1)
+        rows[barrier] = (batch.prompt_ids.tolist(), batch.response_ids.tolist(), batch.loss_mask.tolist())
+        assert metrics["env/turns"] == 3 and metrics["env/status_ok"] == 1
+        assert environment.most_threads <= before + 2, (barrier, before, environment.most_threads)
+    assert rows[True] == rows[False]
 
 
 def test_a_turn_cut_off_by_max_new_tokens_trains_as_a_response_that_never_ended(recipe_document, builtin_registry, tiny_model):

@@ -10,6 +10,10 @@ The threads are kept and reused, call after call (a multi-turn batch makes hundr
 end when their environment is collected. A hung call holds its thread until it returns (`hung`, logged as `env/hung_calls`). When every thread
 is held by a hung call, no episode can go on: the run ends (`CallsHung`), located, with a checkpoint,
 rather than ending every later episode as a timeout that never ran.
+
+`run` gives a batch's calls and waits for them all (a turn with the barrier); `submit` gives one
+call and `ended` tells which have ended, so that episodes without the barrier step in the same
+pool, each as its turn ends, with no thread of their own waiting on it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
+
+import attrs
 
 from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.runtime.faults import failure_text
@@ -31,6 +37,18 @@ class CallsHung(RunError):
     """Every thread of an environment's pool is held by a call that hung past its timeout."""
 
 
+@attrs.define(eq=False)
+class Call:
+    """One call given to a pool (`CallPool.submit`): its outcome once it returned or ran past its timeout."""
+
+    function: Callable
+    args: tuple
+    started: float | None = None  # when a thread took it (monotonic); None while it waits for one
+    outcome: tuple[str, Any] | None = None  # ("ok", result), ("error", text) or ("timeout", None); None while it runs
+    recipe_error: RecipeError | None = None  # bad input it raised: the run stops, not only the episode
+    overdue: bool = False  # past its timeout and still running: its thread is held (`CallPool.hung`)
+
+
 class CallPool:
     """At most `size` calls of one environment at once, in daemon threads kept between calls (see the module)."""
 
@@ -38,6 +56,7 @@ class CallPool:
         self.size = size
         self.changed = threading.Condition()
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # calls for the threads to run; None ends a thread
+        self.queued: deque[Call] = deque()  # calls submitted while every thread was running one
         self.threads = 0  # threads started and not ended: at least `running`, the others wait on `jobs`
         self.running = 0  # calls whose thread has not returned, this batch's and hung ones alike
         self.hung = 0  # calls past their timeout whose thread has not returned
@@ -49,59 +68,77 @@ class CallPool:
         ("timeout", None) once it has run `timeout` seconds (0: no limit) or raised TimeoutError. A `RecipeError` is bad
         input, not an episode's fault: the first one is raised once every call has ended or timed
         out. `what` names the calls in the error that ends the run when every thread is held."""
-        results: list[tuple[str, Any]] = [("timeout", None)] * len(calls)
-        recipe_errors: list[RecipeError] = []
-        waiting, started, finished = deque(range(len(calls))), {}, set()
-        overdue: set[int] = set()
+        submitted = [self.submit(function, args) for function, args in calls]
+        running = submitted
+        while running:
+            self.ended(running, timeout, what)
+            running = [call for call in running if call.outcome is None]
+        if errors := [call.recipe_error for call in submitted if call.recipe_error]:
+            raise errors[0]
+        return [cast(tuple[str, Any], call.outcome) for call in submitted]  # every one has ended
 
-        def call(index: int, function, args: tuple) -> None:
-            try:
-                outcome: tuple[str, Any] = ("ok", function(*args))
-            except RecipeError as exc:
-                recipe_errors.append(exc)
-                outcome = ("error", str(exc))
-            except TimeoutError:  # the call gave up waiting on what it called (a socket, an agent's harness): a timeout
-                outcome = ("timeout", None)
-            except BaseException as exc:  # the environment's code (a sys.exit too): its failure is the episode's status, the thread lives on
-                outcome = ("error", failure_text(exc))
-            with self.changed:
-                self.running -= 1
-                if index in overdue:
-                    self.hung -= 1
-                else:
-                    results[index] = outcome
-                finished.add(index)
-                self.changed.notify_all()
-
+    def submit(self, function: Callable, args: tuple) -> Call:
+        """Start `function(*args)` in a free thread of the pool, or once one is free; `ended` tells when it has."""
+        call = Call(function, args)
         with self.changed:
-            while waiting or len(finished) + len(overdue) < len(started):
-                while waiting and self.running < self.size:
-                    index = waiting.popleft()
-                    started[index] = time.monotonic()
-                    self.running += 1
-                    function, args = calls[index]
-                    if self.threads < self.running:  # every thread is running a call: one more
-                        self.threads += 1
-                        threading.Thread(target=self._serve, daemon=True, name="rlkit-environment-call").start()
-                    self.jobs.put(functools.partial(call, index, function, args))
-                if timeout:
-                    now = time.monotonic()
-                    for index, began in started.items():
-                        if index not in finished and index not in overdue and now - began >= timeout:
-                            overdue.add(index)
-                            self.hung += 1
-                if waiting and self.hung >= self.size:
+            self.queued.append(call)
+            self._start_queued()
+        return call
+
+    def ended(self, calls: list[Call], timeout: float, what: str = "call", wait: bool = True) -> list[Call]:
+        """Those of `calls` that have ended: returned, or run `timeout` seconds (0: no limit), which
+        gives them the outcome ("timeout", None) and leaves them running, counted in `hung`. With
+        `wait`, waits until one has. Raises `CallsHung` (dropping the queued ones of `calls`) when
+        one of them waits for a thread and every thread is held by a hung call."""
+        with self.changed:
+            while True:
+                now = time.monotonic()
+                for call in calls:
+                    if timeout and call.outcome is None and call.started is not None and now - call.started >= timeout:
+                        call.overdue, call.outcome = True, ("timeout", None)
+                        self.hung += 1
+                done = [call for call in calls if call.outcome is not None]
+                if done or not wait:
+                    return done
+                if self.hung >= self.size and any(call.started is None for call in calls):
+                    self.queued = deque(call for call in self.queued if call not in calls)
                     raise CallsHung(f"every one of the environment's {self.size} call threads (environment.call_threads) is held by "
                                     f"a call that did not return within environment.step_timeout_s = {timeout:g} s and is still "
                                     f"running, so the next {what} cannot start; the environment hangs on some calls: find the call "
                                     "that never returns (a lock, a request without a timeout)")
-                if waiting or len(finished) + len(overdue) < len(started):
-                    deadlines = [began + timeout for index, began in started.items() if index not in finished and index not in overdue]
-                    wait = max(0.0, min(deadlines) - time.monotonic()) if timeout and deadlines else None
-                    self.changed.wait(wait)
-        if recipe_errors:
-            raise recipe_errors[0]
-        return results
+                deadlines = [call.started + timeout for call in calls if timeout and call.started is not None]
+                self.changed.wait(max(0.0, min(deadlines) - now) if deadlines else None)
+
+    def _start_queued(self) -> None:
+        """Give queued calls to threads while fewer than `size` run (under `changed`); a call's timeout counts from here."""
+        while self.queued and self.running < self.size:
+            call = self.queued.popleft()
+            call.started = time.monotonic()
+            self.running += 1
+            if self.threads < self.running:  # every thread is running a call: one more
+                self.threads += 1
+                threading.Thread(target=self._serve, daemon=True, name="rlkit-environment-call").start()
+            self.jobs.put(functools.partial(self._call, call))
+
+    def _call(self, call: Call) -> None:
+        """Run one call in a pool thread and record how it ended (unless it was already counted as a timeout)."""
+        try:
+            outcome: tuple[str, Any] = ("ok", call.function(*call.args))
+        except RecipeError as exc:
+            call.recipe_error = exc
+            outcome = ("error", str(exc))
+        except TimeoutError:  # the call gave up waiting on what it called (a socket, an agent's harness): a timeout
+            outcome = ("timeout", None)
+        except BaseException as exc:  # the environment's code (a sys.exit too): its failure is the episode's status, the thread lives on
+            outcome = ("error", failure_text(exc))
+        with self.changed:
+            self.running -= 1
+            if call.overdue:
+                self.hung -= 1
+            else:
+                call.outcome = outcome
+            self._start_queued()
+            self.changed.notify_all()
 
     def _serve(self) -> None:
         """A thread of the pool: the calls it is given, one after another, until it is given None."""

@@ -26,11 +26,9 @@ error is kept out of training (`loss_mask` zero), never scored as 0.
 from __future__ import annotations
 
 import math
-import queue
-import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -43,7 +41,7 @@ from rlkit_core.messages import STATUSES, TRAINED_STATUSES, Reply, Reset, Step
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.engine import RolloutEngine
-from rlkit_core.runtime.environment_calls import CallsHung, pool_for
+from rlkit_core.runtime.environment_calls import Call, CallsHung, pool_for
 from rlkit_core.runtime.faults import BadReward
 
 
@@ -230,18 +228,16 @@ class EpisodeRunner:
     def _play_as_ready(self, generate, episodes: list[Episode], greedy: bool, timings: dict[str, float]) -> None:
         """Every episode's turns without a barrier across episodes (`turn_barrier = false`): the
         episodes whose environment has answered are generated together as soon as the generator is
-        free, while the others' steps run on, each in a thread of its own calling the pool. The
-        time not spent generating is counted as the environment's."""
-        answered: queue.Queue[Episode] = queue.Queue()
-        ready, waiting, first = [e for e in episodes if e.status is None], 0, True
+        free, while the others' steps run on in the environment's pool. The time not spent
+        generating is counted as the environment's."""
+        stepping: dict[Call, Episode] = {}
+        ready, first = [e for e in episodes if e.status is None], True
         began = time.perf_counter()
-        while ready or waiting:
-            if not ready:
-                ready.append(answered.get())
-                waiting -= 1
-            while not answered.empty():
-                ready.append(answered.get())
-                waiting -= 1
+        while ready or stepping:
+            for call, (status, step) in self._stepped(list(stepping), wait=not ready):
+                episode = stepping.pop(call)
+                self._answer(episode, status, step, last_turn=episode.turns == self.settings.max_turns)
+                ready.append(episode)
             for episode in ready:
                 if episode.status is None and not self.room_for_a_turn(episode.sample):
                     episode.finish("overflow")
@@ -255,18 +251,23 @@ class EpisodeRunner:
             for row, episode in enumerate(ready):
                 self._take_turn(episode, generation, row, episode.turns + 1)
                 if episode.status is None:
-                    waiting += 1
-                    threading.Thread(target=self._step_alone, args=(episode, answered), daemon=True, name="rlkit-episode-step").start()
+                    stepping[self.calls.submit(self.environment.step, (episode.state, episode.reply))] = episode
             ready = []
         timings["environment"] += time.perf_counter() - began - timings["generate"]
 
-    def _step_alone(self, episode: Episode, answered: queue.Queue) -> None:
-        """One episode's step in the pool, its answer taken, then the episode handed back."""
+    def _stepped(self, calls: list[Call], wait: bool) -> list[tuple[Call, tuple[str, Any]]]:
+        """The steps among `calls` that have ended, each with its outcome, as `_call` gives them: a
+        step that raised a `RecipeError` is kept for `__call__` and ends its episode, and a pool
+        whose every thread hung ends every episode still stepping."""
         try:
-            [(status, step)] = self._call([(self.environment.step, (episode.state, episode.reply))], "step")
-            self._answer(episode, status, step, last_turn=episode.turns == self.settings.max_turns)
-        finally:
-            answered.put(episode)
+            ended = self.calls.ended(calls, self.settings.step_timeout_s, "step", wait=wait)
+        except CallsHung as exc:
+            self.stopped_by = self.stopped_by or exc
+            return [(call, ("stopped", None)) for call in calls]
+        for call in ended:
+            if call.recipe_error:
+                self.stopped_by = self.stopped_by or call.recipe_error
+        return [(call, ("stopped", None) if call.recipe_error else cast(tuple[str, Any], call.outcome)) for call in ended]
 
     def _close(self, ended: list[Episode]) -> None:
         """`Environment.close` for each ended episode. A close that fails or times out is warned of
