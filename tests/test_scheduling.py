@@ -20,6 +20,8 @@ import torch
 from rlkit_core.errors import RecipeDeprecation, RecipeError
 from rlkit_core.messages import Step
 from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime import scheduling
+from rlkit_core.runtime.batch_sources import SyncSource
 from tests.test_trainer import make_trainer
 
 SLOW_REWARD = '''
@@ -93,8 +95,8 @@ def test_a_batch_staler_than_the_bound_is_made_again(recipe_document, builtin_re
     trainer = make_trainer(recipe_document, builtin_registry, scheduler__max_staleness=1, loss__tis_cap=2.0)
     try:
         trainer.step()
-        producer = trainer.producer
-        assert producer is not None
+        producer = trainer.source
+        assert isinstance(producer, scheduling.Producer)
         with producer.changed:  # batch 2, sampled by version 1 (or 0): move it back three versions
             assert producer.changed.wait_for(lambda: 1 in producer.done, timeout=30)
             producer.done[1].version -= 3
@@ -116,7 +118,7 @@ def test_the_earlier_scheduler_names_still_work_with_a_warning_naming_max_stalen
 def test_max_staleness_zero_is_sync_without_a_producer(recipe_document, builtin_registry):
     trainer = make_trainer(recipe_document, builtin_registry, scheduler__max_staleness=0)
     trainer.step()
-    assert trainer.producer is None
+    assert isinstance(trainer.source, SyncSource)
 
 
 @pytest.mark.parametrize("changes, where", [
@@ -336,7 +338,6 @@ def test_a_failed_push_or_generation_ends_the_run_located_with_a_checkpoint(reci
     import threading
 
     from rlkit_core.errors import RunError
-    from rlkit_core.runtime import scheduling
     from rlkit_core.runtime.run import run_recipe
 
     calls = {"push": 0, "generation": 0}
@@ -431,7 +432,6 @@ def test_a_stall_with_every_worker_stuck_ends_the_run_at_the_wait_timeout_not_af
 
     from rlkit_core.errors import RunError
     from rlkit_core.runtime import run as run_module
-    from rlkit_core.runtime import scheduling
     from rlkit_core.runtime.run import run_recipe
     from tests.test_episodes import ending_model, episode_document
 
@@ -499,7 +499,6 @@ def test_an_ordinary_close_waits_for_the_workers_in_flight_within_one_deadline(r
     shares one deadline of `CLOSE_WAIT_S`, rather than that long each."""
     import threading
 
-    from rlkit_core.runtime import scheduling
 
     released, busy = threading.Event(), threading.Semaphore(0)
 
@@ -520,7 +519,7 @@ def test_an_ordinary_close_waits_for_the_workers_in_flight_within_one_deadline(r
     monkeypatch.setattr(scheduling, "CLOSE_WAIT_S", 1.0)
     trainer = make_trainer(recipe_document, builtin_registry)
     try:
-        producer = scheduling.Producer(trainer, 3, 60.0)
+        producer = scheduling.Producer(trainer.sampling_view(), trainer.state.iteration, 3, 60.0)
         for _ in range(3):
             assert busy.acquire(timeout=60)  # all three workers in a generation that never returns
         started = time.monotonic()

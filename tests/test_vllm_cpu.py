@@ -28,6 +28,7 @@ from rlkit_core.functional import logprobs_from_logits
 from rlkit_core.prompts import encode_prompts
 from rlkit_core.recipe.document import structure_table
 from rlkit_core.runtime.push_check import PushCheck
+from rlkit_core.runtime.scheduling import Producer
 
 FOUND = installed_vllm()
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(FOUND is None or not FOUND.cpu, reason="needs vLLM's CPU build (docs/generators.md: vLLM on a CPU)")]
@@ -431,7 +432,7 @@ def test_batches_made_one_step_off_on_an_engine_of_their_own(recipe_document, by
                            loss__tis_cap=2.0)
     try:
         rows = [trainer.iterate() for _ in range(3)]
-        assert trainer.producer is not None and trainer.producer.workers[0].components.generator is not trainer.components.generator
+        assert isinstance(trainer.source, Producer) and trainer.source.workers[0].components.generator is not trainer.components.generator
     finally:
         trainer.close()
     for iteration, row in enumerate(rows):

@@ -38,18 +38,20 @@ import contextlib
 import copy
 import threading
 import time
+from typing import cast
 
 import attrs
 import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.interfaces import Policy
 from rlkit_core.recipe.assemble import Components
+from rlkit_core.runtime.batch_sources import SamplingView
 from rlkit_core.runtime.distributed import SideProcesses
-from rlkit_core.runtime.engine import Engine, RolloutEngine
+from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.faults import BadReward
 from rlkit_core.runtime.push_check import PushCheck
-from rlkit_core.runtime.rollout import rollout
 
 CLOSE_WAIT_S = 5.0  # the longest an ordinary close waits for the batches in flight, all workers together
 
@@ -116,14 +118,15 @@ class Worker:
 
 
 class Producer:
-    """The threads that make batches ahead, and the trainer's side of them (`take`, `close`). With a
+    """The batch source that makes batches ahead (`rlkit_core.runtime.batch_sources`): its threads,
+    and the trainer's side of them (`take`, `close`), from the run's `SamplingView`. With a
     bound of k, k workers make up to k batches at once (a batch waiting on an environment or a
     reward does not hold up the next); at bound 0 one worker samples from the trainer's module."""
 
-    def __init__(self, trainer, bound: int, timeout: float):
-        self.trainer, self.bound, self.timeout = trainer, bound, timeout
-        start = self.version = trainer.state.iteration
-        self.workers = [self._worker(trainer, start + number) if bound else Worker(trainer.components, None, SideEngine(trainer.engine), start)
+    def __init__(self, view: SamplingView, start: int, bound: int, timeout: float):
+        self.view, self.bound, self.timeout = view, bound, timeout
+        self.version = start
+        self.workers = [self._worker(view, start + number) if bound else Worker(view.components, None, SideEngine(view.engine), start)
                         for number in range(max(1, bound))]
         self.weights: dict | None = None  # the latest pushed weights (a new dict at each push, never changed)
         self.done: dict[int, Made] = {}
@@ -146,23 +149,23 @@ class Producer:
         torch.set_num_threads(trainer_threads)
 
     @staticmethod
-    def _worker(trainer, first: int) -> Worker:
+    def _worker(view: SamplingView, first: int) -> Worker:
         """A generator of its own on a copy of the weights; the copy as the policy too, so that a
         generator with an engine of its own (vLLM) is pushed the copy's weights."""
-        weights = WeightsCopy(trainer.components.policy)
-        context = trainer.context
-        live, context.policy = context.policy, weights
+        weights = WeightsCopy(view.components.policy)
+        context = view.context
+        live, context.policy = context.policy, cast(Policy, weights)  # what a generator reads of a policy, and no more
         try:
-            generator = context.build(trainer.recipe["generator"])
+            generator = context.build(view.recipe["generator"])
         finally:
             context.policy = live
-        return Worker(attrs.evolve(trainer.components, generator=generator, policy=weights), weights, SideEngine(trainer.engine), first)
+        return Worker(attrs.evolve(view.components, generator=generator, policy=weights), weights, SideEngine(view.engine), first)
 
     def push(self, version: int) -> None:
         """The trainer's weights after `version` updates, for the batches the workers start next
         (at bound 0 the worker samples from the trainer's own module, which never trains meanwhile)."""
         state = None if not self.bound else {name: tensor.detach().clone()
-                                             for name, tensor in self.trainer.components.policy.model.state_dict().items()}
+                                             for name, tensor in self.view.components.policy.model.state_dict().items()}
         with self.changed:
             self.weights, self.version = state, version
             self.changed.notify_all()
@@ -187,18 +190,10 @@ class Producer:
         assert made.batch is not None  # made, since it carries no error
         batch, metrics = made.batch, made.metrics
         if staleness > self.bound:  # cannot happen while versions only grow; kept so the bound is a guarantee
-            batch, metrics = self._make(iteration, self.trainer.components, self.trainer.engine)
+            batch, metrics = self.view.rollout(iteration)
             staleness, regenerated = 0, 1
         return batch, {**metrics, "async/staleness": float(staleness), "async/regenerated": float(regenerated),
                        "time/trainer_waiting": waited, "time/generator_idle": idle}
-
-    def _make(self, iteration: int, components: Components, engine: RolloutEngine) -> tuple[RolloutBatch, dict[str, float]]:
-        """Stage 1 on the prompt stream's batch of `iteration`, as `sync` makes it, with `components`
-        and `engine`: the run's, or a worker's (a generator on a copy of the weights, collectives
-        over a process group of its own)."""
-        trainer = self.trainer
-        return rollout(engine, components, trainer.recipe, trainer.stream_records(iteration), trainer.recipe.ppo.samples_per_prompt,
-                       trainer.prompts.max_tokens)
 
     def close(self) -> None:
         """Stop the workers, waiting little: a batch in flight is made again on resume. After a stall or a worker's
@@ -237,7 +232,7 @@ class Producer:
                     worker.version = worker.copy.weights_version = version
                 doing = "making the batch (generation, environment or reward)"
                 with torch.no_grad():
-                    made.batch, made.metrics = self._make(iteration, worker.components, worker.engine)
+                    made.batch, made.metrics = self.view.rollout(iteration, worker.components, worker.engine)
             except (BadReward, RecipeError) as exc:  # raised where `sync` raises it: a skip or stop, or bad input (exit 2)
                 made.error = exc
             except BaseException as exc:  # handed to the trainer, located; it ends the run with a checkpoint

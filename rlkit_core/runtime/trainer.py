@@ -29,6 +29,7 @@ from rlkit_core.recipe.assemble import build_components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime import rollout, targets, update
 from rlkit_core.runtime.after_update import after_update, data_checksum
+from rlkit_core.runtime.batch_sources import BatchSource, SamplingView, source_for
 from rlkit_core.runtime.checkpoint import load_checkpoint
 from rlkit_core.runtime.distributed import critic_problem
 from rlkit_core.runtime.dynamic_sampling import DynamicSampler
@@ -36,7 +37,6 @@ from rlkit_core.runtime.engine import Engine, start_accelerator
 from rlkit_core.runtime.evaluation import hold_out
 from rlkit_core.runtime.forward import ForwardObserver
 from rlkit_core.runtime.prompt_stream import Prompts, PromptStream
-from rlkit_core.runtime.scheduling import Producer
 from rlkit_core.runtime.state import RunState
 
 
@@ -73,7 +73,7 @@ class Trainer:
         self.dynamic_sampler = DynamicSampler(recipe, self.engine, components, self.prompts) if ppo.dynamic_sampling else None
         self.observe = observe
         self.state = RunState()
-        self.producer: Producer | None = None  # started at the first iteration (after a resume has set the state)
+        self.source: BatchSource | None = None  # built at the first iteration (after a resume has set the state)
 
     @property
     def state(self) -> RunState:
@@ -86,10 +86,10 @@ class Trainer:
         self.components.policy.weights_version = state.iteration
 
     def close(self) -> None:
-        """Stop the thread that makes batches ahead, if any (its batches are made again on resume)."""
-        if self.producer is not None:
-            self.producer.close()
-            self.producer = None
+        """Close the batch source: batches made ahead and not taken are made again on resume."""
+        if self.source is not None:
+            self.source.close()
+            self.source = None
 
     def _prompts(self, process: int) -> Prompts:
         """The data's prompts, rendered, within the length limit and the policy's context, with the
@@ -124,7 +124,7 @@ class Trainer:
         started = time.perf_counter()
         engine, components, recipe, iteration = self.engine, self.components, self.recipe, self.state.iteration
         records = self.stream_records(iteration)
-        batch, metrics = self._rollouts(records, iteration)
+        batch, metrics = self._rollouts(iteration)
         if not int(engine.processes.sum(batch.loss_mask.sum())):  # no token of any process's batch trains
             return self._untrained(batch, metrics, started)
         if type(components.advantage).needs_baseline_scores:  # a flag of the class, as the recipe check reads it
@@ -143,18 +143,16 @@ class Trainer:
         self.state = self.state.trained(updated.nonfinite_in_a_row)
         return Iteration(metrics, batch)
 
-    def _rollouts(self, records: list[dict], iteration: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """Stage 1 of iteration `iteration + 1` from `records`: sampled now (with DAPO's dynamic
-        sampling when the recipe asks), or made ahead from a copy of the weights by the scheduler's
-        producer (`rlkit_core.runtime.scheduling`)."""
-        recipe, scheduler = self.recipe, self.recipe.scheduler
-        if scheduler.runs_ahead:
-            if self.producer is None:
-                self.producer = Producer(self, scheduler.staleness_bound, scheduler.wait_timeout_s)
-            return self.producer.take(iteration)
-        if self.dynamic_sampler is not None:
-            return self.dynamic_sampler.rollout(records, iteration)
-        return rollout.rollout(self.engine, self.components, recipe, records, recipe.ppo.samples_per_prompt, self.prompts.max_tokens)
+    def _rollouts(self, iteration: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Stage 1 of iteration `iteration + 1`, from the recipe's batch source
+        (`rlkit_core.runtime.batch_sources`), built at the first iteration."""
+        if self.source is None:
+            self.source = source_for(self.sampling_view(), self.state.iteration, self.dynamic_sampler)
+        return self.source.take(iteration)
+
+    def sampling_view(self) -> SamplingView:
+        """What a batch source samples with: the trainer's parts that stage 1 reads, and no more."""
+        return SamplingView(self.components, self.engine, self.recipe, self.context, self.stream_records, self.prompts.max_tokens)
 
     def _untrained(self, batch: RolloutBatch, metrics: dict[str, float], started: float) -> Iteration:
         """An iteration whose batch has no token to train (every episode kept out of training): no
