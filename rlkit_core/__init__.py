@@ -32,6 +32,7 @@ from rlkit_core.hookspecs import hookimpl
 from rlkit_core.imports import load_module
 from rlkit_core.interfaces import (
     AdvantageEstimator,
+    BatchSource,
     ComponentBase,
     Environment,
     Generation,
@@ -76,7 +77,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 __all__ = [
-    "AdvantageEstimator", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Environment",
+    "AdvantageEstimator", "BatchSource", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Environment",
     "EvalConfig", "Generation", "Generator", "HarnessEnded", "HarnessEnvironment", "HealthConfig", "JSONInTags", "KLController", "Launch",
     "Limits", "Loss", "LossInputs", "LossTerms", "ModelSettings", "ModelShape", "NullTracker", "OptimConfig", "PPOConfig", "Policy",
     "PolicyOutput", "PolicySettings", "Problem", "Progress", "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError",

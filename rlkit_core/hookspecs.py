@@ -69,6 +69,11 @@ def register_trackers(register):
 
 
 @hookspec
+def register_batch_sources(register):
+    """Register batch sources (`rlkit_core.interfaces.BatchSource`): where each iteration's batch comes from."""
+
+
+@hookspec
 def register_surrogates(register):
     """Register policy-gradient surrogates (`rlkit_core.interfaces.Surrogate`), functions chosen in `[loss.surrogate]`."""
 

@@ -468,6 +468,29 @@ class Environment(ComponentBase):
         `step_timeout_s`. Nothing by default."""
 
 
+class BatchSource(ComponentBase):
+    """Where the trainer takes each iteration's batch from, in place of the core's (sampled when
+    taken, or made ahead within `[scheduler] max_staleness`): a replay buffer, a cluster's own
+    scheduler, a recorder. Built with the run's other components; it samples through the view it
+    is given (`rlkit_core.runtime.batch_sources.SamplingView`: the run's components, rollout engine,
+    recipe and prompt stream), never the trainer. What it holds is not checkpointed: a resumed run
+    builds it afresh and takes from the iteration it resumes at."""
+
+    # policy versions a batch it gives may be behind the weights that train on it; above 0 the
+    # recipe's loss must weight tokens by π_old/π_sampler, as for `[scheduler] max_staleness`
+    max_staleness: ClassVar[int] = 0
+
+    @abstractmethod
+    def take(self, iteration: int, view: Any) -> tuple[RolloutBatch, dict[str, float]]:
+        """The batch of iteration `iteration` (0-based) and its stage-1 metrics. `view.rollout(j)`
+        samples the prompt stream's batch of iteration j now, as the core does, and
+        `view.records(j)` gives its records: a source that keeps the stream's order trains every
+        prompt once, in order, across a resume."""
+
+    def close(self) -> None:
+        """The run ends (or stops): stop whatever makes batches. Nothing by default."""
+
+
 @attrs.frozen
 class Kind:
     """One kind of component, in the three names a user meets it by."""
@@ -479,6 +502,7 @@ class Kind:
     default: str | None  # the type a recipe without the table gets; None: the table is required
     settings: type | None = None  # the base its config classes inherit: the settings rlkit reads from them, as fields (`rlkit_core.settings`)
     optional: bool = False  # True: `type = "none"` (NO_COMPONENT) builds no component of this kind
+    without: str = ""  # what the run does with `type = "none"`, where it is more than nothing (`rlkit plugins` says it)
 
 
 # the type of an optional kind's table that builds nothing (no plugin registers it)
@@ -498,6 +522,9 @@ KIND_TABLE = (
     Kind("environment", "environment", Environment, "register_environments", "none", StandardEpisode, optional=True),
     Kind("prompt_source", "data", PromptSource, "register_prompt_sources", None),
     Kind("tracker", "tracker", Tracker, "register_trackers", "mlflow"),
+    # "none": the core's own source, by `[scheduler] max_staleness`
+    Kind("batch_source", "batch_source", BatchSource, "register_batch_sources", "none", optional=True,
+         without="the core's own source, by [scheduler] max_staleness"),
 )
 KINDS = {kind.name: kind.interface for kind in KIND_TABLE}
 KIND_OF_TABLE = {kind.table: kind for kind in KIND_TABLE}

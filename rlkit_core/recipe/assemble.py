@@ -5,6 +5,7 @@ import attrs
 from rlkit_core.context import BuildContext
 from rlkit_core.interfaces import (
     AdvantageEstimator,
+    BatchSource,
     Environment,
     Generator,
     KLController,
@@ -23,7 +24,8 @@ class Components:
     """The live components of a run, one field per recipe table (`rlkit_core.interfaces.KIND_TABLE`,
     in its order; a test holds the two together), typed with its kind's interface. An optional
     kind's field is None with `type = "none"`: `value_head` when the advantage estimator needs no
-    critic, `environment` in a single-turn recipe, `reward` when the environment's rewards alone train."""
+    critic, `environment` in a single-turn recipe, `reward` when the environment's rewards alone train,
+    `batch_source` when the core's own source gives the batches."""
 
     policy: Policy
     value_head: ValueHead | None
@@ -35,6 +37,7 @@ class Components:
     environment: Environment | None
     data: PromptSource
     tracker: Tracker
+    batch_source: BatchSource | None
 
 
 def build_components(recipe: Recipe, context: BuildContext) -> Components:
@@ -42,7 +45,7 @@ def build_components(recipe: Recipe, context: BuildContext) -> Components:
     context.policy = policy
     advantage = context.build(recipe["advantage"])
     critic = recipe.components.get("value_head")  # none with `value_head.type = "none"`
-    optional = {table: context.build(recipe[table]) if table in recipe.components else None for table in ("reward", "environment")}
+    optional = {table: context.build(recipe[table]) if table in recipe.components else None for table in ("reward", "environment", "batch_source")}
     return Components(
         policy=policy,
         value_head=context.build(critic) if critic is not None else None,
@@ -54,4 +57,5 @@ def build_components(recipe: Recipe, context: BuildContext) -> Components:
         environment=optional["environment"],
         data=context.build(recipe["data"]),
         tracker=context.build(recipe["tracker"]),
+        batch_source=optional["batch_source"],
     )

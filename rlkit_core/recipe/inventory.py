@@ -35,7 +35,8 @@ def inventory_rows(recipe: Recipe) -> list[dict[str, str]]:
 
 def _nothing_row(kind: Kind) -> dict[str, str]:
     """`type = "none"` of an optional kind, which no plugin registers: rlkit builds nothing."""
-    return {"type": NO_COMPONENT, "plugin": f"core: builds no {kind.name}", "distribution": BUILTIN_DISTRIBUTION, "version": __version__}
+    plugin = f"core: builds no {kind.name}" + (f"; {kind.without}" if kind.without else "")
+    return {"type": NO_COMPONENT, "plugin": plugin, "distribution": BUILTIN_DISTRIBUTION, "version": __version__}
 
 
 def with_nested(choice: ComponentChoice) -> Iterator[ComponentChoice]:

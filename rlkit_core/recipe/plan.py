@@ -149,6 +149,11 @@ def _per_process(recipe: Recipe, launch: Launch) -> list[str]:
 
 def _scheduler_line(recipe: Recipe) -> str:
     scheduler = recipe.scheduler
+    if (source := recipe.components.get("batch_source")) is not None:
+        stale = source.component.factory.max_staleness
+        return (f"batch_source {source.component.name!r} gives every batch"
+                + (f", at most {stale} version(s) behind when trained (as its class declares)" if stale
+                   else ", sampled by the weights that train on it (as its class declares)"))
     if not scheduler.runs_ahead:
         return "max_staleness = 0 (sync): each batch sampled after the update before it"
     return (f"max_staleness = {scheduler.staleness_bound}: batches sampled ahead from a copy of the weights, at most {scheduler.staleness_bound} "

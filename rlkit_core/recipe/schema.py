@@ -169,10 +169,24 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, limit + 1) if n % d == 0)
 
 
+def _batch_source_problems(source, scheduler: SchedulerConfig, ppo: PPOConfig, advantage) -> list[Problem]:
+    """A plugin's batch source gives every batch in place of the core's: nothing of the core's
+    sources may be asked for beside it."""
+    problems, named = [], f"batch_source {source.component.name!r} gives the batches in place of the core's source"
+    if scheduler.runs_ahead:
+        problems.append(Problem("$.batch_source", f"{named}, so [scheduler] max_staleness = {scheduler.staleness_bound} would do "
+                                                  "nothing; leave it out (the source's class says how old its batches may be)"))
+    if ppo.dynamic_sampling or (advantage is not None and advantage.component.factory.needs_baseline_scores):
+        problems.append(Problem("$.batch_source", f"{named}; dynamic sampling and ReMax's greedy baseline run in the core's "
+                                                  "own source only: leave out [batch_source]"))
+    return problems
+
+
 def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, components: dict, sharded: bool) -> list[Problem]:
-    """What a scheduler that makes batches ahead needs: a loss that corrects for the older weights
-    that sampled, the sampler's own log-probs, whole weights (no FSDP), and the plain rollout
-    stage. (None: its table has problems of its own.)"""
+    """What a scheduler that makes batches ahead (or a plugin's batch source whose batches may be
+    older than the weights that train) needs: a loss that corrects for the older weights that
+    sampled, the sampler's own log-probs, whole weights (no FSDP), and the plain rollout stage.
+    (None: its table has problems of its own.)"""
     if scheduler is None:
         return []
     problems, loss, generator, advantage = [], components.get("loss"), components.get("generator"), components.get("advantage")
@@ -190,10 +204,13 @@ def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, compon
         if sharded:
             problems.append(Problem(where, f"{named} samples while the update runs, and FSDP holds the weights in shards the producer "
                                            "cannot read then; use max_staleness = 0 under FSDP (DDP runs ahead)"))
-    if scheduler.staleness_bound == 0:
+    if (source := components.get("batch_source")) is not None:
+        problems += _batch_source_problems(source, scheduler, ppo, advantage)
+        bound = max(bound, source.component.factory.max_staleness)
+    if bound == 0:
         return problems
     if loss is not None and not loss.component.factory.corrects_stale_samples(loss.config):
-        problems.append(Problem("$.loss", f"a batch may be {scheduler.staleness_bound} policy version(s) old, and loss "
+        problems.append(Problem("$.loss", f"a batch may be {bound} policy version(s) old, and loss "
                                           f"{loss.component.name!r} with these settings does not weight tokens by π_old/π_sampler; "
                                           "set loss.tis_cap (e.g. 2.0) for the decoupled objective, with loss.is_level = 'sequence' "
                                           "(per token, the default recipe's KL ran away at staleness 1: docs/async.md)"))

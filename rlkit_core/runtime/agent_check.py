@@ -158,14 +158,15 @@ def agent_episodes(recipe: Recipe, count: int = EPISODES) -> tuple[list[str], li
 
 def parts(recipe: Recipe, device: torch.device) -> tuple[Components, list[dict]]:
     """The components the runner reads, built as a run builds them (in this process), and the
-    data's records as a run prepares them. The critic, the reward and the tracker are not built:
-    the episodes need none of them."""
+    data's records as a run prepares them. The critic, the reward, the tracker and a batch source
+    are not built: the episodes need none of them."""
     context = BuildContext(recipe=recipe, device=device, output_dir=str(recipe.run.output_dir), seed=recipe.run.seed, launch=ONE_PROCESS)
     policy = context.build(recipe["policy"])
     context.policy = policy
     components = Components(policy=policy, value_head=None, generator=context.build(recipe["generator"]), reward=None,
                             kl=context.build(recipe["kl"]), advantage=context.build(recipe["advantage"]), loss=context.build(recipe["loss"]),
-                            environment=context.build(recipe["environment"]), data=context.build(recipe["data"]), tracker=NullTracker())
+                            environment=context.build(recipe["environment"]), data=context.build(recipe["data"]), tracker=NullTracker(),
+                            batch_source=None)
     limit = recipe["data"].config if isinstance(recipe["data"].config, PromptLengthLimit) else None
     limit = within_context(limit, policy.context_length, recipe["generator"].config.max_new_tokens)
     records, _ = prepare_prompts(components.data.load(), policy.tokenizer, limit)

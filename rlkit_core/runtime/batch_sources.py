@@ -8,9 +8,10 @@ policy to sample from, the generator, the environment and reward), its rollout e
 how to build another generator of the recipe's, and the prompt stream. The update, the optimiser
 and the run's state are not in it.
 
-Two sources, by `[scheduler] max_staleness`: 0, `SyncSource`, which samples each batch when it is
-taken, from the module being trained; above 0, the producer that makes batches ahead
-(`rlkit_core.runtime.scheduling.Producer`).
+The core has two sources, chosen by `[scheduler] max_staleness`: 0, `SyncSource`, which samples
+each batch when it is taken, from the module being trained; above 0, the producer that makes
+batches ahead (`rlkit_core.runtime.scheduling.Producer`). A recipe's `[batch_source]` table names a
+plugin's source (`rlkit_core.interfaces.BatchSource`) in their place.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Protocol
 
 import attrs
 
+from rlkit_core import interfaces
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.context import BuildContext
 from rlkit_core.recipe.assemble import Components
@@ -73,10 +75,25 @@ class SyncSource:
         pass
 
 
+class PluginSource:
+    """A plugin's `BatchSource` behind the seam: given the view at each take."""
+
+    def __init__(self, source: interfaces.BatchSource, view: SamplingView):
+        self.source, self.view = source, view
+
+    def take(self, iteration: int) -> tuple[RolloutBatch, dict[str, float]]:
+        return self.source.take(iteration, self.view)
+
+    def close(self) -> None:
+        self.source.close()
+
+
 def source_for(view: SamplingView, start: int, dynamic_sampler: DynamicSampler | None) -> BatchSource:
-    """The recipe's source, its first batch that of iteration `start`."""
+    """The recipe's source, its first batch that of iteration `start`: the `[batch_source]`'s, else the core's."""
     from rlkit_core.runtime.scheduling import Producer
 
+    if view.components.batch_source is not None:
+        return PluginSource(view.components.batch_source, view)
     scheduler = view.recipe.scheduler
     if scheduler.runs_ahead:
         return Producer(view, start, scheduler.staleness_bound, scheduler.wait_timeout_s)

@@ -255,6 +255,32 @@ class TrackerContract(ComponentContract):
 
 
 
+class BatchSourceContract(ComponentContract):
+    """Three iterations taken in order, each a batch the update can train on (rows; trained tokens
+    within the responses, each with the sampler's log-prob) and finite metrics, from the kit's
+    stand-in view (`stand_ins.SamplingStandIn`: `records(j)`, `rollout(j)`, one process); then
+    `close`. The staleness its class declares is a whole number of versions, at least 0. A test of
+    a whole run with the source is yours to write: the kit runs no trainer."""
+
+    kind = "batch_source"
+
+    def test_takes_a_trainable_batch_for_each_iteration(self, instance, recipe, context):
+        view = stand_ins.SamplingStandIn(recipe, context)
+        for iteration in range(3):
+            batch, metrics = instance.take(iteration, view)
+            assert isinstance(batch, RolloutBatch) and len(batch), f"take({iteration}) gave no rows"
+            counted = batch.loss_mask.bool()
+            assert (counted <= batch.response_mask.bool()).all(), f"take({iteration}): trained tokens outside the responses"
+            assert torch.isfinite(batch.sampled_logprobs[counted]).all(), f"take({iteration}): a trained token has no sampler log-prob"
+            bad = {name: value for name, value in metrics.items() if not (isinstance(value, float) and math.isfinite(value))}
+            assert not bad, f"take({iteration}): metrics that are not finite floats: {bad}"
+        instance.close()
+
+    def test_it_declares_a_staleness(self, registered):
+        stale = registered.factory.max_staleness
+        assert isinstance(stale, int) and stale >= 0, f"max_staleness must be a whole number of versions, at least 0, not {stale!r}"
+
+
 class AdvantageEstimatorContract(ComponentContract):
     """(advantages, returns) of shape [B, R], finite on counted tokens, zero on padding, and the
     batch it read left as it was."""

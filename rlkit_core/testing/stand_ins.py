@@ -1,11 +1,14 @@
 """The contract kit's own parts for the tables a recipe must have besides the one under test: a
 policy on a model directory (the tiny model the kit writes), a prompt source, a reward and a
 tracker, each as plain as its kind allows, so that a contract test depends on no task's plugins. The kit
-adds them to its registry (`add_to`) as the plugin `rlkit-contract-kit`."""
+adds them to its registry (`add_to`) as the plugin `rlkit-contract-kit`. And what a batch source is
+given to sample with, for its contract (`SamplingStandIn`)."""
 
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
+from typing import Any
 
 import attrs
 import torch
@@ -128,3 +131,26 @@ def add_to(registry: Registry) -> None:
                                                ("tracker", TRACKER, NullTracker, NoSettings)):
         if registry.find(kind, name) is None:
             registry.add(Component(kind, name, factory, config_class, PLUGIN, "rlkit", __version__))
+
+
+@attrs.frozen
+class SamplingStandIn:
+    """The view a batch source samples with (`rlkit_core.runtime.batch_sources.SamplingView`), as
+    far as a contract needs it: `records(j)`, and `rollout(j)` a scored batch of them (the kit's
+    `rollout_batch`, drawn from j), `engine.processes` one process, the recipe and the build
+    context; no components, no rollout engine beyond that."""
+
+    recipe: Any
+    context: Any
+    engine: Any = SimpleNamespace(processes=SimpleNamespace(index=0, count=1, is_main=True))
+    components: Any = None
+
+    def records(self, iteration: int) -> list[dict]:
+        return [{"prompt": f"prompt {group}", "reference": f"ref {group}"} for group in range(3)]
+
+    def rollout(self, iteration: int, components: Any = None, engine: Any = None):
+        from rlkit_core.testing import rollout_batch
+
+        batch = rollout_batch(seed=iteration)
+        assert batch.scores is not None  # the kit's batch is scored
+        return batch, {"score/mean": float(batch.scores.mean())}
