@@ -28,7 +28,7 @@ from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime import rollout
 from rlkit_core.runtime.dynamic_sampling import DynamicSampler
-from rlkit_core.runtime.engine import Engine
+from rlkit_core.runtime.engine import Engine, RolloutEngine
 
 
 @attrs.frozen
@@ -42,14 +42,17 @@ class SamplingView:
     records: Callable[[int], list[dict]]  # this process's share of the prompt stream's batch of iteration j (0-based)
     max_prompt_tokens: int  # the prompts' length limit, for the rows stage 1 makes
 
-    def rollout(self, iteration: int, components: Components | None = None, engine=None) -> tuple[RolloutBatch, dict[str, float]]:
+    def rollout(self, iteration: int, components: Components | None = None,
+                engine: RolloutEngine | None = None) -> tuple[RolloutBatch, dict[str, float]]:
         """Stage 1 on the prompt stream's batch of `iteration`, with the run's components and engine
         or those given (a producer's generator on a copy of the weights, its own process group)."""
         return rollout.rollout(engine or self.engine, components or self.components, self.recipe, self.records(iteration),
                                self.recipe.ppo.samples_per_prompt, self.max_prompt_tokens)
 
 
-class BatchSource(Protocol):
+class Batches(Protocol):
+    """What the trainer takes each iteration's batch from: a core source, or a plugin's behind `PluginSource`."""
+
     def take(self, iteration: int) -> tuple[RolloutBatch, dict[str, float]]:
         """The batch of `iteration` (0-based) and its stage-1 metrics."""
         ...
@@ -88,7 +91,7 @@ class PluginSource:
         self.source.close()
 
 
-def source_for(view: SamplingView, start: int, dynamic_sampler: DynamicSampler | None) -> BatchSource:
+def source_for(view: SamplingView, start: int, dynamic_sampler: DynamicSampler | None) -> Batches:
     """The recipe's source, its first batch that of iteration `start`: the `[batch_source]`'s, else the core's."""
     from rlkit_core.runtime.scheduling import Producer
 

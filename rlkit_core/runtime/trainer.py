@@ -29,7 +29,7 @@ from rlkit_core.recipe.assemble import build_components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime import rollout, targets, update
 from rlkit_core.runtime.after_update import after_update, data_checksum
-from rlkit_core.runtime.batch_sources import BatchSource, SamplingView, source_for
+from rlkit_core.runtime.batch_sources import Batches, SamplingView, source_for
 from rlkit_core.runtime.checkpoint import load_checkpoint
 from rlkit_core.runtime.distributed import critic_problem
 from rlkit_core.runtime.dynamic_sampling import DynamicSampler
@@ -73,7 +73,7 @@ class Trainer:
         self.dynamic_sampler = DynamicSampler(recipe, self.engine, components, self.prompts) if ppo.dynamic_sampling else None
         self.observe = observe
         self.state = RunState()
-        self.source: BatchSource | None = None  # built at the first iteration (after a resume has set the state)
+        self.source: Batches | None = None  # built at the first iteration (after a resume has set the state)
 
     @property
     def state(self) -> RunState:
