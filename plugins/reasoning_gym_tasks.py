@@ -4,18 +4,26 @@ answer between <answer> tags with reasoning-gym's own extraction and scores it w
 own `score_answer`. So rlkit adds no scoring rule of its own, and a dataset scores as it does in
 reasoning-gym. The package is imported only when a part is checked or built, so that `rlkit
 plugins` works without it. Single-turn tasks only: each entry is one question and one answer.
+
+And `warm-start-answerer`, a policy for the offline recipe: the byte-level toy supervised on the
+recipe's own questions, answered right only a share of the time and otherwise off by a little, so
+that it starts near the answers and RL has something to reinforce and room to improve.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import json
+import random
 from typing import Any
 
 import attrs
 
-from rlkit_core import PromptLengthLimit, PromptSource, RecipeError, RewardSource, building_at, greater_than, hookimpl, setting
+from rlkit_core import PromptLengthLimit, PromptSource, RecipeError, RewardSource, between, building_at, greater_than, hookimpl, setting
+
+from .warm_start import EOS_ID, Example, WarmStartConfig, WarmStartPolicy
 
 INSTALL = "pip install 'rlkit[reasoning-gym]'"
 INSTRUCTION = "Give your final answer between <answer> and </answer> tags, with nothing else inside them."
@@ -164,6 +172,54 @@ class ReasoningGymReward(RewardSource):
         return self.datasets[key]
 
 
+@attrs.frozen
+class AnswererConfig(WarmStartConfig):
+    right_share: float = setting(0.3, help="share of the supervised answers that are right; the others are off by 1 or 2 (a slip)",
+                                 validator=between(0.0, 1.0))
+
+
+class WarmStartAnswerer(WarmStartPolicy):
+    """The warm start supervised on the questions of the recipe's `[data]` (a `reasoning-gym`
+    source: its dataset, settings and instruction, from another seed), each answered in <answer>
+    tags: right for a `right_share` of them, else off by 1 or 2, as a careless solver slips. A slip
+    is made on the number, so the dataset's answers must be integers."""
+
+    def __init__(self, config: AnswererConfig, context):
+        where = building_at(context, "policy")
+        data = context.recipe["data"]
+        if data.component.name != "reasoning-gym":
+            raise RecipeError([f"{where}.type: 'warm-start-answerer' learns the questions of a [data] table of type 'reasoning-gym', "
+                               f"not {data.component.name!r}"])
+        self.data, self.where = data.config, where
+        super().__init__(config, context)
+
+    def folder_name(self, config) -> str:
+        questions = hashlib.sha256(json.dumps(self.corpus(config), sort_keys=True).encode()).hexdigest()[:10]
+        return (f"answerer-{self.data.dataset}-{questions}-l{config.n_layer}-d{config.n_embd}-h{config.n_head}"
+                f"-s{config.sft_steps}-seed{config.seed}")
+
+    def corpus(self, config) -> dict[str, Any]:
+        return {"corpus": "reasoning-gym", "dataset": self.data.dataset, "dataset_config": dict(self.data.dataset_config),
+                "instruction": self.data.instruction, "right_share": config.right_share, "wrong": "off by 1 or 2"}
+
+    def examples(self, config, tokenizer, size: int, seed: int) -> list[Example]:
+        questions = ReasoningGymPrompts(attrs.evolve(self.data, seed=self.data.seed + 1 + seed, size=size, chat=False), where=self.where)
+        records = questions.records(size)
+        try:
+            answers = [int(record["entry"]["answer"]) for record in records]
+        except ValueError:
+            raise RecipeError([f"{self.where}.type: 'warm-start-answerer' slips on integer answers, and "
+                               f"{self.data.dataset!r} with these settings answers otherwise"]) from None
+        rng = random.Random(f"answerer/{seed}")
+        examples = []
+        for record, answer in zip(records, answers):
+            given = answer if rng.random() < config.right_share else answer + rng.choice((-2, -1, 1, 2))  # a slip
+            prompt = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+            target = tokenizer(f"<answer>{given}</answer>", add_special_tokens=False)["input_ids"] + [EOS_ID]
+            examples.append((prompt + target, [False] * len(prompt) + [True] * len(target)))
+        return examples
+
+
 @hookimpl
 def register_prompt_sources(register):
     register("reasoning-gym", ReasoningGymPrompts, ReasoningGymConfig)
@@ -172,3 +228,8 @@ def register_prompt_sources(register):
 @hookimpl
 def register_rewards(register):
     register("reasoning-gym", ReasoningGymReward, ReasoningGymRewardConfig)
+
+
+@hookimpl
+def register_policies(register):
+    register("warm-start-answerer", WarmStartAnswerer, AnswererConfig)

@@ -143,6 +143,15 @@ def test_without_the_package_rlkit_check_says_how_to_install_it(recipe_document,
 
 
 @pytest.mark.slow
+def run_shrunk(recipe: Path, small: dict, tmp_path: Path) -> list[dict]:
+    """`rlkit run recipe` with the settings `small` (its output in tmp_path/run); its metrics rows."""
+    overrides = [f"--set={key}={value!r}" if isinstance(value, str) else f"--set={key}={value}" for key, value in small.items()]
+    done = subprocess.run([str(Path(sys.executable).with_name("rlkit")), "run", str(recipe), *overrides, "--quiet"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_the_shipped_recipe_trains_on_a_tiny_chat_model(tmp_path):
     """recipes/grpo_reasoning_gym.toml as a user would shrink it to try it: a tiny Llama-style chat
     model built offline in place of the hub model, two iterations, through the `rlkit` command."""
@@ -152,11 +161,61 @@ def test_the_shipped_recipe_trains_on_a_tiny_chat_model(tmp_path):
     small = {"run.steps": 2, "run.output_dir": str(tmp_path / "run"), "run.threads": 1, "policy.model": str(model), "policy.dtype": "float32",
              "ppo.batch_size": 8, "ppo.samples_per_prompt": 4, "ppo.minibatch_size": 4, "generator.max_new_tokens": 12, "data.size": 32,
              "eval.size": 4, "eval.every": 0, "tracker.type": "none"}
-    overrides = [f"--set={key}={value!r}" if isinstance(value, str) else f"--set={key}={value}" for key, value in small.items()]
-    done = subprocess.run([str(Path(sys.executable).with_name("rlkit")), "run", str(RECIPE), *overrides, "--quiet"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = run_shrunk(RECIPE, small, tmp_path)
     trained = [row for row in rows if "score/mean" in row]
     assert len(trained) == 2 and all(0.0 <= row["score/mean"] <= 1.0 and "train/approx_kl" in row for row in trained)
     assert any("eval/score" in row for row in rows)
+
+
+OFFLINE_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "grpo_chain_sum_offline.toml"
+
+
+def test_the_offline_warm_start_learns_the_recipes_own_questions_answered_right_a_share_of_the_time(tmp_path):
+    """warm-start-answerer's supervised examples: the prompt exactly as the recipe's [data] renders
+    it (from another seed), then `<answer>N</answer>` and the end, only those counted; right about
+    `right_share` of the time, the rest off by 1 or 2."""
+    from rlkit_plugins.reasoning_gym_tasks import AnswererConfig, WarmStartAnswerer
+    from transformers import ByT5Tokenizer
+
+    from rlkit_core.recipe.document import load_recipe
+    from rlkit_core.recipe.plugins import load_registry
+
+    recipe = load_recipe(str(OFFLINE_RECIPE), load_registry(environ={"RLKIT_PLUGINS": "none"}))
+    answerer = object.__new__(WarmStartAnswerer)  # its examples, without building the model
+    answerer.data, answerer.where = recipe["data"].config, "$.policy"
+    tokenizer = ByT5Tokenizer()
+    examples = answerer.examples(AnswererConfig(right_share=0.3), tokenizer, 400, 0)
+    records = ReasoningGymPrompts(ReasoningGymConfig(**{**{f: getattr(recipe["data"].config, f) for f in ("dataset", "instruction", "dataset_config")},
+                                                       "seed": recipe["data"].config.seed + 1, "size": 400})).load()
+    right = 0
+    for (ids, counted), record in zip(examples, records):
+        cut = counted.index(True)
+        assert not any(counted[:cut]) and all(counted[cut:])
+        assert tokenizer.decode(ids[:cut]) == record["prompt"] and record["prompt"].endswith("=\n\nAnswer in <answer></answer> tags.")
+        answer = tokenizer.decode(ids[cut:-1])
+        assert answer.startswith("<answer>") and answer.endswith("</answer>") and ids[-1] == tokenizer.eos_token_id
+        slip = int(answer.removeprefix("<answer>").removesuffix("</answer>")) - int(record["entry"]["answer"])
+        assert slip in (-2, -1, 0, 1, 2)
+        right += slip == 0
+    assert 0.25 * 400 <= right <= 0.35 * 400  # 30% chosen right
+
+
+def test_the_offline_warm_start_needs_reasoning_gym_data(recipe_document, builtin_registry):
+    from tests.test_trainer import make_trainer
+
+    recipe_document["policy"] = {"type": "warm-start-answerer", "sft_steps": 1}
+    with pytest.raises(RecipeError, match=r"\$\.policy\.type: 'warm-start-answerer' learns the questions of a \[data\] table of type "
+                                          r"'reasoning-gym', not 'jsonl'"):
+        make_trainer(recipe_document, builtin_registry)
+
+
+@pytest.mark.slow
+def test_the_offline_recipe_trains_from_its_warm_start(tmp_path):
+    """recipes/grpo_chain_sum_offline.toml through the `rlkit` command, its warm start made small
+    (a few supervised steps, in a cache of the test's own), two iterations and an evaluation."""
+    small = {"run.steps": 2, "run.output_dir": str(tmp_path / "run"), "run.threads": 1, "policy.cache_dir": str(tmp_path / "cache"),
+             "policy.sft_steps": 20, "ppo.batch_size": 16, "ppo.minibatch_size": 8, "data.size": 64, "eval.size": 8, "eval.every": 1}
+    rows = run_shrunk(OFFLINE_RECIPE, small, tmp_path)
+    trained = [row for row in rows if "score/mean" in row]
+    assert len(trained) == 2 and all(0.0 <= row["score/mean"] <= 1.0 for row in trained)
+    assert [row["iteration"] for row in rows if "eval/score" in row] == [0, 1, 2]
