@@ -15,7 +15,12 @@ ends, keyed by the ids it holds, and a later prompt whose ids begin with a kept 
 only the tokens after them: a turn costs its own tokens, not the whole conversation again. The ids
 decide, never a render; the block ends before the weights change, and the kept caches with it.
 
-The random draws are generate's: `torch.multinomial(probs, 1)` draws one exponential variate per
+`serve` (the turns of episodes that do not wait on each other) runs one decoding loop for the whole
+rollout: between two steps it prefills the prompts that arrived meanwhile and joins them to the
+running rows (continuous batching), and answers each row the step it ends, so that its episode's
+environment step starts while the others decode on.
+
+The random draws of `generate` are generate's: `torch.multinomial(probs, 1)` draws one exponential variate per
 row and token (a sample is argmax(p / q), q ~ Exp(1)), so the loop draws q for every row of the call,
 finished ones included, and uses the running rows' part. The same seed gives the same tokens as
 `generate` did, and leaves the random state where it did (tests/test_hf_generator_loop.py).
@@ -30,7 +35,7 @@ from typing import Any
 import attrs
 import torch
 
-from rlkit_core import Generation, Generator, StandardSampling, hookimpl
+from rlkit_core import Completion, Generation, Generator, Requests, StandardSampling, hookimpl
 from rlkit_core.functional import response_mask
 
 # The prefill runs the prompts in groups of similar length, with at most this share of a group's
@@ -83,6 +88,26 @@ def joined_cache(caches: list, width: int, config):
                         for tensors in zip(*((layer.keys, layer.values) for layer in layers)))
         joined.update(torch.cat(keys), torch.cat(values), index)
     return joined
+
+
+def forward_options(model) -> tuple[Any, str, dict[str, Any]]:
+    """(the transformers model under a peft wrapper, the name of its cache argument, the options of a
+    decoding forward pass: a cache, logits at the last position only where the model can)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    accepted = inspect.signature(base.forward).parameters
+    cache_name = "cache" if "cache" in accepted else "past_key_values"  # transformers 5 calls it `cache`, 4 `past_key_values`
+    options: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1} if "logits_to_keep" in accepted else {"use_cache": True}
+    return base, cache_name, options
+
+
+def without_padding_columns_in_cache(cache, mask: torch.Tensor) -> torch.Tensor:
+    """`mask` without the leading columns that no row reaches any more, cut from `cache` alike (rows
+    that joined with long prompts have left)."""
+    start = int(mask.any(dim=0).long().argmax())
+    if start:
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+    return mask[:, start:]
 
 
 @attrs.frozen
@@ -177,15 +202,103 @@ class HFGenerator(Generator):
         logprobs = torch.where(mask.bool(), logprobs, 0.0)
         return Generation(response_ids=response_ids * mask + pad * (1 - mask), response_mask=mask, logprobs=logprobs)
 
+    @torch.no_grad()
+    def serve(self, requests: Requests, greedy: bool = False) -> None:
+        model = self.policy.model
+        base, cache_name, options = forward_options(model)
+        if not joinable(base.config):  # rows' caches cannot be joined: a generate call per arrival
+            return super().serve(requests, greedy)
+        was_training = model.training
+        model.eval()
+        try:
+            self._serve(model, base.config, requests, greedy, cache_name, options)
+        finally:
+            model.train(was_training)
+
+    def _serve(self, model, config, requests: Requests, greedy: bool, cache_name: str, options: dict[str, Any]) -> None:
+        """The continuous decoding loop: each pass feeds the running rows their last token, prefills
+        the prompts that arrived, joins both into one cache, samples a token for every row, and
+        answers and drops the rows that ended. Row i of the cache, mask and positions is `keys[i]`."""
+        ends = torch.tensor(self.policy.eos_token_ids, device=requests.device)
+        keys: list[Any] = []
+        prompts: list[list[int]] = []  # the rows' prompt ids, under which their caches are kept
+        tokens: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        cache: Any = None
+        mask = positions = steps = chosen = torch.empty(0)
+        while True:
+            arrived = requests.arrived(wait=not keys)
+            if not arrived and not keys:
+                return
+            if keys:
+                logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, **options, **{cache_name: cache}).logits[:, -1]
+                self.positions = (self.positions[0] + len(keys), self.positions[1] + len(keys))
+            if arrived:
+                new_logits, new_cache, new_mask, order = self._admitted(model, config, [ids for _, ids in arrived], requests, cache_name, options)
+                new_positions = (new_mask.long().cumsum(dim=1) - 1)[:, -1:]
+                if keys:
+                    width = max(mask.shape[1], new_mask.shape[1])
+                    cache = joined_cache([cache, new_cache], width, config)
+                    mask = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in (mask, new_mask)])
+                    logits, positions = torch.cat([logits, new_logits]), torch.cat([positions, new_positions])
+                    steps = torch.cat([steps, steps.new_zeros(len(order))])
+                else:
+                    cache, mask, logits, positions = new_cache, new_mask, new_logits, new_positions
+                    steps = torch.zeros(len(order), dtype=torch.long, device=requests.device)
+                keys += [arrived[i][0] for i in order]
+                prompts += [arrived[i][1] for i in order]
+                tokens += [[] for _ in order]
+                logprobs += [[] for _ in order]
+            scores = self._processed(logits.to(dtype=torch.float32, copy=True), steps, greedy)
+            if greedy:
+                chosen = scores.argmax(dim=-1)
+            else:  # torch.multinomial(softmax(scores), 1), as `_decode` draws it
+                chosen = (torch.softmax(scores, dim=-1) / torch.empty_like(scores).exponential_()).argmax(dim=-1)
+            logprob = torch.log_softmax(scores, dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
+            steps = steps + 1
+            ended = torch.isin(chosen, ends) | (steps >= self.config.max_new_tokens)
+            for row, (token, value) in enumerate(zip(chosen.tolist(), logprob.tolist())):  # the step's one read from the device
+                tokens[row].append(token)
+                logprobs[row].append(value)
+            if ended.any():
+                at = ended.nonzero().squeeze(1)
+                if self.kept is not None:  # the cache holds the prompt and the tokens fed back: all but the last sampled
+                    for row, _, kept in self._ending(cache, mask, torch.arange(len(keys)), at, 0):
+                        self.kept.keep(prompts[row] + tokens[row][:-1], kept)
+                for row in at.tolist():
+                    requests.completed(keys[row], Completion(tokens[row], logprobs[row]))
+                going = (~ended).nonzero().squeeze(1)
+                kept_rows = going.tolist()
+                keys, prompts, tokens, logprobs = ([column[i] for i in kept_rows] for column in (keys, prompts, tokens, logprobs))
+                if not keys:
+                    cache = None
+                    continue
+                cache.batch_select_indices(going)
+                chosen, mask, positions, steps = chosen[going], mask[going], positions[going], steps[going]
+                mask = without_padding_columns_in_cache(cache, mask)
+            mask, positions = torch.cat([mask, mask.new_ones(len(keys), 1)], dim=1), positions + 1
+
+    def _admitted(self, model, config, prompts: list[list[int]], requests: Requests, cache_name: str, options: dict[str, Any]
+                  ) -> tuple[torch.Tensor, Any, torch.Tensor, list[int]]:
+        """The arrived prompts prefilled (after the kept streams they continue, inside
+        `continuing_streams`): their last-position logits, cache and mask, and the order of the
+        prompts in them."""
+        width = max(len(ids) for ids in prompts)
+        prompt_ids = torch.full((len(prompts), width), requests.pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            prompt_ids[row, width - len(ids):] = torch.tensor(ids)
+            prompt_mask[row, width - len(ids):] = 1
+        continued = self._continued(prompts) if self.kept is not None else {}
+        logits, cache, order, mask = self._prefill(model, config, prompt_ids.to(requests.device), prompt_mask.to(requests.device), options,
+                                                   cache_name, continued, joins=True)
+        return logits, cache, mask, order.tolist()
+
     def _decode(self, model, prompt_ids, prompt_mask, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, R] sampled ids (anything after a row's end) and their log-probs, R the longest response.
         `running` holds the batch rows still decoding, in the cache's order; the cache, mask and
         positions hold only those."""
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the transformers model
-        accepted = inspect.signature(base.forward).parameters
-        # transformers 5 calls the cache `cache`, 4 `past_key_values`; logits at the last position only
-        cache_name = "cache" if "cache" in accepted else "past_key_values"
-        options: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1} if "logits_to_keep" in accepted else {"use_cache": True}
+        base, cache_name, options = forward_options(model)
         rows, limit = prompt_ids.shape[0], self.config.max_new_tokens
         joins = joinable(base.config)  # once per call: it builds a cache to look at its layers
         keeping = self.kept is not None and joins
@@ -321,12 +434,17 @@ class HFGenerator(Generator):
         self.positions = (self.positions[0] + ids.numel(), self.positions[1] + sum(len(new) for new in added))
         return out.logits[:, -1], cache, mask
 
-    def _processed(self, logits: torch.Tensor, step: int, greedy: bool) -> torch.Tensor:
+    def _processed(self, logits: torch.Tensor, step: int | torch.Tensor, greedy: bool) -> torch.Tensor:
         """The scores a token is chosen from, as generate processes them: end ids forbidden before
-        `min_new_tokens`, the suppressed ids never, then (sampling) temperature, top-k, top-p."""
+        `min_new_tokens`, the suppressed ids never, then (sampling) temperature, top-k, top-p.
+        `step`: the step of every row, or each row's (`serve`'s rows started at different steps)."""
         from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-        if step < self.config.min_new_tokens:
+        if isinstance(step, torch.Tensor):
+            early = (step < self.config.min_new_tokens).nonzero().squeeze(1)
+            if len(early):
+                logits[early[:, None], torch.tensor(self.policy.eos_token_ids, device=logits.device)] = -float("inf")
+        elif step < self.config.min_new_tokens:
             logits[:, list(self.policy.eos_token_ids)] = -float("inf")
         if self.policy.suppressed_token_ids:
             logits[:, list(self.policy.suppressed_token_ids)] = -float("inf")

@@ -33,6 +33,7 @@ from rlkit_core.imports import load_module
 from rlkit_core.interfaces import (
     AdvantageEstimator,
     BatchSource,
+    Completion,
     ComponentBase,
     Environment,
     Generation,
@@ -45,6 +46,7 @@ from rlkit_core.interfaces import (
     Policy,
     PolicyOutput,
     PromptSource,
+    Requests,
     RewardSource,
     Tracker,
     ValueHead,
@@ -77,10 +79,10 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 __all__ = [
-    "AdvantageEstimator", "BatchSource", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Environment",
-    "EvalConfig", "Generation", "Generator", "HarnessEnded", "HarnessEnvironment", "HealthConfig", "JSONInTags", "KLController", "Launch",
+    "AdvantageEstimator", "BatchSource", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Completion",
+    "Environment", "EvalConfig", "Generation", "Generator", "HarnessEnded", "HarnessEnvironment", "HealthConfig", "JSONInTags", "KLController", "Launch",
     "Limits", "Loss", "LossInputs", "LossTerms", "ModelSettings", "ModelShape", "NullTracker", "OptimConfig", "PPOConfig", "Policy",
-    "PolicyOutput", "PolicySettings", "Problem", "Progress", "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError",
+    "PolicyOutput", "PolicySettings", "Problem", "Progress", "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError", "Requests",
     "Reply", "Reset", "RewardSource", "RunConfig", "RunError", "SamplingSettings", "Session", "StandardEpisode", "StandardSampling",
     "Step", "Surrogate", "SurrogateTerms", "ToolCall", "ToolCallFormat", "ToolEnvironment", "Tracker", "Turn", "ValueHead",
     "agent_endpoint", "at_least", "between", "building_at", "chat_format_for", "greater_than", "hookimpl", "load_module", "nested_component",

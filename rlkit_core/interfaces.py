@@ -40,10 +40,41 @@ class PolicyOutput:
 
 
 @attrs.frozen
+class Completion:
+    """One request's answer: the ids sampled after its prompt (its end id last, unless it reached
+    `max_new_tokens`) and the sampler's log-probability of each."""
+
+    ids: list[int]
+    logprobs: list[float]
+
+
+@attrs.frozen
 class Generation:
     response_ids: torch.Tensor  # [B, R] sampled tokens, padded after the first EOS
     response_mask: torch.Tensor  # [B, R] 1 up to and including the first EOS
     logprobs: torch.Tensor  # [B, R] the sampler's log-probability of each sampled token
+
+    def completions(self) -> list[Completion]:
+        """Each row's sampled ids and log-probs, without the padding after its end."""
+        lengths = self.response_mask.sum(dim=1).tolist()
+        return [Completion(ids[:n].tolist(), logprobs[:n].tolist()) for ids, logprobs, n in zip(self.response_ids, self.logprobs, lengths)]
+
+
+class Requests(typing.Protocol):
+    """Prompts that arrive while a generator serves them (`Generator.serve`), each under a key of the
+    caller's, and where each answer goes. The prompts are token ids, left as they are."""
+
+    pad_id: int  # what fills a batch's rows to one length (the attention mask leaves it out)
+    device: torch.device  # where the prompts' tensors go
+
+    def arrived(self, wait: bool) -> list[tuple[Any, list[int]]]:
+        """(key, prompt ids) of the requests that arrived since the last call. `wait`: the generator
+        has nothing left to decode, so block until one arrives; then [] means none ever will."""
+        ...
+
+    def completed(self, key: Any, completion: Completion) -> None:
+        """The answer to the request under `key`, given as soon as its row ends."""
+        ...
 
 
 class ComponentBase(ABC):  # noqa: B024 (no abstract method of its own: each kind's interface declares them)
@@ -360,6 +391,23 @@ class Generator(ComponentBase):
         computed for a stream (its KV cache) and compute only the tokens added since. Whether a
         prompt continues a stream is decided by its ids alone. Nothing kept by default."""
         yield
+
+    def serve(self, requests: Requests, greedy: bool = False) -> None:
+        """Answer requests as they arrive, until none is running and none will come (the turns of a
+        rollout's episodes when they do not wait on each other). Called where `generate` is called
+        (after `sync_weights`, in the full-weights block, under the run's autocast), once for the
+        whole rollout. By default the requests that arrived together are one `generate` call; a
+        generator that joins newcomers into its running decode (continuous batching) overrides it."""
+        while arrived := requests.arrived(wait=True):
+            width = max(len(ids) for _, ids in arrived)
+            prompt_ids = torch.full((len(arrived), width), requests.pad_id, dtype=torch.long)
+            prompt_mask = torch.zeros((len(arrived), width), dtype=torch.long)
+            for row, (_, ids) in enumerate(arrived):
+                prompt_ids[row, width - len(ids):] = torch.tensor(ids)
+                prompt_mask[row, width - len(ids):] = 1
+            generation = self.generate(prompt_ids.to(requests.device), prompt_mask.to(requests.device), greedy=greedy)
+            for (key, _), completion in zip(arrived, generation.completions()):
+                requests.completed(key, completion)
 
     def sync_weights(self, policy: Policy) -> None:
         """Bring the sampler's weights up to date with the policy; in-process samplers share them.

@@ -77,16 +77,17 @@ def assert_trained_on_what_the_agents_were_answered(episodes: list[dict], sample
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["callable", "command"])
+@pytest.mark.parametrize("form", ["callable", "command", "callable-as-ready"])
 def test_two_processes_each_serve_their_own_agents_and_train_on_what_they_sampled(recipe_document, write_recipe, tmp_path, form):
-    """Two iterations of 16 episodes, 8 a process (and the report's before and after). Every episode went through its own process's
+    """Two iterations of 16 episodes, 8 a process (and the report's before and after); "as-ready":
+    without the turn barrier, the turns served by hf's continuous decoding loop. Every episode went through its own process's
     endpoint (one port a process, not the other's) and got its own session's answers in order; each
     process trained on exactly its own episodes, whose rows are the plain render of the conversation
     the agent saw with the ids the endpoint handed it as the ids sampled."""
     told, rolled = tmp_path / "told", tmp_path / "rolled"
     model = ending_model(tmp_path / "ending", end_logit=END_LOGIT)
-    agent = {"harness": "tests.agent_harnesses:talk_and_tell"} if form == "callable" else \
-        {"command": [sys.executable, str(ROOT / "tests" / "agent_harnesses.py"), "talk_and_tell"]}
+    agent = {"command": [sys.executable, str(ROOT / "tests" / "agent_harnesses.py"), "talk_and_tell"]} if form == "command" else \
+        {"harness": "tests.agent_harnesses:talk_and_tell", "turn_barrier": form == "callable"}
     output_dir = Path(recipe_document["run"]["output_dir"])
     done = recorded_run(write_recipe(agent_recipe(recipe_document, model, agent)), told, rolled, processes=2)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -107,7 +108,7 @@ def test_two_processes_each_serve_their_own_agents_and_train_on_what_they_sample
     ports = {rank: {e["port"] for e in mine} for rank, mine in by_rank.items()}
     assert all(len(p) == 1 for p in ports.values()) and ports["0"] != ports["1"]  # one endpoint a process
     # the agent ran in the process whose endpoint it used (callable), or as that process's child (command)
-    runs_in = {rank: {e["pid" if form == "callable" else "parent"] for e in mine} for rank, mine in by_rank.items()}
+    runs_in = {rank: {e["parent" if form == "command" else "pid"] for e in mine} for rank, mine in by_rank.items()}
     assert all(len(p) == 1 for p in runs_in.values()) and runs_in["0"] != runs_in["1"]
     assert len({e["session"] for e in episodes}) == len(episodes)
 

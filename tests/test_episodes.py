@@ -305,6 +305,24 @@ def test_without_a_turn_barrier_steps_run_in_the_pool_and_no_thread_more(recipe_
     assert rows[True] == rows[False]
 
 
+def test_without_a_turn_barrier_hf_serves_every_turn_in_one_decoding_loop(recipe_document, builtin_registry, ending_tiny_model):
+    """On `hf`, episodes without a barrier are requests to one decoding loop (`serve`), never a
+    `generate` call: greedy, every row is the barrier's to the token, and the later turns continue
+    their episode's kept cache there too."""
+    rows, reused = {}, {}
+    for barrier in (True, False):
+        trainer = make_trainer(episode_document(copy.deepcopy(recipe_document), ending_tiny_model, turn_barrier=barrier), builtin_registry)
+        if not barrier:
+            trainer.components.generator.generate = None  # serve's loop samples every turn itself
+        batch, metrics = rollout_with(trainer, trainer.stream.batch(0), greedy=True)
+        rows[barrier] = (batch.prompt_ids.tolist(), batch.response_ids.tolist(), batch.loss_mask.tolist(), batch.sampled_logprobs)
+        reused[barrier] = metrics["generate/kept_prefix"]
+        assert metrics["env/turns"] > 2
+    assert rows[True][:3] == rows[False][:3]
+    assert torch.allclose(rows[True][3], rows[False][3], atol=1e-5, equal_nan=True)
+    assert reused[False] == pytest.approx(reused[True]) and reused[False] > 0.3
+
+
 def test_a_turn_cut_off_by_max_new_tokens_trains_as_a_response_that_never_ended(recipe_document, builtin_registry, tiny_model):
     # the shared tiny model almost never ends a turn within 2 tokens
     trainer = make_trainer(episode_document(recipe_document, tiny_model), builtin_registry, generator__max_new_tokens=2,

@@ -391,10 +391,12 @@ def test_two_processes_under_torchrun_each_run_an_engine_of_their_own(recipe_doc
     assert len(rows) == 2 and all(row["check/logprob_gap"] < LOGPROB_TOLERANCE and row["time/weight_sync"] > 0 for row in rows)
 
 
-def test_episodes_run_on_vllm_with_one_push_per_rollout(recipe_document, byte_model, tmp_path):
+@pytest.mark.parametrize("barrier", [True, False], ids=["turn-barrier", "as-ready"])
+def test_episodes_run_on_vllm_with_one_push_per_rollout(recipe_document, byte_model, tmp_path, barrier):
     """A multi-turn rollout with the vllm generator: every turn continues each episode's stream, the
     weights are pushed (and the prefix cache reset) once before the first turn, not at every turn,
-    and the sampler's log-probs are the learner's at every sampled token."""
+    and the sampler's log-probs are the learner's at every sampled token. Without the barrier the
+    turns are requests to `serve` (vLLM: a generate call per group of turns ready together)."""
     import shutil
 
     from rlkit_core.recipe.plugins import load_registry
@@ -402,7 +404,7 @@ def test_episodes_run_on_vllm_with_one_push_per_rollout(recipe_document, byte_mo
     from tests.test_trainer import compare_with, make_trainer, rollout_with
 
     ending = ends_turns_early(shutil.copytree(byte_model, tmp_path / "ending"))  # heads of 32: vLLM's CPU attention has no 16
-    document = episode_document(recipe_document, ending)
+    document = episode_document(recipe_document, ending, turn_barrier=barrier)
     document["run"]["device"] = "cpu"
     document["generator"] = {"type": "vllm", "max_new_tokens": 6, "gpu_memory_fraction": 0.02}
     trainer = make_trainer(document, load_registry(environ={"RLKIT_PLUGINS": "none"}))

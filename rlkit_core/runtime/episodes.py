@@ -36,7 +36,7 @@ import torch
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.chat_format import ChatFormat, TemplateAudit, audit, episode_format
 from rlkit_core.errors import RecipeError, RunError
-from rlkit_core.interfaces import Environment
+from rlkit_core.interfaces import Completion, Environment
 from rlkit_core.messages import STATUSES, TRAINED_STATUSES, Reply, Reset, Step
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
@@ -175,7 +175,7 @@ class EpisodeRunner:
             return [("stopped", None)] * len(calls)
 
     def _play(self, records: list[dict], groups: list[int], seeds: list[int], greedy: bool = False) -> list[Episode]:
-        from rlkit_core.runtime.rollout import generate
+        from rlkit_core.runtime.rollout import generate, sampling
 
         episodes = [Episode(record=r, group=g) for r, g in zip(records, groups)]
         timings = {"generate": 0.0, "environment": 0.0}
@@ -196,7 +196,7 @@ class EpisodeRunner:
             if not self.room_for_a_turn(episode.sample):
                 self._opening_overflow(episode)
         if not self.settings.turn_barrier:
-            self._play_as_ready(generate, episodes, greedy, timings)
+            self._play_as_ready(sampling, episodes, greedy, timings)
         for turn in range(1, self.settings.max_turns + 1):
             for episode in episodes:
                 if episode.status is None and not self.room_for_a_turn(episode.sample):
@@ -207,8 +207,8 @@ class EpisodeRunner:
             began = time.perf_counter()
             generation = self._generate(generate, running, greedy, sync=turn == 1)
             timings["generate"] += time.perf_counter() - began
-            for row, episode in enumerate(running):
-                self._take_turn(episode, generation, row, turn)
+            for episode, completion in zip(running, generation.completions()):
+                self._take_turn(episode, completion, turn)
             replying = [e for e in running if e.status is None]
             began = time.perf_counter()
             steps = self._call([(self.environment.step, (e.state, e.reply)) for e in replying], "step")
@@ -225,35 +225,21 @@ class EpisodeRunner:
         self.hung_calls = self.calls.hung
         return episodes
 
-    def _play_as_ready(self, generate, episodes: list[Episode], greedy: bool, timings: dict[str, float]) -> None:
-        """Every episode's turns without a barrier across episodes (`turn_barrier = false`): the
-        episodes whose environment has answered are generated together as soon as the generator is
-        free, while the others' steps run on in the environment's pool. The time not spent
-        generating is counted as the environment's."""
-        stepping: dict[Call, Episode] = {}
-        ready, first = [e for e in episodes if e.status is None], True
+    def _play_as_ready(self, sampling, episodes: list[Episode], greedy: bool, timings: dict[str, float]) -> None:
+        """Every episode's turns without a barrier across episodes (`turn_barrier = false`): each turn
+        is a request to the generator's `serve` as soon as its episode's environment has answered,
+        and each step goes to the environment's pool as soon as its turn is sampled. The time the
+        generator waited with nothing to decode is counted as the environment's, the rest as
+        generating."""
+        ready = [e for e in episodes if e.status is None]
+        if not ready:
+            return
+        turns = TurnRequests(self, ready)
         began = time.perf_counter()
-        while ready or stepping:
-            for call, (status, step) in self._stepped(list(stepping), wait=not ready):
-                episode = stepping.pop(call)
-                self._answer(episode, status, step, last_turn=episode.turns == self.settings.max_turns)
-                ready.append(episode)
-            for episode in ready:
-                if episode.status is None and not self.room_for_a_turn(episode.sample):
-                    episode.finish("overflow")
-            ready = [e for e in ready if e.status is None]
-            if not ready:
-                continue
-            generating = time.perf_counter()
-            generation = self._generate(generate, ready, greedy, sync=first)
-            timings["generate"] += time.perf_counter() - generating
-            first = False
-            for row, episode in enumerate(ready):
-                self._take_turn(episode, generation, row, episode.turns + 1)
-                if episode.status is None:
-                    stepping[self.calls.submit(self.environment.step, (episode.state, episode.reply))] = episode
-            ready = []
-        timings["environment"] += time.perf_counter() - began - timings["generate"]
+        with sampling(self.engine, self.components, [self._padded(ready)]) as generator:
+            generator.serve(turns, greedy)
+        timings["generate"] += time.perf_counter() - began - turns.waited
+        timings["environment"] += turns.waited
 
     def _stepped(self, calls: list[Call], wait: bool) -> list[tuple[Call, tuple[str, Any]]]:
         """The steps among `calls` that have ended, each with its outcome, as `_call` gives them: a
@@ -328,6 +314,11 @@ class EpisodeRunner:
     def _generate(self, generate, running: list[Episode], greedy: bool, sync: bool):
         """The next turn of every running episode, from its sample's stream so far; the weights are
         synced into the generator before the first turn only (they do not change within a rollout)."""
+        [generation] = generate(self.engine, self.components, [self._padded(running)], greedy, sync=sync)
+        return generation
+
+    def _padded(self, running: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The running episodes' streams so far (prompt and sample), left-padded: (ids, mask) on the device."""
         streams = [e.sample.prompt + e.sample.ids for e in running]
         width = max(len(s) for s in streams)
         pad = self.tokenizer.pad_token_id
@@ -336,16 +327,12 @@ class EpisodeRunner:
         for row, stream in enumerate(streams):
             ids[row, width - len(stream):] = torch.tensor(stream)
             mask[row, width - len(stream):] = 1
-        [generation] = generate(self.engine, self.components, [(ids.to(self.engine.device), mask.to(self.engine.device))], greedy,
-                                sync=sync)
-        return generation
+        return ids.to(self.engine.device), mask.to(self.engine.device)
 
-    def _take_turn(self, episode: Episode, generation, row: int, turn: int) -> None:
+    def _take_turn(self, episode: Episode, completion: Completion, turn: int) -> None:
         """Append what the generator sampled for `episode`, verbatim; end it when the turn was cut
         off or the budget ran out, else read the reply."""
-        length = int(generation.response_mask[row].sum())
-        ids = generation.response_ids[row, :length].tolist()
-        logprobs = generation.logprobs[row, :length].tolist()
+        ids, logprobs, length = completion.ids, completion.logprobs, len(completion.ids)
         episode.turns = turn
         left = self.token_limit(len(episode.samples[0].prompt)) - episode.tokens
         over = length > left
@@ -404,6 +391,42 @@ class EpisodeRunner:
         """The next turn starts a new sample from the conversation rendered whole (one that leaves
         no room for a turn ends the episode as "overflow" before that turn)."""
         episode.samples.append(Sample(prompt=self.format.opening(episode.messages, episode.tools), messages=list(episode.messages)))
+
+
+class TurnRequests:
+    """The turns of episodes that do not wait on each other, as requests to `Generator.serve`: a
+    request arrives when its episode's environment has answered (the first turns at once), and a
+    completed turn is read and its step given to the environment's pool at once."""
+
+    def __init__(self, runner: EpisodeRunner, ready: list[Episode]):
+        self.runner, self.ready = runner, ready
+        self.pad_id, self.device = runner.tokenizer.pad_token_id, runner.engine.device
+        self.stepping: dict[Call, Episode] = {}
+        self.waited = 0.0  # seconds the generator waited with nothing to decode
+
+    def arrived(self, wait: bool) -> list[tuple[Any, list[int]]]:
+        runner, began = self.runner, time.perf_counter()
+        while True:
+            if self.stepping:
+                for call, (status, step) in runner._stepped(list(self.stepping), wait=wait and not self.ready):
+                    episode = self.stepping.pop(call)
+                    runner._answer(episode, status, step, last_turn=episode.turns == runner.settings.max_turns)
+                    self.ready.append(episode)
+            for episode in self.ready:
+                if episode.status is None and not runner.room_for_a_turn(episode.sample):
+                    episode.finish("overflow")
+            ready, self.ready = [e for e in self.ready if e.status is None], []
+            if ready or not wait or not self.stepping:
+                break
+        if wait:
+            self.waited += time.perf_counter() - began
+        return [(episode, episode.sample.prompt + episode.sample.ids) for episode in ready]
+
+    def completed(self, key: Any, completion: Completion) -> None:
+        episode: Episode = key
+        self.runner._take_turn(episode, completion, episode.turns + 1)
+        if episode.status is None:
+            self.stepping[self.runner.calls.submit(self.runner.environment.step, (episode.state, episode.reply))] = episode
 
 
 def chat_audit(recipe, policy) -> TemplateAudit:

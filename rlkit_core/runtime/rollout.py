@@ -60,19 +60,27 @@ def rollout(engine: RolloutEngine, components: Components, recipe: Recipe, recor
                    **engine.push_check.pop_metrics()}
 
 
-def generate(engine: RolloutEngine, components: Components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool,
-             sync: bool = True) -> list[Generation]:
-    """The generator's output for each (prompt ids, mask) chunk, from the current weights:
-    read whole (FSDP gathers them in every process), synced once into an engine of its own
-    (vLLM last saw them before the last update), under the run's mixed precision unless the
-    generator runs its own (`Generator.runs_own_precision`). `sync` False: the generator already
-    has these weights (an episode's later turns), so its prefix cache is kept."""
+@contextlib.contextmanager
+def sampling(engine: RolloutEngine, components: Components, prompts: list[tuple[torch.Tensor, torch.Tensor]], sync: bool = True):
+    """A block in which the generator samples from the current weights: read whole (FSDP gathers
+    them in every process), synced once into an engine of its own (vLLM last saw them before the
+    last update), under the run's mixed precision unless the generator runs its own
+    (`Generator.runs_own_precision`). `prompts`: the first (ids, mask) chunks it will sample for
+    (the weight push's probe comes from them). `sync` False: the generator already has these
+    weights (an episode's later turns), so its prefix cache is kept."""
     with engine.full_weights():
         if sync:
             components.generator.sync_weights(components.policy)
             engine.push_check.after_push(engine, components.generator, components.policy, prompts)
         with contextlib.nullcontext() if type(components.generator).runs_own_precision else engine.autocast():
-            return [components.generator.generate(ids, mask, greedy=greedy) for ids, mask in prompts]
+            yield components.generator
+
+
+def generate(engine: RolloutEngine, components: Components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool,
+             sync: bool = True) -> list[Generation]:
+    """The generator's output for each (prompt ids, mask) chunk, from the current weights (`sampling`)."""
+    with sampling(engine, components, prompts, sync) as generator:
+        return [generator.generate(ids, mask, greedy=greedy) for ids, mask in prompts]
 
 
 def score(processes: Processes, reward: RewardSource, prompts: list[str], responses: list[str], columns: dict) -> list[float]:

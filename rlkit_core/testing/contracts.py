@@ -38,7 +38,7 @@ from rlkit_core.config import fields_help
 from rlkit_core.context import BuildContext
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import logprobs_from_logits
-from rlkit_core.interfaces import KIND_TABLE, KINDS, Generation, LossInputs, LossTerms, PolicyOutput
+from rlkit_core.interfaces import KIND_TABLE, KINDS, Completion, Generation, LossInputs, LossTerms, PolicyOutput
 from rlkit_core.messages import Reply, Reset, Step, ToolCall
 from rlkit_core.recipe.document import parse_recipe, structure_table
 from rlkit_core.recipe.plugins import load_registry
@@ -575,6 +575,29 @@ class GeneratorContract(ComponentContract):
         gap = (recomputed - out.logprobs)[counted].abs().max()
         assert gap <= self.logprob_tolerance, f"sampled log-probs differ from π/T by up to {gap:.2e}"
 
+    def test_serve_answers_every_request_once_as_the_policy_samples(self, instance, policy):
+        """`serve` (episodes' turns as they come): requests that arrive in two waves, the second
+        after the first answer, are each answered once, ending at the first EOS, with log-probs
+        that match the policy at the sampler's temperature."""
+        prompt_ids, prompt_mask, _ = policy_inputs(policy.tokenizer, ["ab", "abcdef", "x", "hello"])
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        waves = _Waves(prompts, policy.tokenizer.pad_token_id, prompt_ids.device)
+        instance.sync_weights(policy)
+        torch.manual_seed(0)
+        instance.serve(waves)
+        assert sorted(waves.answers) == list(range(len(prompts))), f"answered {sorted(waves.answers)} of requests 0-{len(prompts) - 1}"
+        ends = set(policy.eos_token_ids)
+        for key, answer in waves.answers.items():
+            assert answer.ids and len(answer.ids) == len(answer.logprobs), f"request {key}: {len(answer.ids)} ids, {len(answer.logprobs)} log-probs"
+            assert not ends & set(answer.ids[:-1]), f"request {key} was answered past its first EOS: {answer.ids}"
+            tokens = torch.tensor([prompts[key] + answer.ids])
+            with torch.no_grad():
+                logits = policy.forward(tokens, torch.ones_like(tokens), torch.arange(tokens.shape[1]).unsqueeze(0)).logits
+            response = torch.tensor([answer.ids])
+            expected = logprobs_from_logits(logits[:, len(prompts[key]) - 1:-1], response, instance.temperature, policy.suppressed_token_ids)[0]
+            gap = (expected - torch.tensor(answer.logprobs)).abs().max()
+            assert gap <= self.logprob_tolerance, f"request {key}: served log-probs differ from π/T by up to {gap:.2e}"
+
     def test_scores_match_the_policy_after_a_push(self, instance, policy):
         """A generator with weights of its own scores what the loop's push check compares
         (`Generator.score`): the policy's log-probs at temperature 1, one per token after the first."""
@@ -590,6 +613,26 @@ class GeneratorContract(ComponentContract):
         expected = logprobs_from_logits(logits[:, :-1], tokens[:, 1:])[0]
         gap = (expected - torch.tensor(scores)).abs().max()
         assert gap <= self.logprob_tolerance, f"score() differs from the policy's log-probs by up to {gap:.2e}"
+
+
+class _Waves:
+    """Requests for `Generator.serve`: the first half of `prompts` at once, the rest once the first
+    answer is given (as an episode's next turn arrives while others decode)."""
+
+    def __init__(self, prompts: list[list[int]], pad_id: int, device: torch.device):
+        half = len(prompts) // 2
+        self.waiting = [list(enumerate(prompts))[:half], list(enumerate(prompts))[half:]]
+        self.pad_id, self.device = pad_id, device
+        self.answers: dict[int, Completion] = {}
+
+    def arrived(self, wait: bool) -> list[tuple[Any, list[int]]]:
+        if self.waiting and (len(self.waiting) == 2 or self.answers or wait):
+            return self.waiting.pop(0)
+        return []
+
+    def completed(self, key: Any, completion: Completion) -> None:
+        assert key not in self.answers, f"request {key} was answered twice"
+        self.answers[key] = completion
 
 
 # --- episode kinds -----------------------------------------------------------------------------
