@@ -168,6 +168,23 @@ def test_two_process_run_writes_once_and_resumes_exactly(recipe_document, write_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("barrier", [True, False], ids=["turn-barrier", "as-ready"])
+def test_two_fsdp_processes_play_episodes_of_uneven_lengths(recipe_document, write_recipe, tmp_path, barrier):
+    """Multi-turn episodes under FSDP: every process gathers the weights once a rollout, however
+    many turns and generations its own episodes take (with the barrier and without, where each
+    process serves its turns as they come), so neither waits on a gather the other never makes."""
+    from tests.test_episodes import ending_model, episode_document
+
+    output_dir = tmp_path / "run"
+    episode_document(recipe_document, ending_model(tmp_path / "ending"), turn_barrier=barrier)
+    recipe_document["run"].update({"output_dir": str(output_dir), "steps": 2})
+    torchrun(str(FSDP_ON_CPU), "rlkit", "run", write_recipe(recipe_document), "--quiet", environment=fsdp_on_cpu.launch_environment())
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows if "score/mean" in row] == [1, 2]
+    assert all(row["env/turns"] > 1 for row in rows if "score/mean" in row)
+
+
+@pytest.mark.slow
 def test_two_fsdp_processes_checkpoint_their_shards_and_resume_exactly(recipe_document, write_recipe, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -36,7 +36,7 @@ import torch
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.chat_format import ChatFormat, TemplateAudit, audit, episode_format
 from rlkit_core.errors import RecipeError, RunError
-from rlkit_core.interfaces import Completion, Environment
+from rlkit_core.interfaces import Completion, Environment, Generator
 from rlkit_core.messages import STATUSES, TRAINED_STATUSES, Reply, Reset, Step
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
@@ -175,7 +175,7 @@ class EpisodeRunner:
             return [("stopped", None)] * len(calls)
 
     def _play(self, records: list[dict], groups: list[int], seeds: list[int], greedy: bool = False) -> list[Episode]:
-        from rlkit_core.runtime.rollout import generate, sampling
+        from rlkit_core.runtime.rollout import sampling
 
         episodes = [Episode(record=r, group=g) for r, g in zip(records, groups)]
         timings = {"generate": 0.0, "environment": 0.0}
@@ -195,26 +195,14 @@ class EpisodeRunner:
             episode.samples.append(Sample(prompt=self.format.opening(episode.messages, episode.tools), messages=list(episode.messages)))
             if not self.room_for_a_turn(episode.sample):
                 self._opening_overflow(episode)
-        if not self.settings.turn_barrier:
-            self._play_as_ready(sampling, episodes, greedy, timings)
-        for turn in range(1, self.settings.max_turns + 1):
-            for episode in episodes:
-                if episode.status is None and not self.room_for_a_turn(episode.sample):
-                    episode.finish("overflow")
-            running = [e for e in episodes if e.status is None]
-            if not running:
-                break
-            began = time.perf_counter()
-            generation = self._generate(generate, running, greedy, sync=turn == 1)
-            timings["generate"] += time.perf_counter() - began
-            for episode, completion in zip(running, generation.completions()):
-                self._take_turn(episode, completion, turn)
-            replying = [e for e in running if e.status is None]
-            began = time.perf_counter()
-            steps = self._call([(self.environment.step, (e.state, e.reply)) for e in replying], "step")
-            timings["environment"] += time.perf_counter() - began
-            for episode, (status, step) in zip(replying, steps):
-                self._answer(episode, status, step, last_turn=turn == self.settings.max_turns)
+        ready = [e for e in episodes if e.status is None]
+        # one block for the rollout in every process, whatever its episodes do: under FSDP entering
+        # it gathers the weights (a collective), and the weights do not change within a rollout
+        with sampling(self.engine, self.components, [self._padded(ready)] if ready else []) as generator:
+            if self.settings.turn_barrier:
+                self._play_in_turns(generator, episodes, greedy, timings)
+            elif ready:
+                self._play_as_ready(generator, ready, greedy, timings)
         for episode in episodes:
             if episode.status is None:
                 episode.finish("ok")
@@ -225,19 +213,37 @@ class EpisodeRunner:
         self.hung_calls = self.calls.hung
         return episodes
 
-    def _play_as_ready(self, sampling, episodes: list[Episode], greedy: bool, timings: dict[str, float]) -> None:
+    def _play_in_turns(self, generator: Generator, episodes: list[Episode], greedy: bool, timings: dict[str, float]) -> None:
+        """Every episode's turns with the barrier: each turn, every running episode is generated in
+        one call, then every environment answers."""
+        for turn in range(1, self.settings.max_turns + 1):
+            for episode in episodes:
+                if episode.status is None and not self.room_for_a_turn(episode.sample):
+                    episode.finish("overflow")
+            running = [e for e in episodes if e.status is None]
+            if not running:
+                break
+            began = time.perf_counter()
+            generation = generator.generate(*self._padded(running), greedy=greedy)
+            timings["generate"] += time.perf_counter() - began
+            for episode, completion in zip(running, generation.completions()):
+                self._take_turn(episode, completion, turn)
+            replying = [e for e in running if e.status is None]
+            began = time.perf_counter()
+            steps = self._call([(self.environment.step, (e.state, e.reply)) for e in replying], "step")
+            timings["environment"] += time.perf_counter() - began
+            for episode, (status, step) in zip(replying, steps):
+                self._answer(episode, status, step, last_turn=turn == self.settings.max_turns)
+
+    def _play_as_ready(self, generator: Generator, ready: list[Episode], greedy: bool, timings: dict[str, float]) -> None:
         """Every episode's turns without a barrier across episodes (`turn_barrier = false`): each turn
         is a request to the generator's `serve` as soon as its episode's environment has answered,
         and each step goes to the environment's pool as soon as its turn is sampled. The time the
         generator waited with nothing to decode is counted as the environment's, the rest as
         generating."""
-        ready = [e for e in episodes if e.status is None]
-        if not ready:
-            return
         turns = TurnRequests(self, ready)
         began = time.perf_counter()
-        with sampling(self.engine, self.components, [self._padded(ready)]) as generator:
-            generator.serve(turns, greedy)
+        generator.serve(turns, greedy)
         timings["generate"] += time.perf_counter() - began - turns.waited
         timings["environment"] += turns.waited
 
@@ -310,12 +316,6 @@ class EpisodeRunner:
         self._say_once("opening", text)
         episode.samples[-1] = self._unplayed(episode.sample.prompt)
         episode.finish("overflow")
-
-    def _generate(self, generate, running: list[Episode], greedy: bool, sync: bool):
-        """The next turn of every running episode, from its sample's stream so far; the weights are
-        synced into the generator before the first turn only (they do not change within a rollout)."""
-        [generation] = generate(self.engine, self.components, [self._padded(running)], greedy, sync=sync)
-        return generation
 
     def _padded(self, running: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
         """The running episodes' streams so far (prompt and sample), left-padded: (ids, mask) on the device."""
