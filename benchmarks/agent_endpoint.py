@@ -5,6 +5,7 @@ game played by an OpenAI-client agent (examples/agents/guess_number.py) through 
     python benchmarks/agent_endpoint.py                               # 40 iterations, seed 0, in-process and agent
     python benchmarks/agent_endpoint.py --steps 120 --seeds 0,1,2     # the recipe's whole run, 3 seeds
     python benchmarks/agent_endpoint.py --variants agent,paid-at-end --steps 20 --eval-every 10
+    python benchmarks/agent_endpoint.py --variants agent,paid-at-end --no-turn-barrier   # episodes that never wait
 
 The variants:
 - `in-process`: the recipe as shipped. The environment pays each wrong guess (-turn_cost) at its turn.
@@ -76,7 +77,7 @@ def paid_at_end_plugin() -> types.ModuleType:
     return module
 
 
-def document_for(variant: str, seed: int, steps: int, threads: int, eval_every: int | None, output_dir: str) -> dict:
+def document_for(variant: str, seed: int, steps: int, threads: int, eval_every: int | None, output_dir: str, barrier: bool = True) -> dict:
     import tomllib
 
     document = tomllib.loads(RECIPE.read_text())
@@ -90,10 +91,11 @@ def document_for(variant: str, seed: int, steps: int, threads: int, eval_every: 
                                    "max_episode_tokens": environment["max_episode_tokens"]}
     elif variant == "paid-at-end":
         environment["type"] = "guess-number-paid-at-end"
+    document["environment"]["turn_barrier"] = barrier
     return document
 
 
-def one_run(variant: str, seed: int, steps: int, threads: int, eval_every: int | None) -> dict:
+def one_run(variant: str, seed: int, steps: int, threads: int, eval_every: int | None, barrier: bool = True) -> dict:
     """Train `steps` iterations of `variant` in this process, evaluating as `rlkit run` does; its figures."""
     from rlkit_core.recipe.document import parse_recipe
     from rlkit_core.recipe.plugins import load_registry
@@ -101,7 +103,7 @@ def one_run(variant: str, seed: int, steps: int, threads: int, eval_every: int |
     from rlkit_core.runtime.trainer import Trainer
 
     extra = [("guess-number-paid-at-end", paid_at_end_plugin(), "bench", "0")] if variant == "paid-at-end" else []
-    document = document_for(variant, seed, steps, threads, eval_every, f"/tmp/rlkit-bench-agent/{variant}-{seed}")
+    document = document_for(variant, seed, steps, threads, eval_every, f"/tmp/rlkit-bench-agent/{variant}-{seed}", barrier)
     started = time.perf_counter()
     trainer = Trainer(parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=extra)))
     evaluator = evaluation.Evaluator(trainer.recipe, trainer.engine, trainer.components, trainer.context, trainer.prompts)
@@ -150,7 +152,8 @@ def one_run(variant: str, seed: int, steps: int, threads: int, eval_every: int |
 
 def run_child(variant: str, seed: int, args) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--one", variant, "--seeds", str(seed), "--steps", str(args.steps),
-               "--threads", str(args.threads)] + (["--eval-every", str(args.eval_every)] if args.eval_every is not None else [])
+               "--threads", str(args.threads)] + (["--eval-every", str(args.eval_every)] if args.eval_every is not None else []) + \
+        ([] if args.turn_barrier else ["--no-turn-barrier"])
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     if done.returncode != 0:
         raise SystemExit(f"the {variant} run of seed {seed} failed:\n{done.stderr[-3000:]}")
@@ -164,11 +167,13 @@ def main() -> None:
     parser.add_argument("--variants", default="in-process,agent", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (and OMP_NUM_THREADS) of each run")
     parser.add_argument("--eval-every", type=int, default=None, help="held-out evaluation every this many iterations (default: the recipe's)")
+    parser.add_argument("--no-turn-barrier", dest="turn_barrier", action="store_false",
+                        help="every variant with environment.turn_barrier = false (episodes that never wait on each other)")
     parser.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)  # run one variant in this process (the parent's child)
     args = parser.parse_args()
     seeds = [int(seed) for seed in args.seeds.split(",")]
     if args.one:
-        print(json.dumps(one_run(args.one, seeds[0], args.steps, args.threads, args.eval_every)), flush=True)
+        print(json.dumps(one_run(args.one, seeds[0], args.steps, args.threads, args.eval_every, args.turn_barrier)), flush=True)
         return
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):

@@ -15,6 +15,9 @@ token masks, like the hf generator's log-probs of its processed scores), `genera
 "vllm"` (no sampling defaults from the model's generation_config.json), and the models'
 `load_weights`, which take the names and layouts of a transformers checkpoint.
 
+Episodes' turns that do not wait on each other (`serve`) run on the engine's own step loop, each
+added between two steps, so that vLLM's scheduler puts it beside the requests already decoding.
+
 The engine sits behind `Engine`, so that a server mode (generation on other GPUs, weights pushed
 over a collective) can be a second implementation; only `InProcessEngine` exists today.
 """
@@ -38,10 +41,12 @@ import torch
 from packaging.version import InvalidVersion, Version
 
 from rlkit_core import (
+    Completion,
     Generation,
     Generator,
     PromptLengthLimit,
     RecipeError,
+    Requests,
     RunError,
     StandardSampling,
     at_least,
@@ -305,6 +310,11 @@ class Engine(Protocol):
         """counts[i] samples for prompts[i] (token ids, no padding); `greedy`: the likeliest tokens."""
         ...
 
+    def serve(self, requests: Requests, greedy: bool = False) -> None:
+        """`Generator.serve` on the engine: each arrival added to the running batch, each request
+        answered as it finishes."""
+        ...
+
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Consumes the pairs one at a time, every weight of the model among them."""
 
@@ -351,6 +361,25 @@ class InProcessEngine:
         requests = [{"prompt_token_ids": ids} for ids in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [[_sample(completion) for completion in output.outputs] for output in outputs]
+
+    def serve(self, requests, greedy=False):
+        """The engine's own step loop (as `LLM.generate` runs it), with requests added between
+        steps: vLLM's scheduler puts a newcomer in the next step's batch beside the running ones."""
+        from vllm.sampling_params import RequestOutputKind  # pyright: ignore[reportMissingImports] (an optional extra)
+
+        sampling = {**self.sampling, "temperature": 0.0} if greedy else self.sampling
+        engine, keys, count = self.llm.llm_engine, {}, 0
+        while True:
+            for key, ids in requests.arrived(wait=not keys):
+                name, count = f"rlkit-serve-{count}", count + 1
+                keys[name] = key
+                engine.add_request(name, {"prompt_token_ids": ids}, self._params(**sampling, n=1, output_kind=RequestOutputKind.FINAL_ONLY))
+            if not keys:
+                return
+            for output in engine.step():
+                if output.finished:
+                    sample = _sample(output.outputs[0])
+                    requests.completed(keys.pop(output.request_id), Completion(sample.token_ids, sample.logprobs))
 
     def load_weights(self, weights):
         """vLLM's own in-place reload (0.33.0: `model_executor/model_loader/reload/inplace.py`,
@@ -508,22 +537,35 @@ class VLLMGenerator(Generator):
         self._metrics["time/weight_sync"] = self._metrics.get("time/weight_sync", 0.0) + time.perf_counter() - started
 
     def generate(self, prompt_ids, prompt_mask, greedy: bool = False) -> Generation:
-        if not self._pushed:
-            self.sync_weights(self.policy)
-        if self._asleep:  # level 1 kept the weights
-            self.engine.wake_up()
-            self._asleep = False
+        self._awake()
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         # vLLM refuses n > 1 at temperature 0, and greedy copies would all be alike anyway
         unique, counts = (prompts, [1] * len(prompts)) if greedy else repeat_runs(prompts)
         step = self.config.batch_size or max(1, len(unique))  # prompts per engine call (0: all at once)
         samples = [sample for start in range(0, len(unique), step)
                    for group in self.engine.generate(unique[start:start + step], counts[start:start + step], greedy) for sample in group]
+        self._to_sleep()
+        return to_generation(samples, self.policy.eos_token_ids, self.policy.tokenizer.pad_token_id, self.device)
+
+    def serve(self, requests: Requests, greedy: bool = False) -> None:
+        self._awake()
+        self.engine.serve(requests, greedy)
+        self._to_sleep()
+
+    def _awake(self) -> None:
+        """The engine holds the policy's weights and its KV cache, before it samples."""
+        if not self._pushed:
+            self.sync_weights(self.policy)
+        if self._asleep:  # level 1 kept the weights
+            self.engine.wake_up()
+            self._asleep = False
+
+    def _to_sleep(self) -> None:
+        """With `sleep_level`, the engine frees its memory for the update once it has sampled."""
         if self.config.sleep_level:
             self.engine.sleep(self.config.sleep_level)
             self._asleep = True
             self._pushed = self.config.sleep_level == 1  # level 2 drops the weights
-        return to_generation(samples, self.policy.eos_token_ids, self.policy.tokenizer.pad_token_id, self.device)
 
     def score(self, ids: list[int]) -> list[float]:
         return self.engine.score(ids)

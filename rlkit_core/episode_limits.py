@@ -28,9 +28,9 @@ class StandardEpisode:
                                 validator=greater_than(0), kw_only=True)
     turn_barrier: bool = setting(True, help="true: each turn, every running episode is generated at once, after every environment has "
                                             "answered the turn before (runs repeat to the last digit); false: an episode's next turn is "
-                                            "generated as soon as its environment answers, joining the decoding in progress (hf) or the "
-                                            "next batch (vllm), so a slow step holds only its own episode (which episodes share a "
-                                            "generation then depends on timing, so runs do not repeat exactly)", kw_only=True)
+                                            "generated as soon as its environment answers, joining the decoding in progress, so a slow "
+                                            "step holds only its own episode (which episodes share a generation then depends on timing, "
+                                            "so runs do not repeat exactly)", kw_only=True)
     chat_format: ComponentChoice | None = nested_component(
         "chat_format", help="how messages become tokens: 'template' (the tokenizer's chat template), 'plain' (text lines), another "
                             "registered format, or 'auto' (the template when the tokenizer has one)", default_type="auto", kw_only=True)

@@ -207,6 +207,43 @@ def test_greedy_with_repeated_prompts_matches_transformers_greedy(policy, genera
     assert torch.equal(ours.response_ids, hf.response_ids) and torch.equal(ours.response_mask, hf.response_mask)
 
 
+class TwoWaves:
+    """Requests for `serve`: the first texts at once, the rest at the next call, while the first
+    decode (noting whether any was still running then)."""
+
+    def __init__(self, policy, first: list[str], then: list[str]):
+        encode = policy.tokenizer
+        self.waves = [[(text, encode(text)["input_ids"]) for text in texts] for texts in (first, then)]
+        self.pad_id, self.device = policy.tokenizer.pad_token_id, torch.device("cpu")
+        self.answers, self.first_size, self.joined_running = {}, len(first), None
+
+    def arrived(self, wait):
+        if not self.waves:
+            return []
+        if len(self.waves) == 1:  # the second wave: is any of the first still decoding?
+            self.joined_running = len(self.answers) < self.first_size
+        return self.waves.pop(0)
+
+    def completed(self, key, completion):
+        assert key not in self.answers
+        self.answers[key] = completion
+
+
+def test_served_requests_join_the_running_batch_and_answer_as_generate_would(policy, generator):
+    """`serve` on the engine's step loop: a second wave of requests is added while the first
+    decodes, every request is answered once, and greedy answers are generate's, ids and log-probs."""
+    first, then = ["the quick", "summarise the document:"], ["hello world", "abc", "x"]
+    waves = TwoWaves(policy, first, then)
+    generator.sync_weights(policy)
+    generator.serve(waves, greedy=True)
+    assert waves.joined_running is True and sorted(waves.answers) == sorted(first + then)
+    prompt_ids, prompt_mask = _prompts(policy, first + then)
+    reference = generator.generate(prompt_ids, prompt_mask, greedy=True).completions()
+    for text, expected in zip(first + then, reference):
+        assert waves.answers[text].ids == expected.ids
+        assert waves.answers[text].logprobs == pytest.approx(expected.logprobs, abs=LOGPROB_TOLERANCE)
+
+
 def test_the_trainers_autocast_does_not_reach_the_engine(policy, generator):
     """`mixed_precision = "bf16"` on a CPU: the trainer generates inside its autocast, unless the
     generator runs its own precision (`runs_own_precision`, which vLLM sets)."""

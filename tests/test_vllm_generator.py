@@ -451,6 +451,10 @@ class StandInEngine:
     def wake_up(self, tags=None):
         self.calls.append(f"wake_up({','.join(tags)})" if tags else "wake_up")
 
+    def serve(self, requests, greedy=False):
+        self.calls.append("serve")
+        self.sampler.serve(requests, greedy)
+
     def generate(self, prompts, counts, greedy=False):
         self.calls.append(f"generate({counts})")
         rows = [prompt for prompt, count in zip(prompts, counts) for _ in range(count)]
