@@ -17,7 +17,9 @@ decide, never a render; the block ends before the weights change, and the kept c
 
 `serve` (the turns of episodes that do not wait on each other) runs one decoding loop for the whole
 rollout: between two steps it prefills the prompts that arrived meanwhile and joins them to the
-running rows (continuous batching), and answers each row the step it ends, so that its episode's
+running rows (continuous batching) once they are as many as the rows running, or none runs (a join
+is a prefill pass and a copy of the running cache: one per arrival cost more than it saved on a
+CPU, benchmarks/README.md), and answers each row the step it ends, so that its episode's
 environment step starts while the others decode on.
 
 The random draws of `generate` are generate's: `torch.multinomial(probs, 1)` draws one exponential variate per
@@ -217,8 +219,9 @@ class HFGenerator(Generator):
 
     def _serve(self, model, config, requests: Requests, greedy: bool, cache_name: str, options: dict[str, Any]) -> None:
         """The continuous decoding loop: each pass feeds the running rows their last token, prefills
-        the prompts that arrived, joins both into one cache, samples a token for every row, and
-        answers and drops the rows that ended. Row i of the cache, mask and positions is `keys[i]`."""
+        the prompts that arrived (once they are as many as the running rows), joins both into one
+        cache, samples a token for every row, and answers and drops the rows that ended. Row i of
+        the cache, mask and positions is `keys[i]`."""
         ends = torch.tensor(self.policy.eos_token_ids, device=requests.device)
         keys: list[Any] = []
         prompts: list[list[int]] = []  # the rows' prompt ids, under which their caches are kept
@@ -226,10 +229,14 @@ class HFGenerator(Generator):
         logprobs: list[list[float]] = []
         cache: Any = None
         mask = positions = steps = chosen = torch.empty(0)
+        waiting: list[tuple[Any, list[int]]] = []  # arrived, not yet joined
         while True:
-            arrived = requests.arrived(wait=not keys)
-            if not arrived and not keys:
+            waiting += requests.arrived(wait=not keys and not waiting)
+            if not waiting and not keys:
                 return
+            # newcomers join once they are as many as the rows running (or none runs): each join is a
+            # prefill pass and a copy of the running rows' cache, not worth paying for every one
+            arrived, waiting = (waiting, []) if len(waiting) >= len(keys) else ([], waiting)
             if keys:
                 logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, **options, **{cache_name: cache}).logits[:, -1]
                 self.positions = (self.positions[0] + len(keys), self.positions[1] + len(keys))

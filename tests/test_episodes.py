@@ -19,6 +19,7 @@ from rlkit_core.interfaces import Environment, Generation, Generator
 from rlkit_core.messages import Reset, Step
 from rlkit_core.runtime.episodes import EnvironmentFault, Episode, Sample, episodes_batch
 from rlkit_core.testing.offline_models import write_tiny_model
+from tests.test_hf_generator_loop import lift_logits
 from tests.test_loss_mask import changed_outside_the_loss_mask, loss_and_gradients
 from tests.test_trainer import advantages_with, compare_with, make_trainer, rollout_with, update_with
 
@@ -305,13 +306,28 @@ def test_without_a_turn_barrier_steps_run_in_the_pool_and_no_thread_more(recipe_
     assert rows[True] == rows[False]
 
 
-def test_without_a_turn_barrier_hf_serves_every_turn_in_one_decoding_loop(recipe_document, builtin_registry, ending_tiny_model):
+@pytest.mark.parametrize("style", ["byt5", "qwen3"])
+def test_without_a_turn_barrier_hf_serves_every_turn_in_one_decoding_loop(recipe_document, builtin_registry, ending_tiny_model, tmp_path,
+                                                                          style):
     """On `hf`, episodes without a barrier are requests to one decoding loop (`serve`), never a
-    `generate` call: greedy, every row is the barrier's to the token, and the later turns continue
-    their episode's kept cache there too."""
+    `generate` call: greedy, every row is the barrier's to the token (on the byte-level toy, and on
+    a Qwen-style BPE with Qwen3's real template), and the later turns continue their episode's kept
+    cache there too."""
+    model = ending_tiny_model
+    if style == "qwen3":
+        from transformers import AutoTokenizer
+
+        from tests.test_chat_format import qwen3_template
+
+        model = write_tiny_model(tmp_path / "qwen3", "chatml")
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer.chat_template = qwen3_template()
+        tokenizer.save_pretrained(model)
     rows, reused = {}, {}
     for barrier in (True, False):
-        trainer = make_trainer(episode_document(copy.deepcopy(recipe_document), ending_tiny_model, turn_barrier=barrier), builtin_registry)
+        trainer = make_trainer(episode_document(copy.deepcopy(recipe_document), model, turn_barrier=barrier), builtin_registry)
+        if style == "qwen3":  # a turn ends after a token or three: <|im_end|>'s logit raised
+            lift_logits(trainer.components.policy, trainer.components.policy.eos_token_ids, 4.0)
         if not barrier:
             trainer.components.generator.generate = None  # serve's loop samples every turn itself
         batch, metrics = rollout_with(trainer, trainer.stream.batch(0), greedy=True)

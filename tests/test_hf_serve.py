@@ -1,6 +1,6 @@
-"""The `hf` generator's `serve`: one decoding loop for requests that arrive while it runs. A request
-that arrives mid-decode joins the running rows at the next step, each row is answered the step it
-ends, and every answer is what a `generate` call of that prompt alone gives (greedy: the same ids,
+"""The `hf` generator's `serve`: one decoding loop for requests that arrive while it runs. Requests
+that arrive mid-decode join the running rows at the next step once they are as many (or none runs),
+each row is answered the step it ends, and every answer is what a `generate` call of that prompt alone gives (greedy: the same ids,
 log-probs to float error), on the byte-level toy and on real-style tokenizers."""
 
 from __future__ import annotations
@@ -74,6 +74,25 @@ def test_a_request_arriving_mid_decode_joins_the_running_rows_and_leaves_first(m
         reference = alone(policy, prompt, greedy=True, max_new_tokens=8)
         assert answers[key].ids == reference.ids
         assert answers[key].logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("late", [1, 2])
+def test_newcomers_join_once_they_are_as_many_as_the_rows_running(models, late):  # noqa: F811
+    """Two rows decoding to the limit; one newcomer waits for them to end (a join costs a prefill
+    pass and a copy of the running cache), two join at the next step and end first."""
+    policy = make_policy(models, "gpt2")
+    follow_script(policy)
+    running = [("a", [50, FOREVER]), ("b", [51, 52, FOREVER])]
+    newcomers = [(f"late{i}", [53 + i, COUNTDOWN[1]]) for i in range(late)]
+    arrivals = Arrivals({0: running, 2: newcomers}, policy.tokenizer.pad_token_id)
+    make_generator(policy, max_new_tokens=8).serve(arrivals, greedy=True)
+    assert all(arrivals.answers[key].ids == [FOREVER] * 8 for key, _ in running)
+    for key, _ in newcomers:
+        assert arrivals.answers[key].ids == [COUNTDOWN[0], policy.eos_token_ids[-1]]
+        if late == 1:  # joined when the two had ended: answered two passes after them
+            assert arrivals.answered_at[key] == arrivals.answered_at["a"] + 2
+        else:
+            assert arrivals.answered_at[key] < arrivals.answered_at["a"]
 
 
 def test_sampled_logprobs_are_the_policys_and_a_late_row_holds_its_own_ends_back(models):  # noqa: F811
