@@ -38,7 +38,7 @@ import attrs
 import torch
 
 from rlkit_core import Completion, Generation, Generator, Requests, StandardSampling, hookimpl
-from rlkit_core.functional import response_mask
+from rlkit_core.functional import left_padded, response_mask
 
 # The prefill runs the prompts in groups of similar length, with at most this share of a group's
 # positions padding: a few more forward passes instead of computing a ragged batch's padding.
@@ -264,7 +264,7 @@ class HFGenerator(Generator):
             logprob = torch.log_softmax(scores, dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
             steps = steps + 1
             ended = torch.isin(chosen, ends) | (steps >= self.config.max_new_tokens)
-            for row, (token, value) in enumerate(zip(chosen.tolist(), logprob.tolist())):  # the step's one read from the device
+            for row, (token, value) in enumerate(zip(chosen.tolist(), logprob.tolist())):  # the step's tokens read from the device
                 tokens[row].append(token)
                 logprobs[row].append(value)
             if ended.any():
@@ -290,14 +290,8 @@ class HFGenerator(Generator):
         """The arrived prompts prefilled (after the kept streams they continue, inside
         `continuing_streams`): their last-position logits, cache and mask, and the order of the
         prompts in them."""
-        width = max(len(ids) for ids in prompts)
-        prompt_ids = torch.full((len(prompts), width), requests.pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            prompt_ids[row, width - len(ids):] = torch.tensor(ids)
-            prompt_mask[row, width - len(ids):] = 1
         continued = self._continued(prompts) if self.kept is not None else {}
-        logits, cache, order, mask = self._prefill(model, config, prompt_ids.to(requests.device), prompt_mask.to(requests.device), options,
+        logits, cache, order, mask = self._prefill(model, config, *left_padded(prompts, requests.pad_id, requests.device), options,
                                                    cache_name, continued, joins=True)
         return logits, cache, mask, order.tolist()
 

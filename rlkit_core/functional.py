@@ -30,6 +30,17 @@ def response_mask(response_ids: torch.Tensor, eos_token_ids) -> torch.Tensor:
     return (ends_before == 0).long()
 
 
+def left_padded(rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as one left-padded batch: (ids, attention mask), each [len(rows), longest]."""
+    width = max(len(ids) for ids in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, tokens in enumerate(rows):
+        ids[row, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, width - len(tokens):] = 1
+    return ids.to(device), mask.to(device)
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of x over mask != 0 entries; x and mask broadcast. dim=None sums everything to a scalar.
 

@@ -27,6 +27,7 @@ import torch
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.chat_format import ChatFormat
 from rlkit_core.episode_limits import StandardEpisode
+from rlkit_core.functional import left_padded
 from rlkit_core.messages import Reply, Reset, Step
 from rlkit_core.settings import PolicySettings, SamplingSettings
 from rlkit_core.surrogates import Surrogate
@@ -399,13 +400,7 @@ class Generator(ComponentBase):
         whole rollout. By default the requests that arrived together are one `generate` call; a
         generator that joins newcomers into its running decode (continuous batching) overrides it."""
         while arrived := requests.arrived(wait=True):
-            width = max(len(ids) for _, ids in arrived)
-            prompt_ids = torch.full((len(arrived), width), requests.pad_id, dtype=torch.long)
-            prompt_mask = torch.zeros((len(arrived), width), dtype=torch.long)
-            for row, (_, ids) in enumerate(arrived):
-                prompt_ids[row, width - len(ids):] = torch.tensor(ids)
-                prompt_mask[row, width - len(ids):] = 1
-            generation = self.generate(prompt_ids.to(requests.device), prompt_mask.to(requests.device), greedy=greedy)
+            generation = self.generate(*left_padded([ids for _, ids in arrived], requests.pad_id, requests.device), greedy=greedy)
             for (key, _), completion in zip(arrived, generation.completions()):
                 requests.completed(key, completion)
 

@@ -20,6 +20,7 @@ from rlkit_core.functional import (
     importance_weights,
     kl_per_token,
     leave_one_out,
+    left_padded,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
@@ -461,3 +462,10 @@ def test_gae_with_lam_per_turn_fades_credit_by_turns_not_tokens():
     per_token, _ = gae(rewards, torch.zeros_like(values), mask, 1.0, 0.5)
     torch.testing.assert_close(per_turn, torch.tensor([[0.5, 0.5, 0.0, 1.0, 1.0]]))
     torch.testing.assert_close(per_token, torch.tensor([[0.125, 0.25, 0.0, 0.5, 1.0]]))
+
+
+def test_left_padded_puts_each_row_at_the_right_edge():
+    ids, mask = left_padded([[5, 6, 7], [8], [9, 10]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+    assert ids.dtype == mask.dtype == torch.long

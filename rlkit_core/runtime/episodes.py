@@ -36,6 +36,7 @@ import torch
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.chat_format import ChatFormat, TemplateAudit, audit, episode_format
 from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.functional import left_padded
 from rlkit_core.interfaces import Completion, Environment, Generator
 from rlkit_core.messages import STATUSES, TRAINED_STATUSES, Reply, Reset, Step
 from rlkit_core.recipe.assemble import Components
@@ -319,15 +320,7 @@ class EpisodeRunner:
 
     def _padded(self, running: list[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
         """The running episodes' streams so far (prompt and sample), left-padded: (ids, mask) on the device."""
-        streams = [e.sample.prompt + e.sample.ids for e in running]
-        width = max(len(s) for s in streams)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((len(streams), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(streams), width), dtype=torch.long)
-        for row, stream in enumerate(streams):
-            ids[row, width - len(stream):] = torch.tensor(stream)
-            mask[row, width - len(stream):] = 1
-        return ids.to(self.engine.device), mask.to(self.engine.device)
+        return left_padded([e.sample.prompt + e.sample.ids for e in running], self.tokenizer.pad_token_id, self.engine.device)
 
     def _take_turn(self, episode: Episode, completion: Completion, turn: int) -> None:
         """Append what the generator sampled for `episode`, verbatim; end it when the turn was cut
