@@ -481,6 +481,27 @@ def test_batches_made_one_step_off_on_an_engine_of_their_own(recipe_document, by
     assert rows[0].metrics["check/logprob_gap"] < LOGPROB_TOLERANCE
 
 
+def test_a_plugins_batch_source_samples_with_the_vllm_generator(recipe_document, byte_model):
+    """`[batch_source]` from a third party's module (examples/batch_sources/rollout_log.py) on the
+    vllm generator: the weights are pushed before every batch it takes, the sampler's log-probs are
+    the learner's, and every row is written where the plugin says."""
+    from tests.test_batch_sources import rollout_log_registry
+    from tests.test_trainer import make_trainer
+
+    recipe_document["policy"]["model"] = str(byte_model)
+    recipe_document["run"]["device"] = "cpu"
+    recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8, "gpu_memory_fraction": 0.02}
+    recipe_document["batch_source"] = {"type": "rollout-log", "path": "log/rows.jsonl"}
+    trainer = make_trainer(recipe_document, rollout_log_registry())
+    try:
+        rows = [trainer.step() for _ in range(2)]
+    finally:
+        trainer.close()
+    assert all(row["time/weight_sync"] > 0 and row["check/logprob_gap"] < LOGPROB_TOLERANCE for row in rows)
+    logged = [json.loads(line) for line in (Path(recipe_document["run"]["output_dir"]) / "log" / "rows.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in logged] == [i for i in (1, 2) for _ in range(16)]
+
+
 def test_an_agent_plays_its_episodes_through_the_endpoint_on_vllm(recipe_document, byte_model, tmp_path, capsys):
     """The `agent` environment on the vllm generator, run by the rlkit command: an agent written
     against the openai package (tests/agent_harnesses.py's talk_and_tell) plays every episode, three
