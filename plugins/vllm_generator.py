@@ -368,12 +368,13 @@ class InProcessEngine:
         from vllm.sampling_params import RequestOutputKind  # pyright: ignore[reportMissingImports] (an optional extra)
 
         sampling = {**self.sampling, "temperature": 0.0} if greedy else self.sampling
+        params = self._params(**sampling, n=1, output_kind=RequestOutputKind.FINAL_ONLY)  # vLLM copies them per request
         engine, keys, count = self.llm.llm_engine, {}, 0
         while True:
             for key, ids in requests.arrived(wait=not keys):
                 name, count = f"rlkit-serve-{count}", count + 1
                 keys[name] = key
-                engine.add_request(name, {"prompt_token_ids": ids}, self._params(**sampling, n=1, output_kind=RequestOutputKind.FINAL_ONLY))
+                engine.add_request(name, {"prompt_token_ids": ids}, params)
             if not keys:
                 return
             for output in engine.step():

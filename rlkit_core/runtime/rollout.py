@@ -61,25 +61,23 @@ def rollout(engine: RolloutEngine, components: Components, recipe: Recipe, recor
 
 
 @contextlib.contextmanager
-def sampling(engine: RolloutEngine, components: Components, prompts: list[tuple[torch.Tensor, torch.Tensor]], sync: bool = True):
+def sampling(engine: RolloutEngine, components: Components, prompts: list[tuple[torch.Tensor, torch.Tensor]]):
     """A block in which the generator samples from the current weights: read whole (FSDP gathers
     them in every process), synced once into an engine of its own (vLLM last saw them before the
     last update), under the run's mixed precision unless the generator runs its own
     (`Generator.runs_own_precision`). `prompts`: the first (ids, mask) chunks it will sample for
-    (the weight push's probe comes from them). `sync` False: the generator already has these
-    weights (an episode's later turns), so its prefix cache is kept."""
+    (the weight push's probe comes from them). A rollout's episodes play every turn in one block."""
     with engine.full_weights():
-        if sync:
-            components.generator.sync_weights(components.policy)
-            engine.push_check.after_push(engine, components.generator, components.policy, prompts)
+        components.generator.sync_weights(components.policy)
+        engine.push_check.after_push(engine, components.generator, components.policy, prompts)
         with contextlib.nullcontext() if type(components.generator).runs_own_precision else engine.autocast():
             yield components.generator
 
 
-def generate(engine: RolloutEngine, components: Components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool,
-             sync: bool = True) -> list[Generation]:
+def generate(engine: RolloutEngine, components: Components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool
+             ) -> list[Generation]:
     """The generator's output for each (prompt ids, mask) chunk, from the current weights (`sampling`)."""
-    with sampling(engine, components, prompts, sync) as generator:
+    with sampling(engine, components, prompts) as generator:
         return [generator.generate(ids, mask, greedy=greedy) for ids, mask in prompts]
 
 
