@@ -18,8 +18,8 @@ token masks, like the hf generator's log-probs of its processed scores), `genera
 Episodes' turns that do not wait on each other (`serve`) run on the engine's own step loop, each
 added between two steps, so that vLLM's scheduler puts it beside the requests already decoding.
 
-The engine sits behind `Engine`, so that a server mode (generation on other GPUs, weights pushed
-over a collective) can be a second implementation; only `InProcessEngine` exists today.
+The engine sits behind `Engine`: `InProcessEngine` here, or `ServerEngine` (plugins/vllm_server.py,
+`engine = "server"`), vllm serve processes driven over HTTP, started by rlkit or already running.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import random
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 import attrs
@@ -59,6 +60,8 @@ from rlkit_core import (
     setting,
 )
 from rlkit_core.functional import response_mask
+
+from .vllm_server import ServerEngine, start_servers
 
 # The tested range (pyproject's extras pin the same): the layerwise reload module and
 # `wake_up(tags)` are in both; 0.34 is not out.
@@ -95,6 +98,18 @@ class VLLMGeneratorConfig(StandardSampling):
     max_model_len: int = setting(
         0, help="longest prompt + response the engine plans its KV cache for (0: data.max_prompt_tokens + max_new_tokens, else the model's context)",
         validator=at_least(0))
+    engine: str = setting("in-process", help="where the engine runs: in-process (in the trainer's process) or server "
+                          "(vllm serve processes driven over HTTP: started here, or the running ones at server_urls)",
+                          validator=one_of("in-process", "server"))
+    server_urls: list[str] = setting(factory=list, help="with engine = server: base URLs of running vllm serve processes "
+                                     "(VLLM_SERVER_DEV_MODE=1, --enable-scale-out); empty: rlkit starts `servers` of them here")
+    servers: int = setting(1, help="with engine = server and no server_urls: how many vllm serve processes rlkit starts on this machine",
+                           validator=greater_than(0))
+    weights_dir: str = setting("", help="with engine = server: the directory each push is written to and the servers reload "
+                               "from, at the same path on their machines (a shared filesystem); empty: a temporary directory "
+                               "(servers rlkit starts only)")
+    server_timeout: float = setting(600.0, help="with engine = server: seconds a started server may take to be ready, and any "
+                                    "request to a server to be answered", validator=greater_than(0))
 
 
 # --- which vLLM is installed, and what this machine lacks -----------------------------------------
@@ -142,7 +157,7 @@ def missing_here(config: VLLMGeneratorConfig, device: str = "auto") -> list[str]
         return [f"vLLM is not installed: {INSTALL} on Linux with a CUDA GPU (vLLM brings its own CUDA build of torch), "
                 f"or on a CPU: {INSTALL_CPU}"]
     problems = [p for p in [version_problem(found.version)] if p]
-    if os.environ.get(MULTIPROCESSING, "0") != "0":
+    if config.engine == "in-process" and os.environ.get(MULTIPROCESSING, "0") != "0":
         problems.append(f"{MULTIPROCESSING}={os.environ[MULTIPROCESSING]} is set: the engine core would run in another process, "
                         "where weight pushes cannot reach its model; unset it (the generator sets it to 0)")
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
@@ -239,17 +254,18 @@ def sampling_settings(config: VLLMGeneratorConfig, eos_token_ids: tuple[int, ...
 PEFT_PREFIX = "base_model.model."
 
 
-def vllm_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def vllm_weights(model: torch.nn.Module, untied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with the names `save_pretrained` writes, which is what vLLM's
     `load_weights` reads: a peft model's LoRA deltas folded into their base weights
     (`base_model.model.` prefix, `.base_layer.` and the `lora_A`/`lora_B` tensors gone, the
-    trained copy of `modules_to_save`), a tied tensor named once, FSDP2 shards gathered.
+    trained copy of `modules_to_save`), a tied tensor named once (`untied`: under each of its
+    names, for a checkpoint whose config unties them), FSDP2 shards gathered.
 
     Made one at a time: the receiver may free each before the next is made. Tied copies are
     known by the module tree (a parameter reached under a second name), never by a tensor's
     address: a merged or gathered tensor is a temporary, and once freed its address is reused."""
     deltas = _lora_deltas(model)
-    tied = _second_names(model)
+    tied = set() if untied else _second_names(model)
     for key, tensor in model.state_dict().items():
         if ".lora_" in key or ".original_module." in key or key in tied:
             continue
@@ -500,13 +516,17 @@ class VLLMGenerator(Generator):
         self.engine = engine or self._start_engine(context)
 
     def _start_engine(self, context) -> Engine:
-        problems = missing_here(self.config, context.device.type)
-        if problems:
-            raise RunError("the vllm generator cannot start here: " + "; ".join(problems))
-        if problems := recipe_problems(self.config, building_at(context, "generator")):
+        where = building_at(context, "generator")
+        if problems := recipe_problems(self.config, where, context.launch.processes, context.recipe):
             raise RecipeError(problems)
         model = self.policy.model
         base = model.get_base_model() if is_peft(model) else model
+        sampling = sampling_settings(self.config, self.policy.eos_token_ids, self.policy.suppressed_token_ids)
+        if self.config.server_urls:  # vLLM runs elsewhere: nothing of it is needed here
+            return ServerEngine(self.config.server_urls, sampling, Path(self.config.weights_dir), base.config, self.config.server_timeout)
+        problems = missing_here(self.config, context.device.type)
+        if problems:
+            raise RunError("the vllm generator cannot start here: " + "; ".join(problems))
         # config files only (the vocabulary as resized for the PAD token), kept while the engine lives
         self._model_dir = tempfile.TemporaryDirectory(prefix="rlkit-vllm-")
         base.config.save_pretrained(self._model_dir.name)
@@ -516,7 +536,9 @@ class VLLMGenerator(Generator):
         cpu_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if context.device.type == "cpu" else 0
         settings = engine_settings(self.config, self._model_dir.name, base.dtype, sampling_seed(context.seed, rank),
                                    max_model_len, context.launch.processes, cpu_memory)
-        sampling = sampling_settings(self.config, self.policy.eos_token_ids, self.policy.suppressed_token_ids)
+        if self.config.engine == "server":
+            return start_servers(settings, self.config.servers, vllm_weights(model, untied=True), base.config,
+                                 self.config.server_timeout, sampling, self.config.weights_dir)
         return InProcessEngine(settings, sampling, [context.device] if context.device.type == "cuda" else [])
 
     def sync_weights(self, policy) -> None:
@@ -529,7 +551,8 @@ class VLLMGenerator(Generator):
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 self.engine.wake_up(["weights"])
-            self.engine.load_weights(vllm_weights(policy.model))
+            # a server reloads a checkpoint with the tied head untied (plugins/vllm_server.py says why)
+            self.engine.load_weights(vllm_weights(policy.model, untied=self.config.engine == "server"))
             if self._asleep:
                 self.engine.wake_up(["kv_cache"])
                 self._asleep = False
@@ -579,15 +602,32 @@ class VLLMGenerator(Generator):
     def check(config: VLLMGeneratorConfig, recipe, where: str) -> tuple[list[str], list[str]]:
         """(problems, notes) of `rlkit check`: what cannot work anywhere is a problem; the vLLM
         found here and what this machine lacks are notes (the recipe may be meant for another)."""
+        if config.server_urls:
+            return recipe_problems(config, where, recipe=recipe), [f"generator: samples on the vllm serve processes at {', '.join(config.server_urls)}, "
+                                                    f"each push written to {config.weights_dir} for them to reload"]
         found = installed_vllm()
         notes = [f"generator: vLLM found: {found}"] if found else []
         notes += [f"generator: the vLLM engine, which this machine cannot run: {lack}"
                   for lack in missing_here(config, recipe.run.device)]
-        return recipe_problems(config, where), notes
+        return recipe_problems(config, where, recipe=recipe), notes
 
 
-def recipe_problems(config: VLLMGeneratorConfig, where: str) -> list[str]:
-    """What cannot work on any machine; `where` is the generator table's place."""
+def recipe_problems(config: VLLMGeneratorConfig, where: str, processes: int = 1, recipe=None) -> list[str]:
+    """What cannot work on any machine; `where` is the generator table's place, `processes` the
+    trainer's (torchrun, accelerate launch)."""
+    if config.server_urls and recipe is not None and recipe.scheduler.staleness_bound > 0:
+        return [f"{where}.server_urls with [scheduler] max_staleness = {recipe.scheduler.staleness_bound}: the batches made ahead "
+                "and the evaluation would push their own weights to the same servers while the other samples; leave out "
+                "server_urls (each generator then starts servers of its own) or run sync"]
+    if config.engine == "in-process" and (config.server_urls or config.weights_dir):
+        return [f"{where}.{'server_urls' if config.server_urls else 'weights_dir'} is for engine = \"server\"; "
+                "set engine = \"server\" to sample on vllm serve processes, or leave it out"]
+    if config.engine == "server" and config.server_urls and not config.weights_dir:
+        return [f"{where}.weights_dir: servers at server_urls reload each push from a directory they read; set weights_dir "
+                "to a path this machine writes and every server reads at the same path (a shared filesystem)"]
+    if config.engine == "server" and processes > 1:
+        return [f"{where}.engine = \"server\" under {processes} trainer processes: each would push its weights to the same "
+                "servers; run the trainer as one process, or use engine = \"in-process\" (an engine per process)"]
     if config.tensor_parallel_size > 1:
         return [f"{where}.tensor_parallel_size: {config.tensor_parallel_size} cannot work yet: the weight push hands vLLM "
                 "a function that reaches the model in this process, and with tensor parallelism the model lives in vLLM's "

@@ -71,8 +71,12 @@ def _policy(path, **options):
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
+    return pad_leaning_policy(tmp_path_factory.mktemp("gpt2-style"))
+
+
+def pad_leaning_policy(path: Path) -> HFPolicy:
     """Two end ids: the tokenizer's EOS and "," (common in the BPE's text); an added PAD, suppressed."""
-    policy = _policy(_write_model(tmp_path_factory.mktemp("gpt2-style"), layers=2, seed=0), end_tokens=[","])
+    policy = _policy(_write_model(path, layers=2, seed=0), end_tokens=[","])
     assert len(policy.eos_token_ids) == 2 and policy.suppressed_token_ids == (policy.tokenizer.pad_token_id,)
     with torch.no_grad():  # the PAD the likeliest token everywhere (only its suppression keeps it out), "," a likely one:
         torch.manual_seed(2)  # every final hidden state leans along u, and so do their rows of the (tied) lm_head
@@ -370,10 +374,13 @@ def _run(document, tmp_path, name) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def byte_model(tmp_path_factory):
+    return write_byte_model(tmp_path_factory.mktemp("byte-gpt2"))
+
+
+def write_byte_model(path: Path) -> Path:
     """The conftest model with 32-wide heads (vLLM's CPU attention has no 16-wide kernel)."""
     from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
 
-    path = tmp_path_factory.mktemp("byte-gpt2")
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=384, n_positions=128, n_embd=64, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1,
                                pad_token_id=0)).save_pretrained(path)
