@@ -188,6 +188,8 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--generator", default="hf", choices=["hf", "vllm"], help="vllm needs vLLM (its CUDA build and a GPU, or its CPU build)")
+    parser.add_argument("--vllm-engine", default="in-process", choices=["in-process", "server"],
+                        help="generator.engine: vLLM in this process, or a vllm serve process rlkit starts")
     parser.add_argument("--vllm-memory-fraction", type=float, default=0.3, help="generator.gpu_memory_fraction (on vLLM's CPU build: of the machine's memory)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="policy weights dtype")
     parser.add_argument("--gradient-checkpointing", action="store_true")
@@ -238,7 +240,7 @@ def main() -> None:
             "tracker": {"type": "none"},
         }
         if args.generator == "vllm":
-            document["generator"]["gpu_memory_fraction"] = args.vllm_memory_fraction
+            document["generator"].update(gpu_memory_fraction=args.vllm_memory_fraction, engine=args.vllm_engine)
         recipe = parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"}))
         counter = PositionCount()
         trainer = Trainer(recipe, observe=counter)
@@ -283,7 +285,7 @@ def main() -> None:
     report = {
         "system": "rlkit",
         "device": args.device,
-        "generator": args.generator,
+        "generator": args.generator + (f" ({args.vllm_engine})" if args.generator == "vllm" else ""),
         "dtype": args.dtype,
         "gradient_checkpointing": args.gradient_checkpointing,
         "threads": torch.get_num_threads(),

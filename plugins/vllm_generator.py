@@ -61,7 +61,7 @@ from rlkit_core import (
 )
 from rlkit_core.functional import response_mask
 
-from .vllm_server import ServerEngine, start_servers
+from .vllm_server import Sample, ServerEngine, start_servers
 
 # The tested range (pyproject's extras pin the same): the layerwise reload module and
 # `wake_up(tags)` are in both; 0.34 is not out.
@@ -311,12 +311,6 @@ def _checkpoint_name(key: str) -> str:
 
 
 # --- the engine seam -------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Sample:
-    token_ids: list[int]
-    logprobs: list[float]  # the sampler's log-prob of each token, at the recipe's temperature
 
 
 class Engine(Protocol):

@@ -43,6 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from rlkit_core import Completion, Requests, RunError
@@ -53,6 +54,15 @@ CHECKPOINT = "model.safetensors"
 HEALTH_POLL_S = 0.5
 ANSWER_POLL_S = 0.002  # how often `serve` looks for new requests while answers are pending
 LOG_TAIL = 2000  # characters of a started server's log quoted when it fails
+
+
+@attrs.frozen
+class Sample:
+    """One completion as either engine returns it (defined here, beside the server engine, because
+    the generator's module imports this one and a helper imports no plugin module)."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # the sampler's log-prob of each token, at the recipe's temperature
 
 
 def server_arguments(settings: dict, port: int) -> list[str]:
@@ -189,8 +199,6 @@ class ServerEngine:
                 "(docs/generators.md: a vLLM server as the generator)")
 
     def _sample(self, url: str, ids: list[int], count: int, greedy: bool) -> list:
-        from .vllm_generator import Sample  # the engine seam's type; imported here, as that module imports this one
-
         sampling = {**self.sampling, "temperature": 0.0} if greedy else self.sampling
         answer = self._post(url, "/inference/v1/generate", {"token_ids": ids, "sampling_params": {**sampling, "n": count}})
         return [Sample(token_ids=list(choice["token_ids"]), logprobs=[entry["logprob"] for entry in choice["logprobs"]["content"]])
