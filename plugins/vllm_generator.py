@@ -422,7 +422,7 @@ class InProcessEngine:
         """vLLM's prompt log-probs, which skip the sampling processors (0.33.0: `_get_prompt_logprobs_dict`
         in `v1/worker/gpu_model_runner.py`): the model's own, whatever the temperature. Greedy, so that
         the one token sampled draws nothing from the engine's random stream."""
-        params = self._params(**{**self.sampling, "temperature": 0.0, "max_tokens": 1}, prompt_logprobs=0)
+        params = self._params(**{**self.sampling, "temperature": 0.0, "max_tokens": 1, "min_tokens": 0}, prompt_logprobs=0)
         [output] = self.llm.generate([{"prompt_token_ids": ids}], [params], use_tqdm=False)
         return [output.prompt_logprobs[t][token].logprob for t, token in enumerate(ids) if t > 0]
 

@@ -232,7 +232,7 @@ class ServerEngine:
 
     def score(self, ids):
         """The server's prompt log-probs, which skip the sampling processors (the model's own)."""
-        params = {**self.sampling, "temperature": 0.0, "max_tokens": 1, "prompt_logprobs": 0}
+        params = {**self.sampling, "temperature": 0.0, "max_tokens": 1, "min_tokens": 0, "prompt_logprobs": 0}
         answer = self._post(self.urls[0], "/inference/v1/generate", {"token_ids": ids, "sampling_params": params})
         return [answer["prompt_logprobs"][t][str(token)]["logprob"] for t, token in enumerate(ids) if t > 0]
 

@@ -231,15 +231,19 @@ def test_turns_served_one_by_one_answer_as_a_batch_would(policy, served):
 
 
 @pytest.mark.vllm
-def test_the_push_check_catches_a_server_that_ignores_the_update(policy, served, monkeypatch):
+def test_the_push_check_catches_a_server_that_ignores_the_update(policy, running_server, tmp_path, monkeypatch):
     """The checkpoint is written but the server is never told to reload (a server that ignores the
     update): the first push after the policy moves stops the run (a 1e-3 step moves this sharp
-    model past the tolerance, so the first rule names it)."""
+    model past the tolerance, so the first rule names it). With `min_new_tokens`, which the probe's
+    one-token scoring request must not inherit (vLLM refuses a minimum above the maximum)."""
     from rlkit_plugins import vllm_server
 
     from rlkit_core.runtime import rollout
     from rlkit_core.runtime.push_check import WeightPushFailed
 
+    url, pushes = running_server
+    config = VLLMGeneratorConfig(**ENGINE, min_new_tokens=2, engine="server", server_urls=[url], weights_dir=str(pushes))
+    served = VLLMGenerator(config, _context(tmp_path, policy))
     prompts = [_prompts(policy, TEXTS)]
     engine, components = _generating_stage(policy, served)
     rollout.generate(engine, components, prompts, greedy=False)
