@@ -86,6 +86,9 @@ def one_run(name: str, seed: int, args, url: str | None) -> dict:
     # sequence, since per token it let the summarize recipe's KL run away at staleness 1 (docs/async.md)
     document["loss"].update(tis_cap=2.0, is_level="sequence")
     document["tracker"] = {"type": "none"}
+    if args.generator == "vllm-server":  # each generator (the trainer's, each worker's) on a vllm serve process of its own
+        document["run"]["device"] = "cpu"
+        document["generator"].update(type="vllm", engine="server", gpu_memory_fraction=0.02)
     registry = load_registry(environ={"RLKIT_PLUGINS": "none"}, extra_plugins=extra)
     trainer = Trainer(parse_recipe(document, registry))
     try:
@@ -112,6 +115,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--schedulers", default=",".join(SCHEDULERS))
+    parser.add_argument("--generator", choices=["recipe", "vllm-server"], default="recipe",
+                        help="vllm-server: the vllm generator on vllm serve processes (needs vLLM; on a CPU, its CPU build)")
     args = parser.parse_args()
     server, url = reward_server(args.delay) if args.task == "summarize" else (None, None)
     runs = []
@@ -128,7 +133,7 @@ def main() -> None:
     for name in dict.fromkeys(r["scheduler"] for r in runs):
         mine = [r for r in runs if r["scheduler"] == name]
         median = statistics.median(r["seconds_per_iteration"] for r in mine)
-        print(json.dumps({"summary": name, "task": args.task, "delay": args.delay, "seconds_per_iteration": round(median, 4),
+        print(json.dumps({"summary": name, "task": args.task, "generator": args.generator, "delay": args.delay, "seconds_per_iteration": round(median, 4),
                           "throughput_vs_sync": round(base / median, 3) if base else None,
                           **{key: [min(r[key] for r in mine), max(r[key] for r in mine)] for key in HELD_OUT[args.task]}}),
               file=sys.stdout, flush=True)

@@ -19,7 +19,8 @@ under its first owner only, so a tied head would go on with the weights it start
 Read against vLLM 0.32.0's source (CPU build, run in CI) and 0.33.0's: `entrypoints/scale_out/
 token_in_token_out` (the generate route and its `GenerateRequest`), `entrypoints/serve/dev/rpc`
 (`collective_rpc`: string arguments only), `entrypoints/serve/dev/cache` (`reset_prefix_cache`,
-`{"success": bool}`), `v1/worker/gpu_worker.py` (`reload_weights`) and
+`{"success": bool}`), `entrypoints/rl/online` (`update_weight_version`, whose label comes back as each
+choice's `weight_versions` spans), `v1/worker/gpu_worker.py` (`reload_weights`) and
 `model_executor/model_loader/reload/inplace.py`, which reads every `*.safetensors` in the path.
 """
 
@@ -38,6 +39,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,6 +177,9 @@ class ServerEngine:
         self.model_config = model_config
         self.timeout = timeout
         self.started = list(started)
+        # the label each push gives the servers' weights (vLLM's `update_weight_version`), which comes back on
+        # every sampled token: one of another run's, or of an earlier push, means someone else pushed meanwhile
+        self._label, self._pushes = f"rlkit-{uuid.uuid4().hex[:12]}", 0
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=128, thread_name_prefix="rlkit-vllm-server")
 
     def _post(self, url: str, path: str, body: dict | None = None) -> Any:
@@ -201,6 +206,8 @@ class ServerEngine:
     def _sample(self, url: str, ids: list[int], count: int, greedy: bool) -> list:
         sampling = {**self.sampling, "temperature": 0.0} if greedy else self.sampling
         answer = self._post(url, "/inference/v1/generate", {"token_ids": ids, "sampling_params": {**sampling, "n": count}})
+        for choice in answer["choices"]:
+            self._check_versions(url, choice.get("weight_versions") or [])
         return [Sample(token_ids=list(choice["token_ids"]), logprobs=[entry["logprob"] for entry in choice["logprobs"]["content"]])
                 for choice in sorted(answer["choices"], key=lambda choice: choice["index"])]
 
@@ -225,10 +232,24 @@ class ServerEngine:
                 [sample] = future.result()
                 requests.completed(pending.pop(future), Completion(sample.token_ids, sample.logprobs))
 
+    @property
+    def version(self) -> str:
+        return f"{self._label}-{self._pushes}"
+
+    def _check_versions(self, url: str, spans: list[dict]) -> None:
+        """Every span of sampled tokens carries the label of this engine's last push."""
+        for span in spans:
+            if span["version"] != self.version:
+                raise RunError(f"the vLLM server at {url} sampled tokens {span['start']} to {span['end']} with weights labelled "
+                               f"{span['version']!r}, not this run's last push ({self.version!r}): another run, or another "
+                               "generator of this one, pushed its weights to the same server; give each its own servers")
+
     def load_weights(self, weights):
         write_checkpoint(weights, self.model_config, self.weights_dir)
+        self._pushes += 1
         for url in self.urls:
             self._post(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
+            self._post(url, "/update_weight_version", {"new_version": self.version})
 
     def score(self, ids):
         """The server's prompt log-probs, which skip the sampling processors (the model's own)."""

@@ -314,8 +314,11 @@ def test_a_push_that_leaves_weights_out_is_refused(policy, generator):
 
 @pytest.fixture(scope="module")
 def lora_policy(tmp_path_factory):
-    policy = _policy(_write_model(tmp_path_factory.mktemp("gpt2-4-layers"), layers=4, seed=1),
-                     lora_r=4, lora_target_modules=["c_attn", "c_fc"])
+    return moved_lora_policy(tmp_path_factory.mktemp("gpt2-4-layers"))
+
+
+def moved_lora_policy(path: Path) -> HFPolicy:
+    policy = _policy(_write_model(path, layers=4, seed=1), lora_r=4, lora_target_modules=["c_attn", "c_fc"])
     _move_lora(policy)
     return policy
 

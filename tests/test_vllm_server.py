@@ -26,8 +26,11 @@ from tests.test_vllm_cpu import (
     TwoWaves,
     _context,
     _generating_stage,
+    _logprobs,
     _max_gap,
+    _move_lora,
     _prompts,
+    moved_lora_policy,
     pad_leaning_policy,
     write_byte_model,
 )
@@ -257,7 +260,58 @@ def test_the_push_check_catches_a_server_that_ignores_the_update(policy, running
         rollout.generate(engine, components, prompts, greedy=False)
 
 
-# --- servers rlkit starts, in a run ---------------------------------------------------------------------
+@pytest.mark.vllm
+def test_a_second_generator_pushing_to_the_same_server_is_caught(policy, running_server, tmp_path):
+    """Two runs (or a run's two generators) on one server race each other's weights: each push
+    labels the server's weights, the label comes back on every sampled token, and the generator
+    whose weights were replaced stops at its next request instead of training on the other's samples."""
+    from rlkit_core.errors import RunError
+
+    url, _ = running_server
+    ours, theirs = (VLLMGenerator(VLLMGeneratorConfig(**ENGINE, engine="server", server_urls=[url], weights_dir=str(tmp_path / name)),
+                                  _context(tmp_path, policy)) for name in ("ours", "theirs"))
+    prompt_ids, prompt_mask = _prompts(policy, TEXTS)
+    ours.sync_weights(policy)
+    ours.generate(prompt_ids, prompt_mask)
+    theirs.sync_weights(policy)
+    with pytest.raises(RunError, match=f"the vLLM server at {url} sampled tokens 0 to .* with weights labelled 'rlkit-.*-1', not this "
+                                       r"run's last push \('rlkit-.*-1'\): another run"):
+        ours.generate(prompt_ids, prompt_mask)
+    theirs.generate(prompt_ids, prompt_mask)
+
+
+# --- servers rlkit starts ---------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(FOUND is None or not FOUND.cpu, reason="needs vLLM's CPU build")
+def test_a_lora_policy_reaches_a_server_merged_at_its_start_and_at_every_push(tmp_path, capsys):
+    """The server starts from the merged model rlkit writes, and each push after the adapters move
+    reaches it: its log-probs are the merged model's, and the push check agrees."""
+    import copy
+
+    from rlkit_core.runtime import rollout
+
+    policy = moved_lora_policy(tmp_path / "lora-model")
+    generator = VLLMGenerator(VLLMGeneratorConfig(**ENGINE, engine="server"), _context(tmp_path, policy))
+    try:
+        prompt_ids, prompt_mask = _prompts(policy, TEXTS)
+        engine, components = _generating_stage(policy, generator)
+        gaps, push_gaps = [], []
+        for push in range(3):
+            if push:
+                _move_lora(policy, 0.1)
+            [out] = rollout.generate(engine, components, [(prompt_ids, prompt_mask)], greedy=False)
+            push_gaps.append(engine.push_check.pop_metrics()["check/push_gap"])
+            merged = copy.deepcopy(policy.model).merge_and_unload()
+            expected = _logprobs(merged, policy.suppressed_token_ids, prompt_ids, prompt_mask, out)
+            gaps.append(float((expected - out.logprobs)[out.response_mask.bool()].abs().max()))
+    finally:
+        generator.engine.close()
+    with capsys.disabled():
+        print(f"\nvLLM server (CPU) vs the merged LoRA model, max |log-prob gap| per push: {', '.join(f'{g:.1e}' for g in gaps)}; "
+              f"push check gap: {', '.join(f'{g:.1e}' for g in push_gaps)}")
+    assert max(gaps) < LOGPROB_TOLERANCE and max(push_gaps) < 1e-3
 
 
 def _started_by(pid: int) -> list[int]:
@@ -328,3 +382,31 @@ def _assert_all_end(pid: int, within: float) -> None:
     while left := _started_by(pid):
         assert time.monotonic() < deadline, f"processes of the servers outlived their run: {left}"
         time.sleep(0.5)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(FOUND is None or not FOUND.cpu, reason="needs vLLM's CPU build")
+def test_batches_made_ahead_sample_on_servers_of_their_own(recipe_document, byte_model):
+    """`max_staleness = 1` with `engine = "server"`: the producer's generator starts a server of its
+    own, pushed the producer's copy of the weights at each batch, while the trainer's serves the
+    evaluation; every batch is at most one version old and its sampler's log-probs are the copy's."""
+    from rlkit_core.recipe.plugins import load_registry
+    from rlkit_core.runtime.scheduling import Producer
+    from tests.test_trainer import make_trainer
+
+    recipe_document["policy"]["model"] = str(byte_model)
+    recipe_document["run"]["device"] = "cpu"
+    recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8, "gpu_memory_fraction": 0.02, "engine": "server"}
+    trainer = make_trainer(recipe_document, load_registry(environ={"RLKIT_PLUGINS": "none"}), scheduler__max_staleness=1,
+                           loss__tis_cap=2.0)
+    try:
+        rows = [trainer.iterate() for _ in range(3)]
+        assert isinstance(trainer.source, Producer)
+        workers_engine, trainers_engine = trainer.source.workers[0].components.generator.engine, trainer.components.generator.engine
+        assert set(workers_engine.urls).isdisjoint(trainers_engine.urls)
+    finally:
+        trainer.close()
+    for row in rows:
+        assert row.metrics["async/staleness"] <= 1 and row.metrics["time/weight_sync"] > 0
+        assert row.metrics["check/push_gap"] < 1e-3
+    assert rows[0].metrics["check/logprob_gap"] < LOGPROB_TOLERANCE
