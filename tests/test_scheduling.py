@@ -203,15 +203,23 @@ def test_killed_mid_run_and_resumed_it_trains_every_prompt_once_in_order(recipe_
         reward = tmp_path / "slow.py"
         reward.write_text(SLOW_REWARD.format(most=0.2, counter=tmp_path / "unused"))
         recipe_document["reward"] = {"type": "python", "function": f"{reward}:jittery"}
-    recipe_document["run"].update(steps=6, checkpoint_every=1)
     recipe_document["scheduler"] = {"max_staleness": 2}
+    expected, trained = prompts_trained_whole_and_killed(recipe_document, write_recipe, tmp_path, steps=6)
+    assert trained == expected  # every iteration's prompts, each once, in order
+
+
+def prompts_trained_whole_and_killed(recipe_document, write_recipe, tmp_path, steps: int, wait_s: float = 120) -> tuple[list, list]:
+    """`data/prompts_crc` of each iteration of an uninterrupted run, and of the same run SIGKILLed
+    after 2 and then after 4 logged iterations (resumed with `--resume auto` each time) and finished."""
+    recipe_document["run"].update(steps=steps, checkpoint_every=1)
     recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
     whole_dir = tmp_path / "whole"
     recipe_document["run"]["output_dir"] = str(whole_dir)
-    assert rlkit("run", write_recipe(recipe_document, "whole.toml"), "--quiet", cwd=tmp_path).returncode == 0
+    done = rlkit("run", write_recipe(recipe_document, "whole.toml"), "--quiet", cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
     expected = [row["data/prompts_crc"] for row in map(json.loads, (whole_dir / "metrics.jsonl").read_text().splitlines())
                 if "data/prompts_crc" in row]
-    assert len(expected) == 6 and len(set(expected)) == 6
+    assert len(expected) == steps and len(set(expected)) == steps
 
     killed_dir = tmp_path / "killed"
     recipe_document["run"]["output_dir"] = str(killed_dir)
@@ -220,16 +228,15 @@ def test_killed_mid_run_and_resumed_it_trains_every_prompt_once_in_order(recipe_
         process = subprocess.Popen([str(Path(sys.executable).with_name("rlkit")), "run", recipe, "--quiet", *resume],
                                    cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         log = killed_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and (not log.exists() or log.read_text().count("data/prompts_crc") < kill_after):
             time.sleep(0.05)
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
-    done = rlkit("run", recipe, "--quiet", "--resume", "auto", cwd=tmp_path)
+    done = rlkit("run", recipe, "--quiet", "--resume", "auto", cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]
-    trained = [row["data/prompts_crc"] for row in rows if "data/prompts_crc" in row]
-    assert trained == expected  # every iteration's prompts, each once, in order
+    return expected, [row["data/prompts_crc"] for row in rows if "data/prompts_crc" in row]
 
 
 def test_a_failed_batch_made_ahead_is_raised_where_sync_raises_it_and_the_next_one_follows(recipe_document, builtin_registry,

@@ -410,3 +410,23 @@ def test_batches_made_ahead_sample_on_servers_of_their_own(recipe_document, byte
         assert row.metrics["async/staleness"] <= 1 and row.metrics["time/weight_sync"] > 0
         assert row.metrics["check/push_gap"] < 1e-3
     assert rows[0].metrics["check/logprob_gap"] < LOGPROB_TOLERANCE
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(FOUND is None or not FOUND.cpu, reason="needs vLLM's CPU build")
+def test_killed_with_batches_made_ahead_on_servers_and_resumed_it_trains_every_prompt_once(recipe_document, write_recipe, byte_model,
+                                                                                              tmp_path):
+    """`max_staleness = 1` on servers (the trainer's and the producer's each their own), SIGKILLed
+    twice with a batch in flight: the servers die with each run, the resumed runs start new ones,
+    and every iteration's prompts are trained once, in order, as in an uninterrupted run."""
+    from tests.test_scheduling import SLOW_REWARD, prompts_trained_whole_and_killed
+
+    reward = tmp_path / "slow.py"
+    reward.write_text(SLOW_REWARD.format(most=0.2, counter=tmp_path / "unused"))
+    recipe_document["reward"] = {"type": "python", "function": f"{reward}:jittery"}
+    recipe_document["policy"]["model"] = str(byte_model)
+    recipe_document["run"]["device"] = "cpu"
+    recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8, "gpu_memory_fraction": 0.02, "engine": "server"}
+    recipe_document["scheduler"] = {"max_staleness": 1}
+    expected, trained = prompts_trained_whole_and_killed(recipe_document, write_recipe, tmp_path, steps=5, wait_s=600)
+    assert trained == expected
