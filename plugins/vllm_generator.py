@@ -75,6 +75,12 @@ MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 2.0
 
 
+def _http_urls(instance, attribute, value):
+    wrong = [url for url in value if not url.startswith(("http://", "https://"))]
+    if wrong:
+        raise ValueError(f"each must be a server's base URL, such as http://gen-1:8000; got {wrong[0]!r}")
+
+
 def _top_p(instance, attribute, value):
     if not 0.0 < value <= 1.0:
         raise ValueError(f"must be in (0, 1] (vLLM refuses 0), got {value!r}")
@@ -102,7 +108,8 @@ class VLLMGeneratorConfig(StandardSampling):
                           "(vllm serve processes driven over HTTP: started here, or the running ones at server_urls)",
                           validator=one_of("in-process", "server"))
     server_urls: list[str] = setting(factory=list, help="with engine = server: base URLs of running vllm serve processes "
-                                     "(VLLM_SERVER_DEV_MODE=1, --enable-scale-out); empty: rlkit starts `servers` of them here")
+                                     "(VLLM_SERVER_DEV_MODE=1, --enable-scale-out); empty: rlkit starts `servers` of them here",
+                                     validator=_http_urls)
     servers: int = setting(1, help="with engine = server and no server_urls: how many vllm serve processes rlkit starts on this machine",
                            validator=greater_than(0))
     weights_dir: str = setting("", help="with engine = server: the directory each push is written to and the servers reload "

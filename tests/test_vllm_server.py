@@ -87,6 +87,14 @@ def test_check_names_the_servers_and_asks_nothing_of_this_machine(recipe_documen
     assert "cannot run" not in notes and "vLLM found" not in notes
 
 
+def test_a_server_url_that_is_not_one_is_refused_at_its_place(recipe_document, write_recipe, capsys):
+    from rlkit_core.runtime.cli import main
+
+    recipe_document["generator"] = {"type": "vllm", "engine": "server", "server_urls": ["gen-1:8000"], "weights_dir": "/w"}
+    assert main(["check", write_recipe(recipe_document)]) == 2
+    assert "$.generator.server_urls: each must be a server's base URL, such as http://gen-1:8000; got 'gen-1:8000'" in capsys.readouterr().err
+
+
 def test_check_refuses_servers_at_urls_without_a_shared_directory(recipe_document, write_recipe, capsys):
     from rlkit_core.runtime.cli import main
 
