@@ -86,6 +86,9 @@ def write_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], config, direct
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
+    if others := sorted(path.name for path in directory.glob("*.safetensors") if path.name != CHECKPOINT):
+        raise RunError(f"generator.weights_dir {directory} holds other safetensors files ({', '.join(others[:3])}): a server "
+                       "reloads every one of them with each push; give a directory of its own")
     untied = config.__class__.from_dict(config.to_dict())
     untied.tie_word_embeddings = False
     untied.save_pretrained(directory)
@@ -192,8 +195,8 @@ class ServerEngine:
             detail = error.read()[:500].decode(errors="replace")
             raise RunError(f"the vLLM server at {url} answered POST {path} with HTTP {error.code}: {detail}{self._hint(url)}") from None
         except (OSError, TimeoutError) as error:
-            raise RunError(f"the vLLM server at {url} did not answer POST {path} within generator.server_timeout = "
-                           f"{self.timeout:g} s: {error}{self._hint(url)}") from None
+            raise RunError(f"the vLLM server at {url} could not be reached or did not answer POST {path} "
+                           f"(generator.server_timeout = {self.timeout:g} s): {error}{self._hint(url)}") from None
         return json.loads(text) if text else None
 
     def _hint(self, url: str) -> str:

@@ -65,6 +65,15 @@ def test_the_pushed_checkpoint_names_a_tied_head_and_says_untied(tmp_path):
     assert "lm_head.weight" not in dict(vllm_weights(model))  # the in-process engine's push names it once
 
 
+def test_a_weights_dir_that_holds_another_checkpoint_is_refused(tmp_path):
+    """A server reloads every safetensors file of the directory: a model's own shards there would be read with each push."""
+    from rlkit_core.errors import RunError
+
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(RunError, match="holds other safetensors files \\(model-00001-of-00002.safetensors\\)"):
+        write_checkpoint(iter([]), None, tmp_path)
+
+
 @pytest.mark.parametrize(("options", "processes", "words"), [
     ({"server_urls": ["http://h:8000"]}, 1, 'generator.server_urls is for engine = "server"'),
     ({"weights_dir": "/shared"}, 1, 'generator.weights_dir is for engine = "server"'),
@@ -125,7 +134,7 @@ def test_a_server_that_does_not_answer_is_a_located_error(tiny_model, tmp_path):
     url = f"http://127.0.0.1:{_free_port()}"
     generator = VLLMGenerator(VLLMGeneratorConfig(engine="server", server_urls=[url], weights_dir=str(tmp_path / "w"), server_timeout=5),
                               _context(tmp_path, tiny))
-    with pytest.raises(RunError, match=f"the vLLM server at {url} did not answer POST /collective_rpc") as caught:
+    with pytest.raises(RunError, match=f"the vLLM server at {url} could not be reached or did not answer POST /collective_rpc") as caught:
         generator.sync_weights(tiny)
     assert "VLLM_SERVER_DEV_MODE=1 and --enable-scale-out" in str(caught.value)
 
