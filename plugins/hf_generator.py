@@ -365,7 +365,8 @@ class HFGenerator(Generator):
         at = at.to(mask.device)
         picked = [(layer.keys.index_select(0, at), layer.values.index_select(0, at)) for layer in cache.layers]
         masks = mask.index_select(0, at)
-        return [(row, step, KeptRow(masks[i], [(keys[i], values[i]) for keys, values in picked])) for i, row in enumerate(running[at].tolist())]
+        rows = running[at.to(running.device)].tolist()  # `serve` numbers its rows on the CPU (found on a GPU: an index must be on its tensor's device)
+        return [(row, step, KeptRow(masks[i], [(keys[i], values[i]) for keys, values in picked])) for i, row in enumerate(rows)]
 
     def _prefill(self, model, config, prompt_ids, prompt_mask, options, cache_name, continued: dict[int, tuple[int, KeptRow]],
                  joins: bool) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
