@@ -331,6 +331,26 @@ def _move_lora(policy, scale=0.3):
                 p.add_(torch.randn_like(p) * scale)
 
 
+def lora_push_gaps(policy, generator) -> tuple[list[float], list[float]]:
+    """Three pushes (the adapters moved before the second and third), each followed by a rollout:
+    per push, the largest gap between the sampled log-probs and the merged model's, and the push
+    check's gap (rlkit_core.runtime.push_check)."""
+    from rlkit_core.runtime import rollout
+
+    prompt_ids, prompt_mask = _prompts(policy, TEXTS)
+    engine, components = _generating_stage(policy, generator)
+    gaps, push_gaps = [], []
+    for push in range(3):
+        if push:
+            _move_lora(policy, 0.1)
+        [out] = rollout.generate(engine, components, [(prompt_ids, prompt_mask)], greedy=False)
+        push_gaps.append(engine.push_check.pop_metrics()["check/push_gap"])
+        merged = copy.deepcopy(policy.model).merge_and_unload()
+        expected = _logprobs(merged, policy.suppressed_token_ids, prompt_ids, prompt_mask, out)
+        gaps.append(float((expected - out.logprobs)[out.response_mask.bool()].abs().max()))
+    return gaps, push_gaps
+
+
 def test_a_lora_policys_every_adapted_layer_reaches_the_engine(lora_policy, tmp_path, capsys):
     """The engine's log-probs are the merged model's, before and after more pushes; the engine's
     start leaves the trainer's random streams where they were (vLLM seeds them as it starts)."""
@@ -338,19 +358,7 @@ def test_a_lora_policys_every_adapted_layer_reaches_the_engine(lora_policy, tmp_
     state = torch.get_rng_state()
     generator = VLLMGenerator(VLLMGeneratorConfig(**ENGINE), _context(tmp_path, lora_policy, seed=0))
     assert torch.equal(torch.get_rng_state(), state)
-    from rlkit_core.runtime import rollout
-
-    prompt_ids, prompt_mask = _prompts(lora_policy, TEXTS)
-    engine, components = _generating_stage(lora_policy, generator)  # each push checked (rlkit_core.runtime.push_check)
-    gaps, push_gaps = [], []
-    for push in range(3):
-        if push:
-            _move_lora(lora_policy, 0.1)
-        [out] = rollout.generate(engine, components, [(prompt_ids, prompt_mask)], greedy=False)
-        push_gaps.append(engine.push_check.pop_metrics()["check/push_gap"])
-        merged = copy.deepcopy(lora_policy.model).merge_and_unload()
-        expected = _logprobs(merged, lora_policy.suppressed_token_ids, prompt_ids, prompt_mask, out)
-        gaps.append(float((expected - out.logprobs)[out.response_mask.bool()].abs().max()))
+    gaps, push_gaps = lora_push_gaps(lora_policy, generator)
     with capsys.disabled():
         print(f"\nvLLM (CPU) vs the merged LoRA model, max |log-prob gap| per push: {', '.join(f'{g:.1e}' for g in gaps)}; "
               f"push check gap: {', '.join(f'{g:.1e}' for g in push_gaps)}")

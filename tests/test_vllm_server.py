@@ -26,10 +26,9 @@ from tests.test_vllm_cpu import (
     TwoWaves,
     _context,
     _generating_stage,
-    _logprobs,
     _max_gap,
-    _move_lora,
     _prompts,
+    lora_push_gaps,
     moved_lora_policy,
     pad_leaning_policy,
     write_byte_model,
@@ -305,24 +304,10 @@ def test_a_second_generator_pushing_to_the_same_server_is_caught(policy, running
 def test_a_lora_policy_reaches_a_server_merged_at_its_start_and_at_every_push(tmp_path, capsys):
     """The server starts from the merged model rlkit writes, and each push after the adapters move
     reaches it: its log-probs are the merged model's, and the push check agrees."""
-    import copy
-
-    from rlkit_core.runtime import rollout
-
     policy = moved_lora_policy(tmp_path / "lora-model")
     generator = VLLMGenerator(VLLMGeneratorConfig(**ENGINE, engine="server"), _context(tmp_path, policy))
     try:
-        prompt_ids, prompt_mask = _prompts(policy, TEXTS)
-        engine, components = _generating_stage(policy, generator)
-        gaps, push_gaps = [], []
-        for push in range(3):
-            if push:
-                _move_lora(policy, 0.1)
-            [out] = rollout.generate(engine, components, [(prompt_ids, prompt_mask)], greedy=False)
-            push_gaps.append(engine.push_check.pop_metrics()["check/push_gap"])
-            merged = copy.deepcopy(policy.model).merge_and_unload()
-            expected = _logprobs(merged, policy.suppressed_token_ids, prompt_ids, prompt_mask, out)
-            gaps.append(float((expected - out.logprobs)[out.response_mask.bool()].abs().max()))
+        gaps, push_gaps = lora_push_gaps(policy, generator)
     finally:
         generator.engine.close()
     with capsys.disabled():
