@@ -10,6 +10,7 @@ on something slow:
     python benchmarks/async_throughput.py                          # guess-number, 0.1 s a turn, 3 seeds, 60 iterations
     python benchmarks/async_throughput.py --task summarize --delay 0.5
     python benchmarks/async_throughput.py --delay 0 --seeds 1 --steps 20   # no latency: what running ahead costs
+    python benchmarks/async_throughput.py --task summarize --delay 1 --workers processes   # workers in processes of their own
 
 Prints one JSON line per run (scheduler, seed, wall-clock seconds per iteration after the first,
 the trainer's median wait for its batch, the mean staleness, the held-out figures at the end), then
@@ -28,10 +29,12 @@ import time
 import types
 from pathlib import Path
 
+import attrs
 import tomllib
 from rlkit_plugins.guess_number import GuessNumber, GuessNumberConfig
 
 from rlkit_core import Step, hookimpl
+from rlkit_core.config import setting
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.recipe.plugins import load_registry
 from rlkit_core.runtime.evaluation import Evaluator
@@ -44,19 +47,27 @@ HELD_OUT = {"guess-number": ("eval/won", "eval/turns"), "summarize": ("eval/scor
 SCHEDULERS = {"sync": {"max_staleness": 0}, "one-step-off": {"max_staleness": 1}, "bounded-2": {"max_staleness": 2}}
 
 
-def slow_environment(delay: float) -> types.ModuleType:
-    """A plugin module with `slow-guess-number`: guess-number, each step answered after `delay` s."""
+@attrs.frozen
+class SlowGuessNumberConfig(GuessNumberConfig):
+    delay: float = setting(0.1, help="seconds each step waits before it answers")
 
-    class SlowGuessNumber(GuessNumber):
-        def step(self, state, reply) -> Step:
-            time.sleep(delay)
-            return super().step(state, reply)
 
+class SlowGuessNumber(GuessNumber):
+    """guess-number, each step answered after `delay` s (defined here, not in a function, so that
+    workers in processes of their own can import it)."""
+
+    def step(self, state, reply) -> Step:
+        time.sleep(self.config.delay)  # pyright: ignore[reportAttributeAccessIssue]  (the config is a SlowGuessNumberConfig)
+        return super().step(state, reply)
+
+
+def slow_environment() -> types.ModuleType:
+    """A plugin module with `slow-guess-number`."""
     module = types.ModuleType("slow_guess_number")
 
     @hookimpl
     def register_environments(register):
-        register("slow-guess-number", SlowGuessNumber, GuessNumberConfig)
+        register("slow-guess-number", SlowGuessNumber, SlowGuessNumberConfig)
 
     module.register_environments = register_environments  # type: ignore[attr-defined]
     return module
@@ -76,12 +87,12 @@ def one_run(name: str, seed: int, args, url: str | None) -> dict:
     document["run"].update({"steps": args.steps, "seed": seed, "threads": args.threads, "output_dir": f"/tmp/rlkit-bench-async/{name}-{seed}"})
     extra = []
     if args.task == "guess-number":
-        document["environment"]["type"] = "slow-guess-number"
-        extra = [("slow-guess-number", slow_environment(args.delay), "bench", "0")]
+        document["environment"].update(type="slow-guess-number", delay=args.delay)
+        extra = [("slow-guess-number", slow_environment(), "bench", "0")]
     else:
         document["reward"]["url"] = url
         document["eval"]["every"] = 0  # held out once, at the end
-    document["scheduler"] = SCHEDULERS[name]
+    document["scheduler"] = dict(SCHEDULERS[name], **({"workers": args.workers} if SCHEDULERS[name]["max_staleness"] else {}))
     # the decoupled objective's behaviour weight, the same for every scheduler (`sync`'s is 1 to within 1e-5): per
     # sequence, since per token it let the summarize recipe's KL run away at staleness 1 (docs/async.md)
     document["loss"].update(tis_cap=2.0, is_level="sequence")
@@ -117,6 +128,8 @@ def main() -> None:
     parser.add_argument("--schedulers", default=",".join(SCHEDULERS))
     parser.add_argument("--generator", choices=["recipe", "vllm-server"], default="recipe",
                         help="vllm-server: the vllm generator on vllm serve processes (needs vLLM; on a CPU, its CPU build)")
+    parser.add_argument("--workers", choices=["threads", "processes"], default="threads",
+                        help="where the workers that make batches ahead run ([scheduler] workers)")
     args = parser.parse_args()
     server, url = reward_server(args.delay) if args.task == "summarize" else (None, None)
     runs = []
@@ -133,7 +146,8 @@ def main() -> None:
     for name in dict.fromkeys(r["scheduler"] for r in runs):
         mine = [r for r in runs if r["scheduler"] == name]
         median = statistics.median(r["seconds_per_iteration"] for r in mine)
-        print(json.dumps({"summary": name, "task": args.task, "generator": args.generator, "delay": args.delay, "seconds_per_iteration": round(median, 4),
+        print(json.dumps({"summary": name, "task": args.task, "generator": args.generator, "workers": args.workers,
+                          "delay": args.delay, "seconds_per_iteration": round(median, 4),
                           "throughput_vs_sync": round(base / median, 3) if base else None,
                           **{key: [min(r[key] for r in mine), max(r[key] for r in mine)] for key in HELD_OUT[args.task]}}),
               file=sys.stdout, flush=True)

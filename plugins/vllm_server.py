@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -48,7 +46,7 @@ from typing import Any
 import attrs
 import torch
 
-from rlkit_core import Completion, Requests, RunError
+from rlkit_core import Completion, Requests, RunError, end_with_parent
 
 DEV_MODE = "VLLM_SERVER_DEV_MODE"
 STARTED_BY = "RLKIT_STARTED_BY"
@@ -110,13 +108,6 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _end_with_parent() -> None:
-    """In the server's process before it runs: SIGTERM when the trainer's process dies, a SIGKILL
-    included (Linux's PR_SET_PDEATHSIG), so that no server outlives its run."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
 class StartedServer:
     """A `vllm serve` process on this machine, on a free loopback port, logging to `log`."""
 
@@ -131,7 +122,7 @@ class StartedServer:
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_arguments(settings, self.port)]
         with open(log, "w") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment,
-                                            preexec_fn=_end_with_parent)
+                                            preexec_fn=end_with_parent)
         self._stop = weakref.finalize(self, _terminate, self.process)
 
     def wait_ready(self, timeout: float) -> None:

@@ -11,7 +11,8 @@ and the records a factory reads through its `BuildContext` (the `Recipe` and its
 environment speaks the messages of `Reply`, `Reset` and `Step`; `ToolEnvironment` and `tool` make
 typed methods its tools; an environment whose episodes an outside agent plays subclasses
 `HarnessEnvironment` (built on `agent_endpoint()`: a `Session` per episode, opened with the run's
-`Limits`; its `Turn`s and `HarnessEnded`).
+`Limits`; its `Turn`s and `HarnessEnded`). A process a component starts calls `end_with_parent`
+first, so that it ends with the run.
 
 Besides this module a plugin may import three helper modules, as the built-in plugins do (and
 nothing else of `rlkit_core`; `tests/test_layout.py` holds the built-ins to it):
@@ -22,6 +23,7 @@ nothing else of `rlkit_core`; `tests/test_layout.py` holds the built-ins to it):
 from importlib.metadata import PackageNotFoundError, version
 
 from rlkit_core.chat_format import ChatFormat, chat_format_for
+from rlkit_core.child_processes import end_with_parent
 from rlkit_core.config import at_least, between, greater_than, nested_component, nested_components, one_of, setting
 from rlkit_core.context import BuildContext, building_at
 from rlkit_core.endpoint import HarnessEnded, Limits, Session, Turn, agent_endpoint
@@ -85,7 +87,7 @@ __all__ = [
     "PolicyOutput", "PolicySettings", "Problem", "Progress", "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError", "Requests",
     "Reply", "Reset", "RewardSource", "RunConfig", "RunError", "SamplingSettings", "Session", "StandardEpisode", "StandardSampling",
     "Step", "Surrogate", "SurrogateTerms", "ToolCall", "ToolCallFormat", "ToolEnvironment", "Tracker", "Turn", "ValueHead",
-    "agent_endpoint", "at_least", "between", "building_at", "chat_format_for", "greater_than", "hookimpl", "load_module", "nested_component",
+    "agent_endpoint", "at_least", "between", "building_at", "chat_format_for", "end_with_parent", "greater_than", "hookimpl", "load_module", "nested_component",
     "nested_components", "one_of", "parse_tool_calls", "read_call_blocks", "sampling_seed", "setting", "switch_off_dropout", "tool",
     "tool_schema", "typed_arguments", "without_call_blocks", "__version__",
 ]

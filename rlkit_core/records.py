@@ -161,6 +161,10 @@ class SchedulerConfig:
                                  "max_staleness); leave it out and set max_staleness", validator=_earlier_scheduler_name)
     wait_timeout_s: float = setting(600.0, help="seconds the update may wait for a batch before the run ends with a checkpoint (a "
                                                "generator or reward that stalls)", validator=greater_than(0))
+    workers: str = setting("threads", help="where the workers that make batches ahead run: 'threads' of the trainer's process, each "
+                                           "sampling from a copy of the weights, or 'processes' of their own, each building the recipe's "
+                                           "components and receiving the weights through shared memory at each push",
+                           validator=one_of("threads", "processes"))
 
     @property
     def staleness_bound(self) -> int:

@@ -91,6 +91,42 @@ def test_no_trained_batch_is_staler_than_the_bound_under_a_jittery_reward(recipe
         assert row.batch.prompts == [r["prompt"] for r in records for _ in range(trainer.recipe.ppo.samples_per_prompt)]
 
 
+PID_REWARD = '''
+import os
+
+def lowercase_share_here(prompts, responses, letter):
+    """The lowercase share, noting the process that scored."""
+    with open({pids!r}, "a") as out:
+        out.write(f"{{os.getpid()}}\\n")
+    return [sum(c.islower() for c in r) / 8 for r in responses]
+'''
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_workers_in_processes_of_their_own_make_every_batch_with_the_pushed_weights(recipe_document, builtin_registry, tmp_path, bound):
+    pids = tmp_path / "pids.txt"
+    reward = tmp_path / "here.py"
+    reward.write_text(PID_REWARD.format(pids=str(pids)))
+    recipe_document["reward"] = {"type": "python", "function": f"{reward}:lowercase_share_here"}
+    trainer = make_trainer(recipe_document, builtin_registry, scheduler__max_staleness=bound, scheduler__workers="processes",
+                           loss__tis_cap=2.0, loss__is_level="sequence", run__steps=5)
+    sync_prompts = [trainer.stream_records(i) for i in range(5)]
+    try:
+        rows = [trainer.iterate() for _ in range(5)]
+        producer = trainer.source
+        assert isinstance(producer, scheduling.Producer)
+        workers = [worker.remote.process for worker in producer.workers if worker.remote is not None]
+    finally:
+        trainer.close()
+    assert len(workers) == bound and not any(process.is_alive() for process in workers)  # ended with the producer
+    scorers = set(map(int, pids.read_text().split()))
+    assert scorers == {process.pid for process in workers} and os.getpid() not in scorers
+    staleness = [row.metrics["async/staleness"] for row in rows]
+    assert all(0 <= s <= bound for s in staleness) and max(staleness) >= 1
+    for records, row in zip(sync_prompts, rows):
+        assert row.batch.prompts == [r["prompt"] for r in records for _ in range(trainer.recipe.ppo.samples_per_prompt)]
+
+
 def test_a_batch_staler_than_the_bound_is_made_again(recipe_document, builtin_registry):
     trainer = make_trainer(recipe_document, builtin_registry, scheduler__max_staleness=1, loss__tis_cap=2.0)
     try:
@@ -191,10 +227,14 @@ def test_a_stalled_reward_ends_the_run_with_a_checkpoint_not_a_hang(recipe_docum
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("workers", ["threads", "processes"])
 @pytest.mark.parametrize("episodes", ["single-turn", "multi-turn"])
-def test_killed_mid_run_and_resumed_it_trains_every_prompt_once_in_order(recipe_document, write_recipe, tmp_path, episodes):
+def test_killed_mid_run_and_resumed_it_trains_every_prompt_once_in_order(recipe_document, write_recipe, tmp_path, monkeypatch,
+                                                                         episodes, workers):
     """SIGKILLed twice with batches made ahead in flight (and, multi-turn, episodes part-played by the
-    workers): the resumed run trains each iteration's prompts once, in order, as an uninterrupted one."""
+    workers): the resumed run trains each iteration's prompts once, in order, as an uninterrupted one.
+    No worker process outlives its killed trainer."""
+    monkeypatch.setenv("RLKIT_TEST_RUN", str(tmp_path))  # inherited by the runs and their workers
     if episodes == "multi-turn":
         from tests.test_episodes import ending_model, episode_document
 
@@ -203,9 +243,32 @@ def test_killed_mid_run_and_resumed_it_trains_every_prompt_once_in_order(recipe_
         reward = tmp_path / "slow.py"
         reward.write_text(SLOW_REWARD.format(most=0.2, counter=tmp_path / "unused"))
         recipe_document["reward"] = {"type": "python", "function": f"{reward}:jittery"}
-    recipe_document["scheduler"] = {"max_staleness": 2}
+    recipe_document["scheduler"] = {"max_staleness": 2, "workers": workers}
     expected, trained = prompts_trained_whole_and_killed(recipe_document, write_recipe, tmp_path, steps=6)
     assert trained == expected  # every iteration's prompts, each once, in order
+
+
+def processes_with_environment(name: str, value: str) -> list[int]:
+    """The living processes (not this one, nor a zombie) whose environment sets `name` to `value`."""
+    found, marker = [], f"{name}={value}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:  # ended meanwhile, or not ours to read
+                pass
+    return found
+
+
+def gone_within(seconds: float, name: str, value: str) -> bool:
+    """Whether every process marked `name=value` in its environment ends within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while processes_with_environment(name, value):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def prompts_trained_whole_and_killed(recipe_document, write_recipe, tmp_path, steps: int, wait_s: float = 120) -> tuple[list, list]:
@@ -233,6 +296,8 @@ def prompts_trained_whole_and_killed(recipe_document, write_recipe, tmp_path, st
             time.sleep(0.05)
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
+        if marked := os.environ.get("RLKIT_TEST_RUN"):  # nothing the killed run started outlives it
+            assert gone_within(10, "RLKIT_TEST_RUN", marked)
     done = rlkit("run", recipe, "--quiet", "--resume", "auto", cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]

@@ -182,7 +182,8 @@ def _batch_source_problems(source, scheduler: SchedulerConfig, ppo: PPOConfig, a
     return problems
 
 
-def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, components: dict, sharded: bool) -> list[Problem]:
+def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, components: dict, sharded: bool,
+                       processes: int = 1) -> list[Problem]:
     """What a scheduler that makes batches ahead (or a plugin's batch source whose batches may be
     older than the weights that train) needs: a loss that corrects for the older weights that
     sampled, the sampler's own log-probs, whole weights (no FSDP), and the plain rollout stage.
@@ -204,6 +205,13 @@ def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, compon
         if sharded:
             problems.append(Problem(where, f"{named} samples while the update runs, and FSDP holds the weights in shards the producer "
                                            "cannot read then; use max_staleness = 0 under FSDP (DDP runs ahead)"))
+    if scheduler.workers == "processes":
+        if scheduler.staleness_bound == 0:
+            problems.append(Problem("$.scheduler.workers", "workers = 'processes' make batches ahead, and max_staleness = 0 makes each "
+                                                           "batch after the update before it; set max_staleness >= 1, or leave workers out"))
+        if processes > 1:
+            problems.append(Problem("$.scheduler.workers", f"workers = 'processes' runs under one trainer process, and this launch has "
+                                                           f"{processes}; leave workers out (each process then runs its own threads)"))
     if (source := components.get("batch_source")) is not None:
         problems += _batch_source_problems(source, scheduler, ppo, advantage)
         bound = max(bound, source.component.factory.max_staleness)

@@ -7,7 +7,9 @@ trained cannot be sampled meanwhile), while the trainer trains on an earlier bat
 of k there are k workers, each with its copy, making iterations w, w + k, ... so that k batches
 can wait on environments or rewards at once. A copy's version is the number of updates its
 weights have seen; every batch carries the version that sampled all of it (a copy changes only
-between batches). The bound is kept twice:
+between batches). With `scheduler.workers = "processes"` a worker's thread drives a process of its
+own, which holds the copy and makes the batch (`rlkit_core.runtime.producer_processes`); the
+thread only sends it the records and the pushed weights and waits. The bound is kept twice:
 
 - a worker starts batch j only when j − version ≤ bound, and versions only grow;
 - the trainer checks j − version when it takes the batch, and makes a batch that is staler again
@@ -51,6 +53,7 @@ from rlkit_core.runtime.batch_sources import SamplingView
 from rlkit_core.runtime.distributed import SideProcesses
 from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.faults import BadReward
+from rlkit_core.runtime.producer_processes import Packed, ProcessWorker, pack
 from rlkit_core.runtime.push_check import PushCheck
 
 CLOSE_WAIT_S = 5.0  # the longest an ordinary close waits for the batches in flight, all workers together
@@ -114,6 +117,7 @@ class Worker:
     engine: SideEngine  # with a process group of the worker's own: its collectives in one order everywhere
     next: int  # the next iteration it makes: worker w of k makes iterations w, w + k, w + 2k, ... (past the start)
     version: int = -1
+    remote: ProcessWorker | None = None  # with `scheduler.workers = "processes"`: the process that makes its batches
     busy_since: float | None = None  # time.monotonic() when it started the batch it is making; None while it waits
 
 
@@ -126,9 +130,15 @@ class Producer:
     def __init__(self, view: SamplingView, start: int, bound: int, timeout: float):
         self.view, self.bound, self.timeout = view, bound, timeout
         self.version = start
-        self.workers = [self._worker(view, start + number) if bound else Worker(view.components, None, SideEngine(view.engine), start)
-                        for number in range(max(1, bound))]
-        self.weights: dict | None = None  # the latest pushed weights (a new dict at each push, never changed)
+        self.in_processes = view.recipe.scheduler.workers == "processes"
+        # the latest pushed weights (new at each push, never changed): a dict for threads, packed buffers for processes
+        self.weights: dict | tuple | None = None
+        if self.in_processes:
+            self.workers = self._processes(view, start, bound, timeout)
+            self.weights = pack(view.components.policy.model.state_dict())  # the first batches' weights
+        else:
+            self.workers = [self._worker(view, start + number) if bound else Worker(view.components, None, SideEngine(view.engine), start)
+                            for number in range(max(1, bound))]
         self.done: dict[int, Made] = {}
         self.changed = threading.Condition()
         self.stopped = False
@@ -161,11 +171,29 @@ class Producer:
             context.policy = live
         return Worker(attrs.evolve(view.components, generator=generator, policy=weights), weights, SideEngine(view.engine), first)
 
+    @staticmethod
+    def _processes(view: SamplingView, start: int, bound: int, timeout: float) -> list[Worker]:
+        """Workers in processes of their own (`rlkit_core.runtime.producer_processes`), all started, then all waited for."""
+        workers = [Worker(view.components, None, SideEngine(view.engine), start + number,
+                          remote=ProcessWorker(view.recipe, number, start, view.engine.device, threads=1)) for number in range(bound)]
+        for worker in workers:
+            assert worker.remote is not None
+            try:
+                worker.remote.wait_ready(timeout)
+            except BaseException as exc:
+                for each in workers:
+                    assert each.remote is not None
+                    each.remote.close(wait=False)
+                raise ProducerFault(f"the producer's worker {worker.remote.number} could not start: {exc}") from exc
+        return workers
+
     def push(self, version: int) -> None:
         """The trainer's weights after `version` updates, for the batches the workers start next
         (at bound 0 the worker samples from the trainer's own module, which never trains meanwhile)."""
-        state = None if not self.bound else {name: tensor.detach().clone()
-                                             for name, tensor in self.view.components.policy.model.state_dict().items()}
+        state = None
+        if self.bound:
+            weights = self.view.components.policy.model.state_dict()
+            state = pack(weights) if self.in_processes else {name: tensor.detach().clone() for name, tensor in weights.items()}
         with self.changed:
             self.weights, self.version = state, version
             self.changed.notify_all()
@@ -203,12 +231,15 @@ class Producer:
         with self.changed:
             self.stopped = True
             self.changed.notify_all()
-            if self.given_up:
-                return
+            given_up = self.given_up
             deadline = time.monotonic() + CLOSE_WAIT_S
             until = [deadline if worker.busy_since is None else min(deadline, worker.busy_since + self.timeout) for worker in self.workers]
-        for thread, end in zip(self.running, until):
-            thread.join(timeout=max(0.0, end - time.monotonic()))
+        if not given_up:
+            for thread, end in zip(self.running, until):
+                thread.join(timeout=max(0.0, end - time.monotonic()))
+        for worker in self.workers:  # a worker process is ended whatever it is doing: a batch in flight is made again on resume
+            if worker.remote is not None:
+                worker.remote.close(wait=not given_up)
 
     def _run(self, worker: Worker) -> None:
         torch.set_num_threads(self.threads)
@@ -227,12 +258,19 @@ class Producer:
             made = Made(iteration, version)
             doing = "loading the pushed weights into its copy"
             try:
-                if worker.copy is not None and weights is not None and worker.version != version:
-                    worker.copy.model.load_state_dict(weights)
-                    worker.version = worker.copy.weights_version = version
-                doing = "making the batch (generation, environment or reward)"
-                with torch.no_grad():
-                    made.batch, made.metrics = self.view.rollout(iteration, worker.components, worker.engine)
+                if worker.remote is not None:  # loaded and made in the worker's process
+                    doing = "making the batch in its process"
+                    packed = cast(Packed, weights)  # with workers in processes, every push is packed
+                    made.batch, made.metrics = worker.remote.rollout(iteration, version, packed if worker.version != version else None,
+                                                                     self.view.records(iteration), self.view.max_prompt_tokens)
+                    worker.version = version
+                else:
+                    if worker.copy is not None and weights is not None and worker.version != version:
+                        worker.copy.model.load_state_dict(weights)
+                        worker.version = worker.copy.weights_version = version
+                    doing = "making the batch (generation, environment or reward)"
+                    with torch.no_grad():
+                        made.batch, made.metrics = self.view.rollout(iteration, worker.components, worker.engine)
             except (BadReward, RecipeError) as exc:  # raised where `sync` raises it: a skip or stop, or bad input (exit 2)
                 made.error = exc
             except BaseException as exc:  # handed to the trainer, located; it ends the run with a checkpoint
