@@ -11,9 +11,10 @@ on something slow:
     python benchmarks/async_throughput.py --task summarize --delay 0.5
     python benchmarks/async_throughput.py --delay 0 --seeds 1 --steps 20   # no latency: what running ahead costs
     python benchmarks/async_throughput.py --task summarize --delay 1 --workers processes   # workers in processes of their own
+    python benchmarks/async_throughput.py --delay 0.3 --schedulers one-step-off --partial-rollouts   # newer weights between turns
 
 Prints one JSON line per run (scheduler, seed, wall-clock seconds per iteration after the first,
-the trainer's median wait for its batch, the mean staleness, the held-out figures at the end), then
+the trainer's median wait for its batch, the mean staleness (of the batches, and of their sampled tokens), the held-out figures at the end), then
 a summary per scheduler: the median seconds per iteration, the throughput against `sync`, and the
 held-out figures' range over the seeds.
 """
@@ -92,7 +93,8 @@ def one_run(name: str, seed: int, args, url: str | None) -> dict:
     else:
         document["reward"]["url"] = url
         document["eval"]["every"] = 0  # held out once, at the end
-    document["scheduler"] = dict(SCHEDULERS[name], **({"workers": args.workers} if SCHEDULERS[name]["max_staleness"] else {}))
+    ahead = {"workers": args.workers, "partial_rollouts": args.partial_rollouts} if SCHEDULERS[name]["max_staleness"] else {}
+    document["scheduler"] = dict(SCHEDULERS[name], **ahead)
     # the decoupled objective's behaviour weight, the same for every scheduler (`sync`'s is 1 to within 1e-5): per
     # sequence, since per token it let the summarize recipe's KL run away at staleness 1 (docs/async.md)
     document["loss"].update(tis_cap=2.0, is_level="sequence")
@@ -115,6 +117,7 @@ def one_run(name: str, seed: int, args, url: str | None) -> dict:
     return {"scheduler": name, "seed": seed, "seconds_per_iteration": round(wall, 4),
             "trainer_waiting": round(statistics.median(waits), 4),
             "staleness": round(statistics.mean(row.get("async/staleness", 0.0) for row in rows), 3),
+            "token_staleness": round(statistics.mean(row.get("async/token_staleness", row.get("async/staleness", 0.0)) for row in rows), 3),
             **{key: round(held_out[key], 4) for key in HELD_OUT[args.task]}}
 
 
@@ -130,6 +133,8 @@ def main() -> None:
                         help="vllm-server: the vllm generator on vllm serve processes (needs vLLM; on a CPU, its CPU build)")
     parser.add_argument("--workers", choices=["threads", "processes"], default="threads",
                         help="where the workers that make batches ahead run ([scheduler] workers)")
+    parser.add_argument("--partial-rollouts", action="store_true",
+                        help="guess-number: workers load the weights pushed mid-batch between turns ([scheduler] partial_rollouts)")
     args = parser.parse_args()
     server, url = reward_server(args.delay) if args.task == "summarize" else (None, None)
     runs = []

@@ -157,7 +157,7 @@ class HFGenerator(Generator):
         # padding share; the real count stays a device tensor (reading it would wait on the device)
         self.positions = (0, 0)
         self.kept: KeptStreams | None = None  # inside `continuing_streams` only
-        self.reused = (0, 0)  # (prompt tokens taken from kept caches, all prompt tokens) of the last block
+        self.reused = (0, 0)  # (prompt tokens taken from kept caches, all prompt tokens) since the last `pop_metrics`
 
     @contextlib.contextmanager
     def continuing_streams(self):
@@ -166,7 +166,7 @@ class HFGenerator(Generator):
             yield
         finally:
             kept, self.kept = self.kept, None
-            self.reused = (kept.reused, kept.prompted)
+            self.reused = (self.reused[0] + kept.reused, self.reused[1] + kept.prompted)  # till `pop_metrics`
 
     def pop_metrics(self) -> dict[str, float]:
         (reused, prompted), self.reused = self.reused, (0, 0)

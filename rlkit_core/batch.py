@@ -53,6 +53,9 @@ class RolloutBatch:
     scores: torch.Tensor | None = None  # [B] float: the reward source's score (an episode's: its environment's rewards too)
     turn_rewards: torch.Tensor | None = None  # [B, R] an episode's per-turn rewards at each turn's last sampled token, 0 elsewhere
     episode_ids: torch.Tensor | None = None  # [B] long: the samples of one episode share an id, rows in the order played (`by_episode`)
+    # [B, R] long: the weights version (updates seen) that sampled each token, -1 on tokens not sampled; an episode batch's.
+    # With `scheduler.partial_rollouts` an episode's later turns may be sampled by newer weights than its first.
+    sampled_versions: torch.Tensor | None = None
     baseline_scores: torch.Tensor | None = None  # [B] float: the shaped score of a greedy response to the same prompt (ReMax)
     old_logprobs: torch.Tensor | None = None  # [B, R] log π_old with the training code path
     ref_logprobs: torch.Tensor | None = None  # [B, R] log π_ref
@@ -122,8 +125,8 @@ class RolloutBatch:
 
 
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
-RESPONSE_FIELDS = ("response_ids", "response_mask", "loss_mask", "sampled_logprobs", "turn_rewards", "old_logprobs", "ref_logprobs", "values",
-                   "kl", "rewards", "advantages", "returns")  # [B, R]: every field cut by `trimmed` at the last response column
+RESPONSE_FIELDS = ("response_ids", "response_mask", "loss_mask", "sampled_logprobs", "turn_rewards", "sampled_versions", "old_logprobs",
+                   "ref_logprobs", "values", "kl", "rewards", "advantages", "returns")  # [B, R]: every field cut by `trimmed` at the last response column
 
 
 

@@ -165,6 +165,10 @@ class SchedulerConfig:
                                            "sampling from a copy of the weights, or 'processes' of their own, each building the recipe's "
                                            "components and receiving the weights through shared memory at each push",
                            validator=one_of("threads", "processes"))
+    partial_rollouts: bool = setting(False, help="with max_staleness >= 1 and an environment that keeps the turn barrier: a worker "
+                                                 "loads the weights pushed while its episodes are in flight, between their turns, so "
+                                                 "later turns sample from newer weights; every sampled token keeps the version that "
+                                                 "sampled it (the batch's `sampled_versions`), and the bound holds for the oldest")
 
     @property
     def staleness_bound(self) -> int:

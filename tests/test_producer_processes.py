@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ from rlkit_core.errors import RecipeError
 from rlkit_core.launch import Launch
 from rlkit_core.recipe.document import parse_recipe
 from rlkit_core.runtime.forward import response_view, rows_of
-from rlkit_core.runtime.producer_processes import ProcessWorker, pack, unpack
+from rlkit_core.runtime.producer_processes import ProcessWorker, load, pack, unpack
+from rlkit_core.runtime.push_check import WeightPushFailed
 from rlkit_core.runtime.scheduling import Producer, ProducerFault, Stalled
 from tests.test_trainer import make_trainer
 
@@ -29,11 +31,12 @@ AHEAD = {"scheduler__max_staleness": 1, "scheduler__workers": "processes", "loss
 def test_pack_puts_each_dtype_in_one_buffer_and_unpack_gives_the_same_tensors():
     state = {"w": torch.arange(6.0).view(2, 3), "b": torch.tensor([7.0, 8.0]), "steps": torch.tensor(5),
              "ids": torch.tensor([[1, 2], [3, 4]]), "half": torch.ones(3, dtype=torch.bfloat16)}
-    buffers, layout = pack(state)
-    assert {dtype: buffer.tolist() for dtype, buffer in buffers.items()} == {
+    packed = pack(state)
+    assert {dtype: buffer.tolist() for dtype, buffer in packed.buffers.items()} == {
         torch.float32: [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 7.0, 8.0], torch.int64: [5, 1, 2, 3, 4], torch.bfloat16: [1.0, 1.0, 1.0]}
-    assert layout[1] == ("b", torch.float32, 6, (2,)) and layout[2] == ("steps", torch.int64, 0, ())
-    back = unpack((buffers, layout))
+    assert packed.layout[1] == ("b", torch.float32, 6, (2,)) and packed.layout[2] == ("steps", torch.int64, 0, ())
+    assert packed.sums.tolist() == [15.0, 15.0, 5.0, 10.0, 3.0]
+    back = unpack(packed)
     assert list(back) == list(state) and all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in state.items())
     state["w"][0, 0] = 100.0  # a copy: the trainer's later writes do not reach what was pushed
     assert back["w"][0, 0] == 0.0
@@ -194,3 +197,19 @@ def test_a_component_class_another_process_cannot_import_is_named(recipe_documen
             trainer.iterate()
     finally:
         trainer.close()
+
+
+class IgnoresLoads(torch.nn.Linear):
+    def load_state_dict(self, state_dict, strict=True, assign=False):  # a module that keeps its own weights
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+
+def test_weights_that_did_not_land_in_the_workers_policy_stop_it_named():
+    policy = types.SimpleNamespace(model=IgnoresLoads(3, 2), weights_version=0)
+    pushed = {name: tensor + 1.0 for name, tensor in policy.model.state_dict().items()}
+    with pytest.raises(WeightPushFailed, match="the weights after 4 updates did not land in the worker's policy: its tensors weight, bias"):
+        load(policy, 4, pack(pushed))
+    assert policy.weights_version == 0
+    fine = types.SimpleNamespace(model=torch.nn.Linear(3, 2), weights_version=0)
+    load(fine, 4, pack(pushed))
+    assert fine.weights_version == 4 and torch.equal(fine.model.weight, pushed["weight"])

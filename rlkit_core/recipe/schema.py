@@ -182,6 +182,25 @@ def _batch_source_problems(source, scheduler: SchedulerConfig, ppo: PPOConfig, a
     return problems
 
 
+def _partial_rollout_problems(scheduler: SchedulerConfig, components: dict) -> list[Problem]:
+    """Weights loaded between an episode's turns need batches made ahead, turns, the barrier (the
+    loop without it keeps each episode's cache across turns) and a generator that samples from the
+    policy's own module (an engine of its own would be pushed mid-batch, which is not tested)."""
+    environment, generator, where = components.get("environment"), components.get("generator"), "$.scheduler.partial_rollouts"
+    if scheduler.staleness_bound == 0:
+        return [Problem(where, "weights pushed while a batch is in flight exist only when batches are made ahead; set max_staleness >= 1")]
+    if environment is None:
+        return [Problem(where, "a single-turn recipe has no turns between which to load weights; leave partial_rollouts out")]
+    problems = []
+    if not getattr(environment.config, "turn_barrier", True):
+        problems.append(Problem(where, "without the turn barrier an episode's cache runs on across its turns; set "
+                                       "environment.turn_barrier = true, or leave partial_rollouts out"))
+    if generator is not None and generator.component.name != "hf":
+        problems.append(Problem(where, f"generator {generator.component.name!r} samples on an engine of its own, which rlkit does not "
+                                       "push weights to between turns; use the hf generator, or leave partial_rollouts out"))
+    return problems
+
+
 def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, components: dict, sharded: bool,
                        processes: int = 1) -> list[Problem]:
     """What a scheduler that makes batches ahead (or a plugin's batch source whose batches may be
@@ -212,6 +231,8 @@ def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, compon
         if processes > 1:
             problems.append(Problem("$.scheduler.workers", f"workers = 'processes' runs under one trainer process, and this launch has "
                                                            f"{processes}; leave workers out (each process then runs its own threads)"))
+    if scheduler.partial_rollouts:
+        problems += _partial_rollout_problems(scheduler, components)
     if (source := components.get("batch_source")) is not None:
         problems += _batch_source_problems(source, scheduler, ppo, advantage)
         bound = max(bound, source.component.factory.max_staleness)

@@ -16,7 +16,6 @@ of training. A harness that changes the history on every turn is named, with wha
 
 from __future__ import annotations
 
-import contextlib
 import shlex
 import warnings
 
@@ -33,9 +32,8 @@ from rlkit_core.launch import ONE_PROCESS
 from rlkit_core.prompts import PromptLengthLimit, prepare_prompts, within_context
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
-from rlkit_core.runtime.engine import RolloutEngine, start_accelerator
+from rlkit_core.runtime.engine import RolloutEngine, StandaloneEngine
 from rlkit_core.runtime.episodes import EnvironmentFault, Episode, EpisodeRunner, Sample
-from rlkit_core.runtime.push_check import PushCheck
 
 EPISODES = 2  # played by default (rlkit check --agent-episodes N)
 FAILED = ("error", "timeout")  # kept out of training by a run
@@ -90,21 +88,6 @@ class EpisodeCheck:
         return sum(s.prompt for s in self.samples[1:])
 
 
-class CheckEngine:
-    """What the runner reads of an engine (`RolloutEngine`), in one process that trains nothing:
-    the weights are whole, and generation runs under the run's mixed precision."""
-
-    def __init__(self, recipe: Recipe):
-        self.accelerator, self.processes, self.device = start_accelerator(recipe, ONE_PROCESS)
-        self.push_check = PushCheck(recipe.health.weight_push_tolerance)
-
-    def full_weights(self):
-        return contextlib.nullcontext()
-
-    def autocast(self):
-        return self.accelerator.autocast()
-
-
 def uncached_hub_models(recipe: Recipe) -> list[str]:
     """With HF_HUB_OFFLINE (`rlkit check --offline`), the policy's model and tokenizer names that are
     hub names missing from the local cache: the episodes cannot be played, which is not the recipe's fault."""
@@ -130,7 +113,7 @@ def agent_episodes(recipe: Recipe, count: int = EPISODES) -> tuple[list[str], li
         torch.set_num_threads(run.threads)
     torch.manual_seed(run.seed)
     try:
-        engine = CheckEngine(recipe)
+        engine = StandaloneEngine(recipe)
         components, records = parts(recipe, engine.device)
     except RecipeError as exc:
         return [], exc.problems, []

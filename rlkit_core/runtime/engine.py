@@ -9,7 +9,9 @@ FSDP): reading the weights whole, backward, clipping, the optimiser and schedule
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -18,7 +20,7 @@ from accelerate import Accelerator
 from transformers import get_scheduler
 
 from rlkit_core.errors import RunError
-from rlkit_core.launch import Launch
+from rlkit_core.launch import ONE_PROCESS, Launch
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import Processes, TrainableModules, engine_problem, fsdp_plugin
 from rlkit_core.runtime.push_check import PushCheck
@@ -69,6 +71,32 @@ class RolloutEngine(Protocol):
     # the comparison after each weight push to a generator with weights of its own (one per generator)
     push_check: PushCheck
 
+    def between_turns(self) -> bool:
+        """Called between an episode batch's turns: load weights pushed since the batch began, if
+        the run takes them there (a producer's worker with `scheduler.partial_rollouts`); whether
+        the weights changed."""
+        ...
+
+
+class StandaloneEngine:
+    """What stage 1 reads of an engine (a `RolloutEngine`) in a process that trains nothing (`rlkit
+    check`'s episodes, a producer's worker process): one process, whole weights, the run's mixed
+    precision. `newer_weights`, when set, loads the weights pushed meanwhile (`between_turns`)."""
+
+    def __init__(self, recipe: Recipe, device: torch.device | None = None):
+        self.accelerator, self.processes, self.device = start_accelerator(recipe, ONE_PROCESS, device)
+        self.push_check = PushCheck(recipe.health.weight_push_tolerance)
+        self.newer_weights: Callable[[], bool] | None = None
+
+    def full_weights(self):
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        return self.accelerator.autocast()
+
+    def between_turns(self) -> bool:
+        return self.newer_weights() if self.newer_weights is not None else False
+
 
 class Engine:
     """The prepared policy and critic with their optimiser and schedule (see the module)."""
@@ -100,6 +128,9 @@ class Engine:
     def autocast(self):
         """The run's mixed precision, for passes that do not go through the prepared module."""
         return self.accelerator.autocast()
+
+    def between_turns(self) -> bool:
+        return False  # the module being trained changes only between rollouts
 
     def no_sync(self):
         """A block whose backward passes keep their gradients local (all-reduced at a later one)."""

@@ -25,6 +25,7 @@ error is kept out of training (`loss_mask` zero), never scored as 0.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -54,15 +55,18 @@ class Sample:
     ids: list[int] = attrs.field(factory=list)
     sampled: list[bool] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
+    versions: list[int] = attrs.field(factory=list)  # the weights version that sampled each id, -1 where rendered
     rewards: dict[int, float] = attrs.field(factory=dict)  # stream position -> reward of the turn ending there
     # the conversation its ids render before its last turn (its opening's, else its last bridge's), its turns as read:
     # `rlkit check` compares them with that conversation rendered at once
     messages: list[dict] = attrs.field(factory=list)
 
-    def extend(self, ids: list[int], logprobs: list[float] | None = None) -> None:
+    def extend(self, ids: list[int], logprobs: list[float] | None = None, version: int = -1) -> None:
+        """`ids` sampled (with their `logprobs`, by the weights after `version` updates) or rendered (no logprobs)."""
         self.ids += ids
         self.sampled += [logprobs is not None] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [math.nan] * len(ids)
+        self.versions += [version if logprobs is not None else -1] * len(ids)
 
 
 @attrs.define
@@ -153,7 +157,9 @@ class EpisodeRunner:
         2), `CallsHung`, or the recipe's bad-reward policy for a reward that is not a finite number."""
         self.bad_rewards: list[str] = []
         self.stopped_by: RecipeError | CallsHung | None = None
-        with self.components.generator.continuing_streams():  # each turn continues its episode's stream on the same weights
+        self.streams = contextlib.ExitStack()  # each turn continues its episode's stream, while the weights stay the same
+        with self.streams:
+            self.streams.enter_context(self.components.generator.continuing_streams())
             episodes = self._play(records, groups, seeds, greedy)
         stop = self.stopped_by
         mine = (stop.problems if isinstance(stop, RecipeError) else str(stop) if stop else None, self.bad_rewards[0] if self.bad_rewards else None)
@@ -218,6 +224,8 @@ class EpisodeRunner:
         """Every episode's turns with the barrier: each turn, every running episode is generated in
         one call, then every environment answers."""
         for turn in range(1, self.settings.max_turns + 1):
+            if turn > 1 and self.engine.between_turns():  # newer weights loaded (a producer's worker, `scheduler.partial_rollouts`)
+                self._weights_changed(generator)
             for episode in episodes:
                 if episode.status is None and not self.room_for_a_turn(episode.sample):
                     episode.finish("overflow")
@@ -235,6 +243,14 @@ class EpisodeRunner:
             timings["environment"] += time.perf_counter() - began
             for episode, (status, step) in zip(replying, steps):
                 self._answer(episode, status, step, last_turn=turn == self.settings.max_turns)
+
+    def _weights_changed(self, generator: Generator) -> None:
+        """After newer weights were loaded between turns: pushed to an engine of the generator's own
+        and checked, and the episodes' kept caches, computed with the older weights, dropped."""
+        generator.sync_weights(self.components.policy)
+        self.engine.push_check.after_push(self.engine, generator, self.components.policy, [])
+        self.streams.close()
+        self.streams.enter_context(generator.continuing_streams())
 
     def _play_as_ready(self, generator: Generator, ready: list[Episode], greedy: bool, timings: dict[str, float]) -> None:
         """Every episode's turns without a barrier across episodes (`turn_barrier = false`): each turn
@@ -331,7 +347,7 @@ class EpisodeRunner:
         over = length > left
         if over:
             ids, logprobs = ids[:left], logprobs[:left]
-        episode.sample.extend(ids, logprobs)
+        episode.sample.extend(ids, logprobs, self.components.policy.weights_version)
         episode.tokens += len(ids)
         if over:
             return episode.finish("overflow")
@@ -464,6 +480,7 @@ def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, devic
     response_mask = torch.zeros((count, width), dtype=torch.long)
     loss_mask = torch.zeros((count, width), dtype=torch.long)
     logprobs = torch.full((count, width), math.nan)
+    versions = torch.full((count, width), -1, dtype=torch.long)
     turn_rewards = torch.zeros((count, width))
     for row, (episode, sample, _) in enumerate(rows):
         prompt_ids[row, prompt_width - len(sample.prompt):] = torch.tensor(sample.prompt, dtype=torch.long)
@@ -473,6 +490,7 @@ def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, devic
             response_ids[row, :n] = torch.tensor(sample.ids, dtype=torch.long)
             response_mask[row, :n] = 1
             logprobs[row, :n] = torch.tensor(sample.logprobs)
+            versions[row, :n] = torch.tensor(sample.versions, dtype=torch.long)
             if episode.status in TRAINED_STATUSES:
                 loss_mask[row, :n] = torch.tensor(sample.sampled, dtype=torch.long)
         for position, reward in sample.rewards.items():
@@ -487,7 +505,7 @@ def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, devic
         response_mask=response_mask.to(device), loss_mask=loss_mask.to(device), sampled_logprobs=logprobs.to(device),
         ended=torch.tensor([e.status == "ok" for e, _, _ in rows], device=device),
         scores=torch.tensor([score for _, _, score in rows], dtype=torch.float32, device=device),
-        turn_rewards=turn_rewards.to(device), episode_ids=torch.tensor(episode_ids, dtype=torch.long, device=device),
+        turn_rewards=turn_rewards.to(device), sampled_versions=versions.to(device), episode_ids=torch.tensor(episode_ids, dtype=torch.long, device=device),
     )
 
 

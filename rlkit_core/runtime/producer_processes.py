@@ -23,9 +23,11 @@ from __future__ import annotations
 import contextlib
 import pickle
 import signal
+import threading
 import traceback
 from multiprocessing.connection import Connection
 
+import attrs
 import torch
 
 from rlkit_core.child_processes import end_with_parent
@@ -34,16 +36,25 @@ from rlkit_core.launch import ONE_PROCESS
 from rlkit_core.randomness import SEED_STRIDE
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.faults import BadReward
+from rlkit_core.runtime.push_check import WeightPushFailed
 
 END_WAIT_S = 5.0  # how long a closing worker gets to exit before it is killed
+START_WAIT_S = 600.0  # the least time a worker gets to build the components (scheduler.wait_timeout_s if longer)
 WORKER_SEEDS = 7_927  # worker w's torch seed is run.seed + SEED_STRIDE * (WORKER_SEEDS + w) + the iteration it starts at
 
-Packed = tuple[dict[torch.dtype, torch.Tensor], list[tuple[str, torch.dtype, int, tuple[int, ...]]]]
+@attrs.frozen
+class Packed:
+    """A state dict as one flat buffer per dtype (one shared-memory segment each, not one per
+    tensor), where each tensor lies in its buffer, and each tensor's sum, by which the worker checks
+    what it loaded."""
+
+    buffers: dict[torch.dtype, torch.Tensor]
+    layout: list[tuple[str, torch.dtype, int, tuple[int, ...]]]  # (name, dtype, offset, shape)
+    sums: torch.Tensor  # float64, a tensor's sum each, in the layout's order
 
 
 def pack(state: dict[str, torch.Tensor]) -> Packed:
-    """The tensors of `state` copied into one flat buffer per dtype (one shared-memory segment
-    each, not one per tensor), with where each tensor lies in its buffer."""
+    """The tensors of `state` copied into shared buffers (`Packed`)."""
     layout, sizes = [], {}
     for name, tensor in state.items():
         layout.append((name, tensor.dtype, sizes.get(tensor.dtype, 0), tuple(tensor.shape)))
@@ -53,13 +64,18 @@ def pack(state: dict[str, torch.Tensor]) -> Packed:
     with torch.no_grad():
         for (_, dtype, offset, _), tensor in zip(layout, state.values()):
             buffers[dtype][offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
-    return buffers, layout
+    return Packed(buffers, layout, sums(state))
 
 
 def unpack(packed: Packed) -> dict[str, torch.Tensor]:
     """The state `pack` packed, as views of its buffers."""
-    buffers, layout = packed
-    return {name: buffers[dtype][offset:offset + _numel(shape)].view(shape) for name, dtype, offset, shape in layout}
+    return {name: packed.buffers[dtype][offset:offset + _numel(shape)].view(shape) for name, dtype, offset, shape in packed.layout}
+
+
+def sums(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each tensor's sum, in float64 on the CPU."""
+    with torch.no_grad():
+        return torch.stack([tensor.double().sum() for tensor in state.values()]).cpu() if state else torch.zeros(0, dtype=torch.float64)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -80,8 +96,15 @@ class ProcessWorker:
         context = torch.multiprocessing.get_context("spawn")
         self.number = number
         self.connection, theirs = context.Pipe()
-        self.process = context.Process(target=serve, args=(recipe, number, first, device, threads, theirs),
+        # weights pushed while a batch is in flight (`scheduler.partial_rollouts`), sent by a thread of their own: a worker
+        # that stops reading blocks that thread, never the trainer
+        pushes, self.pushes = context.Pipe(duplex=False)
+        self.latest: tuple[int, Packed] | None = None
+        self.offered = threading.Condition()
+        self.closed = False
+        self.process = context.Process(target=serve, args=(recipe, number, first, device, threads, theirs, pushes),
                                        name=f"rlkit-producer-{number}", daemon=True)
+        self.sender = threading.Thread(target=self._send_pushes, name=f"rlkit-producer-{number}-pushes", daemon=True)
         try:
             self.process.start()
         except (pickle.PicklingError, AttributeError, TypeError) as exc:  # the recipe, its components' classes among it
@@ -91,12 +114,15 @@ class ProcessWorker:
                                        "module's top level, or leave workers out")]) from None
         finally:
             theirs.close()
+            pushes.close()
+        self.sender.start()
 
     def wait_ready(self, timeout: float) -> None:
-        """Until the worker has built its components; raises what stopped it."""
+        """Until the worker has built its components (given at least `START_WAIT_S`: importing torch
+        and building models or an engine may take longer than a batch); raises what stopped it."""
+        timeout = max(timeout, START_WAIT_S)
         if not self.connection.poll(timeout):
-            raise WorkerDied(f"the producer's worker process {self.number} did not build the recipe's components within "
-                             f"scheduler.wait_timeout_s = {timeout:g} s")
+            raise WorkerDied(f"the producer's worker process {self.number} did not build the recipe's components within {timeout:g} s")
         self._answer()
 
     def rollout(self, iteration: int, version: int, weights: Packed | None, records: list[dict], max_prompt_tokens: int):
@@ -107,6 +133,25 @@ class ProcessWorker:
         except (BrokenPipeError, ConnectionResetError, EOFError):
             raise WorkerDied(self._ended()) from None
         return self._answer()
+
+    def offer(self, version: int, weights: Packed) -> None:
+        """The weights after `version` updates, for the worker to load between its batch's turns
+        (only the latest offered is sent)."""
+        with self.offered:
+            self.latest = (version, weights)
+            self.offered.notify()
+
+    def _send_pushes(self) -> None:
+        while True:
+            with self.offered:
+                self.offered.wait_for(lambda: self.latest is not None or self.closed)
+                if self.closed:
+                    return
+                latest, self.latest = self.latest, None
+            try:
+                self.pushes.send(latest)
+            except OSError:  # the worker ended
+                return
 
     def _answer(self):
         try:
@@ -131,6 +176,9 @@ class ProcessWorker:
 
     def close(self, wait: bool) -> None:
         """End the worker: asked to stop (`wait`: given `END_WAIT_S` to do so), then killed."""
+        with self.offered:
+            self.closed = True
+            self.offered.notify()
         with contextlib.suppress(OSError):
             self.connection.send(None)
         self.process.join(timeout=END_WAIT_S if wait else 0.0)
@@ -138,40 +186,60 @@ class ProcessWorker:
             self.process.kill()
             self.process.join(timeout=END_WAIT_S)
         self.connection.close()
+        self.pushes.close()
 
 
-class WorkerEngine:
-    """What stage 1 reads of an engine, in a worker process: one process, whole weights, the run's autocast."""
+class Pushes:
+    """A worker process's end of the weights pushed while its batch is in flight: between turns
+    (`StandaloneEngine.between_turns`) and before each batch it loads the newest, if newer than its own."""
 
-    def __init__(self, recipe: Recipe, device: torch.device):
-        from rlkit_core.runtime.engine import start_accelerator
-        from rlkit_core.runtime.push_check import PushCheck
+    def __init__(self, connection: Connection, policy):
+        self.connection, self.policy = connection, policy
 
-        self.accelerator, self.processes, self.device = start_accelerator(recipe, ONE_PROCESS, device)
-        self.push_check = PushCheck(recipe.health.weight_push_tolerance)
+    def load_newer(self) -> bool:
+        newest = None
+        with contextlib.suppress(EOFError, OSError):  # the trainer's end closed: nothing more comes
+            while self.connection.poll(0):
+                newest = self.connection.recv()
+        if newest is None or newest[0] <= self.policy.weights_version:
+            return False
+        load(self.policy, *newest)
+        return True
 
-    def full_weights(self):
-        return contextlib.nullcontext()
 
-    def autocast(self):
-        return self.accelerator.autocast()
+def load(policy, version: int, weights: Packed) -> None:
+    """The pushed weights after `version` updates, into the worker's policy; checked by the sum of
+    each of its tensors afterwards (in another order of summation: equal to 1e-9)."""
+    policy.model.load_state_dict(unpack(weights))
+    loaded = sums(policy.model.state_dict())
+    if loaded.shape != weights.sums.shape or not torch.allclose(loaded, weights.sums, rtol=1e-9, atol=1e-9):
+        differ = [name for (name, *_), a, b in zip(weights.layout, loaded, weights.sums) if not torch.isclose(a, b, rtol=1e-9, atol=1e-9)]
+        raise WeightPushFailed(f"the weights after {version} updates did not land in the worker's policy: its tensors "
+                               f"{', '.join(differ[:3]) or '(another set of them)'} differ from the ones pushed; look at how the "
+                               f"policy's module takes a state dict (load_state_dict)")
+    policy.weights_version = version
 
 
-def serve(recipe: Recipe, number: int, first: int, device: torch.device, threads: int, connection: Connection) -> None:
+def serve(recipe: Recipe, number: int, first: int, device: torch.device, threads: int, connection: Connection,
+          pushes: Connection) -> None:
     """A worker process's life: build the components, then make each batch asked for until told to stop."""
     from rlkit_core.context import BuildContext
     from rlkit_core.recipe.assemble import build_components
     from rlkit_core.runtime import rollout
+    from rlkit_core.runtime.engine import StandaloneEngine
 
     end_with_parent()
     torch.set_num_threads(threads)
     run = recipe.run
     try:
         torch.manual_seed(run.seed + SEED_STRIDE * (WORKER_SEEDS + number) + first)
-        engine = WorkerEngine(recipe, device)
+        engine = StandaloneEngine(recipe, device)
         context = BuildContext(recipe=recipe, device=device, output_dir=run.output_dir, seed=run.seed, launch=ONE_PROCESS)
         components = build_components(recipe, context)
         components.policy.model.requires_grad_(False)
+        newer = Pushes(pushes, components.policy)
+        if recipe.scheduler.partial_rollouts:
+            engine.newer_weights = newer.load_newer
     except BaseException as exc:  # a located error as it is; anything else with where it came from
         where = "" if isinstance(exc, RlkitError) else "\n" + traceback.format_exc()
         connection.send(("failed", f"{type(exc).__name__} while building the recipe's components: {exc}{where}"))
@@ -182,9 +250,9 @@ def serve(recipe: Recipe, number: int, first: int, device: torch.device, threads
         doing = "loading the pushed weights"
         try:
             if weights is not None:
-                components.policy.model.load_state_dict(unpack(weights))
-                components.policy.weights_version = version
+                load(components.policy, version, weights)
                 del weights  # the shared segments are freed once no process holds them
+            newer.load_newer()  # pushed since the request was sent: the newest weights, as `sync` would sample with
             doing = "making the batch"
             with torch.no_grad():
                 batch, metrics = rollout.rollout(engine, components, recipe, records, recipe.ppo.samples_per_prompt, max_prompt_tokens)

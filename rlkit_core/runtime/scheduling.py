@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 import time
+from collections.abc import Callable
 from typing import cast
 
 import attrs
@@ -99,12 +101,16 @@ class SideEngine:
     def __init__(self, engine: Engine):
         self.engine, self.device, self.processes = engine, engine.device, SideProcesses(engine.processes)
         self.push_check = PushCheck(engine.push_check.tolerance)  # the worker's generator, compared on its own
+        self.newer_weights: Callable[[], bool] | None = None  # with `scheduler.partial_rollouts`: loads the weights pushed meanwhile
 
     def full_weights(self):
         return contextlib.nullcontext()
 
     def autocast(self):
         return self.engine.autocast()
+
+    def between_turns(self) -> bool:
+        return self.newer_weights() if self.newer_weights is not None else False
 
 
 @attrs.define
@@ -131,14 +137,18 @@ class Producer:
         self.view, self.bound, self.timeout = view, bound, timeout
         self.version = start
         self.in_processes = view.recipe.scheduler.workers == "processes"
+        self.partial = view.recipe.scheduler.partial_rollouts  # weights loaded between an episode batch's turns too
         # the latest pushed weights (new at each push, never changed): a dict for threads, packed buffers for processes
-        self.weights: dict | tuple | None = None
+        self.weights: dict | Packed | None = None
         if self.in_processes:
             self.workers = self._processes(view, start, bound, timeout)
             self.weights = pack(view.components.policy.model.state_dict())  # the first batches' weights
         else:
             self.workers = [self._worker(view, start + number) if bound else Worker(view.components, None, SideEngine(view.engine), start)
                             for number in range(max(1, bound))]
+            if self.partial:
+                for worker in self.workers:
+                    worker.engine.newer_weights = functools.partial(self._newer_weights, worker)
         self.done: dict[int, Made] = {}
         self.changed = threading.Condition()
         self.stopped = False
@@ -197,6 +207,21 @@ class Producer:
         with self.changed:
             self.weights, self.version = state, version
             self.changed.notify_all()
+        if self.partial and self.in_processes:  # for the batches in flight, between their turns
+            for worker in self.workers:
+                assert worker.remote is not None and isinstance(state, Packed)
+                worker.remote.offer(version, state)
+
+    def _newer_weights(self, worker: Worker) -> bool:
+        """Between the turns of a thread worker's batch: the weights pushed since it loaded its own,
+        loaded into its copy (`scheduler.partial_rollouts`); whether there were any."""
+        with self.changed:
+            weights, version = self.weights, self.version
+        if worker.copy is None or not isinstance(weights, dict) or version <= worker.version:
+            return False
+        worker.copy.model.load_state_dict(weights)
+        worker.version = worker.copy.weights_version = version
+        return True
 
     def take(self, iteration: int) -> tuple[RolloutBatch, dict[str, float]]:
         """The batch of `iteration` and its metrics, no staler than the bound (see the module)."""
@@ -220,8 +245,11 @@ class Producer:
         if staleness > self.bound:  # cannot happen while versions only grow; kept so the bound is a guarantee
             batch, metrics = self.view.rollout(iteration)
             staleness, regenerated = 0, 1
-        return batch, {**metrics, "async/staleness": float(staleness), "async/regenerated": float(regenerated),
-                       "time/trainer_waiting": waited, "time/generator_idle": idle}
+        metrics = {**metrics, "async/staleness": float(staleness), "async/regenerated": float(regenerated),
+                   "time/trainer_waiting": waited, "time/generator_idle": idle}
+        if batch.sampled_versions is not None and (sampled := batch.sampled_versions[batch.sampled_versions >= 0]).numel():
+            metrics["async/token_staleness"] = float(iteration - sampled.double().mean())  # below async/staleness after a load mid-batch
+        return batch, metrics
 
     def close(self) -> None:
         """Stop the workers, waiting little: a batch in flight is made again on resume. After a stall or a worker's
@@ -260,8 +288,8 @@ class Producer:
             try:
                 if worker.remote is not None:  # loaded and made in the worker's process
                     doing = "making the batch in its process"
-                    packed = cast(Packed, weights)  # with workers in processes, every push is packed
-                    made.batch, made.metrics = worker.remote.rollout(iteration, version, packed if worker.version != version else None,
+                    assert isinstance(weights, Packed)  # with workers in processes, every push is packed
+                    made.batch, made.metrics = worker.remote.rollout(iteration, version, weights if worker.version != version else None,
                                                                      self.view.records(iteration), self.view.max_prompt_tokens)
                     worker.version = version
                 else:
