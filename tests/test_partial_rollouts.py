@@ -100,3 +100,14 @@ def test_partial_rollouts_are_refused_where_no_turn_can_take_newer_weights(recip
     with pytest.raises(RecipeError, match=said) as raised:
         parse_recipe(recipe_document, builtin_registry)
     assert "$.scheduler.partial_rollouts" in str(raised.value)
+
+
+def test_rlkit_check_says_where_batches_are_made_and_when_weights_change(recipe_document, builtin_registry, tmp_path):
+    from rlkit_core.recipe.plan import describe_plan
+
+    episode_document(recipe_document, ending_model(tmp_path / "ending"))
+    recipe_document.update(scheduler={"max_staleness": 2, "workers": "processes", "partial_rollouts": True},
+                           loss={"type": "ppo-clip", "tis_cap": 2.0})
+    plan = describe_plan(parse_recipe(recipe_document, builtin_registry))
+    assert ("max_staleness = 2: batches sampled ahead by worker processes of their own, at most 2 version(s) behind when trained; "
+            "weights pushed mid-batch are loaded between turns; a wait over 600 s ends the run") in plan

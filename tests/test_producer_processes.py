@@ -213,3 +213,15 @@ def test_weights_that_did_not_land_in_the_workers_policy_stop_it_named():
     fine = types.SimpleNamespace(model=torch.nn.Linear(3, 2), weights_version=0)
     load(fine, 4, pack(pushed))
     assert fine.weights_version == 4 and torch.equal(fine.model.weight, pushed["weight"])
+
+
+def test_a_worker_builds_every_component_but_the_critic(recipe_document, builtin_registry, tmp_path):
+    from rlkit_core.context import BuildContext
+    from rlkit_core.recipe.assemble import build_components
+
+    recipe = parse_recipe(recipe_document, builtin_registry)
+    context = BuildContext(recipe=recipe, device=torch.device("cpu"), output_dir=str(tmp_path), seed=0)
+    assert build_components(recipe, context).value_head is not None
+    parts = build_components(recipe, BuildContext(recipe=recipe, device=torch.device("cpu"), output_dir=str(tmp_path), seed=0),
+                             with_critic=False)
+    assert parts.value_head is None and parts.reward is not None and parts.generator is not None

@@ -40,11 +40,13 @@ class Components:
     batch_source: BatchSource | None
 
 
-def build_components(recipe: Recipe, context: BuildContext) -> Components:
+def build_components(recipe: Recipe, context: BuildContext, with_critic: bool = True) -> Components:
+    """The recipe's components; without the value head where `with_critic` is false (a process that
+    only samples: a producer's worker)."""
     policy = context.build(recipe["policy"])
     context.policy = policy
     advantage = context.build(recipe["advantage"])
-    critic = recipe.components.get("value_head")  # none with `value_head.type = "none"`
+    critic = recipe.components.get("value_head") if with_critic else None  # none with `value_head.type = "none"`
     optional = {table: context.build(recipe[table]) if table in recipe.components else None for table in ("reward", "environment", "batch_source")}
     return Components(
         policy=policy,

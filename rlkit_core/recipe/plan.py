@@ -156,8 +156,10 @@ def _scheduler_line(recipe: Recipe) -> str:
                    else ", sampled by the weights that train on it (as its class declares)"))
     if not scheduler.runs_ahead:
         return "max_staleness = 0 (sync): each batch sampled after the update before it"
-    return (f"max_staleness = {scheduler.staleness_bound}: batches sampled ahead from a copy of the weights, at most {scheduler.staleness_bound} "
-            f"version(s) behind when trained; a wait over {scheduler.wait_timeout_s:g} s ends the run")
+    where = "by worker processes of their own" if scheduler.workers == "processes" else "from a copy of the weights"
+    between = "; weights pushed mid-batch are loaded between turns" if scheduler.partial_rollouts else ""
+    return (f"max_staleness = {scheduler.staleness_bound}: batches sampled ahead {where}, at most {scheduler.staleness_bound} "
+            f"version(s) behind when trained{between}; a wait over {scheduler.wait_timeout_s:g} s ends the run")
 
 
 def episode_plan(recipe: Recipe) -> list[str]:

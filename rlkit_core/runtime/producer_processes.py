@@ -235,7 +235,7 @@ def serve(recipe: Recipe, number: int, first: int, device: torch.device, threads
         torch.manual_seed(run.seed + SEED_STRIDE * (WORKER_SEEDS + number) + first)
         engine = StandaloneEngine(recipe, device)
         context = BuildContext(recipe=recipe, device=device, output_dir=run.output_dir, seed=run.seed, launch=ONE_PROCESS)
-        components = build_components(recipe, context)
+        components = build_components(recipe, context, with_critic=False)  # it samples and scores, never trains
         components.policy.model.requires_grad_(False)
         newer = Pushes(pushes, components.policy)
         if recipe.scheduler.partial_rollouts:
