@@ -111,3 +111,28 @@ def test_rlkit_check_says_where_batches_are_made_and_when_weights_change(recipe_
     plan = describe_plan(parse_recipe(recipe_document, builtin_registry))
     assert ("max_staleness = 2: batches sampled ahead by worker processes of their own, at most 2 version(s) behind when trained; "
             "weights pushed mid-batch are loaded between turns; a wait over 600 s ends the run") in plan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_under_two_trainer_processes_each_loads_the_weights_pushed_between_its_turns(recipe_document, tmp_path, workers):
+    """Each trainer process's workers load its pushes on their own, with no collective between
+    turns; a worker process's batch gathers over the group of that worker's processes."""
+    import json
+    from pathlib import Path
+
+    from tests.test_scaling import torchrun
+
+    document = episode_document(recipe_document, ending_model(tmp_path / "ending"))
+    document["environment"].update(type="slow-guess-number", delay=0.3)
+    for key, value in {**AHEAD, "scheduler__workers": workers, "optim__learning_rate": 1e-2, "run__steps": 4}.items():
+        table, name = key.split("__")
+        document.setdefault(table, {})[name] = value
+    (tmp_path / "recipe.json").write_text(json.dumps(document))
+    torchrun(str(Path(__file__).with_name("partial_rollouts_ddp.py")), str(tmp_path / "recipe.json"), str(tmp_path))
+    everywhere = json.loads((tmp_path / "versions.json").read_text())
+    assert [[row["iteration"] for row in taken] for taken in everywhere] == [[0, 1, 2, 3]] * 2
+    for taken in everywhere:
+        for row in taken:
+            assert row["iteration"] - min(row["versions"]) == row["staleness"] <= 1
+    assert any(len(row["versions"]) > 1 for taken in everywhere for row in taken)  # weights loaded mid-batch somewhere

@@ -157,7 +157,6 @@ def test_a_worker_process_that_cannot_build_the_components_says_why(recipe_docum
 
 @pytest.mark.parametrize("changes, launch, said", [
     ({"max_staleness": 0, "workers": "processes"}, Launch(), "set max_staleness >= 1"),
-    ({"max_staleness": 1, "workers": "processes"}, Launch(processes=2), "this launch has 2"),
     ({"max_staleness": 1, "workers": "forks"}, Launch(), "threads"),
 ])
 def test_workers_in_processes_are_refused_where_they_cannot_run(recipe_document, builtin_registry, changes, launch, said):

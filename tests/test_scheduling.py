@@ -378,31 +378,45 @@ def test_every_turn_made_ahead_is_labelled_with_the_weights_that_sampled_it(reci
 @pytest.mark.slow
 def test_two_processes_make_batches_ahead_with_the_prompts_of_sync(recipe_document, write_recipe, tmp_path):
     """Under torchrun each process runs its workers; each worker's collectives (the reward's
-    gathered problems) go over a process group of its own, beside the update's all-reduces."""
-    from tests.test_scaling import rlkit_script, torchrun
+    gathered problems) go over a process group of its own, beside the update's all-reduces: a
+    thread's group, or with workers in processes, a group of the same worker's processes. Under
+    FSDP the weights are gathered whole for the worker processes at each push."""
+    from tests import fsdp_on_cpu
+    from tests.test_scaling import FSDP_ON_CPU, rlkit_script, torchrun
 
     recipe_document["run"].update(steps=3)
     crcs = {}
     for name, scheduler in (("sync", {"max_staleness": 0}), ("ahead", {"max_staleness": 1}),
-                            ("bounded", {"max_staleness": 2})):  # two workers, a process group each
+                            ("bounded", {"max_staleness": 2}),  # two workers, a process group each
+                            ("processes", {"max_staleness": 2, "workers": "processes"}),
+                            ("fsdp", {"max_staleness": 2, "workers": "processes"})):
         recipe_document["run"]["output_dir"] = str(tmp_path / name)
         recipe_document["scheduler"] = scheduler
         recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
-        torchrun(rlkit_script(), "run", write_recipe(recipe_document, f"{name}.toml"), "--quiet")
+        recipe = write_recipe(recipe_document, f"{name}.toml")
+        if name == "fsdp":
+            torchrun(str(FSDP_ON_CPU), "rlkit", "run", recipe, "--quiet", environment=fsdp_on_cpu.launch_environment())
+        else:
+            torchrun(rlkit_script(), "run", recipe, "--quiet")
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         crcs[name] = [row["data/prompts_crc"] for row in rows if "data/prompts_crc" in row]
         if name != "sync":
             assert all(row["async/staleness"] <= scheduler.get("max_staleness", 1) for row in rows if "async/staleness" in row)
     assert len(crcs["sync"]) == 3 and crcs["ahead"] == crcs["sync"] and crcs["bounded"] == crcs["sync"]
+    assert crcs["processes"] == crcs["sync"] and crcs["fsdp"] == crcs["sync"]
 
 
-def test_a_scheduler_ahead_of_the_update_is_refused_under_fsdp(recipe_document, builtin_registry):
+def test_a_scheduler_ahead_of_the_update_under_fsdp_needs_worker_processes(recipe_document, builtin_registry):
     from rlkit_core.launch import Launch
 
     recipe_document["scheduler"] = {"max_staleness": 1}
     recipe_document["loss"] = {"type": "ppo-clip", "tis_cap": 2.0}
-    with pytest.raises(RecipeError, match=r"\$\.scheduler\.max_staleness: max_staleness = 1 samples while the update runs, and FSDP"):
-        parse_recipe(recipe_document, builtin_registry, launch=Launch(processes=2, sharded=True, fsdp_version=2))
+    fsdp = Launch(processes=2, sharded=True, fsdp_version=2)
+    with pytest.raises(RecipeError, match=r"\$\.scheduler\.max_staleness: max_staleness = 1 samples while the update runs, and FSDP"
+                                          r".*set scheduler\.workers = 'processes'"):
+        parse_recipe(recipe_document, builtin_registry, launch=fsdp)
+    recipe_document["scheduler"]["workers"] = "processes"  # they are sent the whole weights
+    parse_recipe(recipe_document, builtin_registry, launch=fsdp)
 
 
 @pytest.mark.parametrize("fails", ["push", "generation", "generation stalls"])

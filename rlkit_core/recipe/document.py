@@ -291,7 +291,7 @@ def parse_recipe(document: dict, registry: Registry, source: str | None = None, 
         problems += kl_penalty_problems(core["ppo"], components["loss"])
     if core["ppo"] is not None and components.get("policy") is not None and ("value_head" in components or "value_head" in nothing):
         problems += packing_problems(core["ppo"], components["policy"], components.get("value_head"))
-    problems += scheduler_problems(core["scheduler"], core["ppo"] or PPOConfig(), components, launch.sharded, launch.processes)
+    problems += scheduler_problems(core["scheduler"], core["ppo"] or PPOConfig(), components, launch.sharded)
     eval_metrics, found = _eval_metrics(core["eval"], registry)
     problems += found
     if problems:

@@ -201,8 +201,7 @@ def _partial_rollout_problems(scheduler: SchedulerConfig, components: dict) -> l
     return problems
 
 
-def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, components: dict, sharded: bool,
-                       processes: int = 1) -> list[Problem]:
+def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, components: dict, sharded: bool) -> list[Problem]:
     """What a scheduler that makes batches ahead (or a plugin's batch source whose batches may be
     older than the weights that train) needs: a loss that corrects for the older weights that
     sampled, the sampler's own log-probs, whole weights (no FSDP), and the plain rollout stage.
@@ -221,16 +220,14 @@ def scheduler_problems(scheduler: SchedulerConfig | None, ppo: PPOConfig, compon
         if ppo.dynamic_sampling or (advantage is not None and advantage.component.factory.needs_baseline_scores):
             problems.append(Problem(where, f"{named} makes one rollout batch per iteration ahead of the update; dynamic sampling "
                                            "and ReMax's greedy baseline run with max_staleness = 0 only"))
-        if sharded:
-            problems.append(Problem(where, f"{named} samples while the update runs, and FSDP holds the weights in shards the producer "
-                                           "cannot read then; use max_staleness = 0 under FSDP (DDP runs ahead)"))
+        if sharded and scheduler.workers != "processes":
+            problems.append(Problem(where, f"{named} samples while the update runs, and FSDP holds the weights in shards a producer "
+                                           "thread cannot read then; set scheduler.workers = 'processes' (the whole weights are "
+                                           "gathered for them at each push), or max_staleness = 0"))
     if scheduler.workers == "processes":
         if scheduler.staleness_bound == 0:
             problems.append(Problem("$.scheduler.workers", "workers = 'processes' make batches ahead, and max_staleness = 0 makes each "
                                                            "batch after the update before it; set max_staleness >= 1, or leave workers out"))
-        if processes > 1:
-            problems.append(Problem("$.scheduler.workers", f"workers = 'processes' runs under one trainer process, and this launch has "
-                                                           f"{processes}; leave workers out (each process then runs its own threads)"))
     if scheduler.partial_rollouts:
         problems += _partial_rollout_problems(scheduler, components)
     if (source := components.get("batch_source")) is not None:

@@ -80,11 +80,11 @@ class RolloutEngine(Protocol):
 
 class StandaloneEngine:
     """What stage 1 reads of an engine (a `RolloutEngine`) in a process that trains nothing (`rlkit
-    check`'s episodes, a producer's worker process): one process, whole weights, the run's mixed
-    precision. `newer_weights`, when set, loads the weights pushed meanwhile (`between_turns`)."""
+    check`'s episodes, a producer's worker process): one process (or a worker's group: `launch`),
+    whole weights, the run's mixed precision. `newer_weights`, when set, loads the weights pushed meanwhile (`between_turns`)."""
 
-    def __init__(self, recipe: Recipe, device: torch.device | None = None):
-        self.accelerator, self.processes, self.device = start_accelerator(recipe, ONE_PROCESS, device)
+    def __init__(self, recipe: Recipe, device: torch.device | None = None, launch: Launch = ONE_PROCESS):
+        self.accelerator, self.processes, self.device = start_accelerator(recipe, launch, device)
         self.push_check = PushCheck(recipe.health.weight_push_tolerance)
         self.newer_weights: Callable[[], bool] | None = None
 

@@ -16,13 +16,21 @@ exit code, and the signal that killed it), fails to start (its message) or fails
 ends the run as a thread worker's failure does; one that hangs is a stall (`wait_timeout_s`). A
 worker gets SIGTERM when the trainer's process dies (Linux's PR_SET_PDEATHSIG), SIGKILL included,
 and the trainer ends it when the producer closes.
+
+Under several trainer processes (DDP) each runs its own workers, and worker w of every trainer
+process joins a process group of their own (`WorkerGroup`, at the trainer's index), over which
+its batch's collectives run (the scores' problems, the episodes' gathered statuses), as a thread
+worker's run over a group beside the update's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import signal
+import socket
+import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
@@ -32,7 +40,7 @@ import torch
 
 from rlkit_core.child_processes import end_with_parent
 from rlkit_core.errors import Problem, RecipeError, RlkitError, RunError
-from rlkit_core.launch import ONE_PROCESS
+from rlkit_core.launch import ONE_PROCESS, Launch
 from rlkit_core.randomness import SEED_STRIDE
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.faults import BadReward
@@ -85,6 +93,46 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
+@attrs.frozen
+class WorkerGroup:
+    """Where worker processes of the same number meet under several trainer processes: one at each
+    trainer's index, over TCP at `address:port` (a port of their own, free on the first trainer
+    process's machine)."""
+
+    address: str
+    port: int
+    index: int
+    count: int
+
+    def join(self) -> Launch:
+        """Set this process's launch variables to the group's (the trainer's are inherited: its
+        accelerate would join the trainers' group), and say the launch it is part of. A worker
+        samples whole weights, so it never shards."""
+        os.environ.update(MASTER_ADDR=self.address, MASTER_PORT=str(self.port), RANK=str(self.index), WORLD_SIZE=str(self.count),
+                          ACCELERATE_USE_FSDP="false")
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # else the group would meet in torchrun's store, at the trainers' port
+        return Launch(processes=self.count)
+
+
+def worker_groups(processes, workers: int) -> list[WorkerGroup | None]:
+    """Each worker's group under several trainer processes (`Processes`; a collective: every trainer
+    process calls it, from its main thread), None each under one."""
+    if processes.count == 1:
+        return [None] * workers
+    ports = processes.gather_objects(_free_ports(workers) if processes.is_main else None)[0]
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    return [WorkerGroup(address, port, processes.index, processes.count) for port in ports]
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on this machine now (held together while chosen)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for each in sockets:
+            each.bind(("", 0))
+        return [each.getsockname()[1] for each in sockets]
+
+
 class WorkerDied(RunError):
     """A worker process ended, or its pipe broke, while the trainer waited on it."""
 
@@ -92,7 +140,7 @@ class WorkerDied(RunError):
 class ProcessWorker:
     """The trainer's side of one worker process (see the module)."""
 
-    def __init__(self, recipe: Recipe, number: int, first: int, device: torch.device, threads: int):
+    def __init__(self, recipe: Recipe, number: int, first: int, device: torch.device, threads: int, group: WorkerGroup | None = None):
         context = torch.multiprocessing.get_context("spawn")
         self.number = number
         self.connection, theirs = context.Pipe()
@@ -102,7 +150,7 @@ class ProcessWorker:
         self.latest: tuple[int, Packed] | None = None
         self.offered = threading.Condition()
         self.closed = False
-        self.process = context.Process(target=serve, args=(recipe, number, first, device, threads, theirs, pushes),
+        self.process = context.Process(target=serve, args=(recipe, number, first, device, threads, theirs, pushes, group),
                                        name=f"rlkit-producer-{number}", daemon=True)
         self.sender = threading.Thread(target=self._send_pushes, name=f"rlkit-producer-{number}-pushes", daemon=True)
         try:
@@ -221,7 +269,7 @@ def load(policy, version: int, weights: Packed) -> None:
 
 
 def serve(recipe: Recipe, number: int, first: int, device: torch.device, threads: int, connection: Connection,
-          pushes: Connection) -> None:
+          pushes: Connection, group: WorkerGroup | None = None) -> None:
     """A worker process's life: build the components, then make each batch asked for until told to stop."""
     from rlkit_core.context import BuildContext
     from rlkit_core.recipe.assemble import build_components
@@ -232,9 +280,11 @@ def serve(recipe: Recipe, number: int, first: int, device: torch.device, threads
     torch.set_num_threads(threads)
     run = recipe.run
     try:
-        torch.manual_seed(run.seed + SEED_STRIDE * (WORKER_SEEDS + number) + first)
-        engine = StandaloneEngine(recipe, device)
-        context = BuildContext(recipe=recipe, device=device, output_dir=run.output_dir, seed=run.seed, launch=ONE_PROCESS)
+        launch = group.join() if group is not None else ONE_PROCESS
+        index = group.index if group is not None else 0  # a stream of its own for each (worker, trainer process)
+        torch.manual_seed(run.seed + SEED_STRIDE * (WORKER_SEEDS + launch.processes * number + index) + first)
+        engine = StandaloneEngine(recipe, device, launch)
+        context = BuildContext(recipe=recipe, device=device, output_dir=run.output_dir, seed=run.seed, launch=launch)
         components = build_components(recipe, context, with_critic=False)  # it samples and scores, never trains
         components.policy.model.requires_grad_(False)
         newer = Pushes(pushes, components.policy)
@@ -264,6 +314,10 @@ def serve(recipe: Recipe, number: int, first: int, device: torch.device, threads
         except BaseException as exc:
             answer = ("failed", f"{type(exc).__name__} while {doing}: {exc}")
         connection.send(answer)
+    if group is not None:  # tearing a gloo group down at exit may abort the process (`Processes.exit_together`)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _request(connection: Connection):

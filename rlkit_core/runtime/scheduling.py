@@ -55,7 +55,7 @@ from rlkit_core.runtime.batch_sources import SamplingView
 from rlkit_core.runtime.distributed import SideProcesses
 from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.faults import BadReward
-from rlkit_core.runtime.producer_processes import Packed, ProcessWorker, pack
+from rlkit_core.runtime.producer_processes import Packed, ProcessWorker, pack, worker_groups
 from rlkit_core.runtime.push_check import PushCheck
 
 CLOSE_WAIT_S = 5.0  # the longest an ordinary close waits for the batches in flight, all workers together
@@ -142,7 +142,8 @@ class Producer:
         self.weights: dict | Packed | None = None
         if self.in_processes:
             self.workers = self._processes(view, start, bound, timeout)
-            self.weights = pack(view.components.policy.model.state_dict())  # the first batches' weights
+            self.state_names = list(view.components.policy.model.state_dict())  # read here: under FSDP, not inside `full_weights`
+            self.weights = self._packed()  # the first batches' weights
         else:
             self.workers = [self._worker(view, start + number) if bound else Worker(view.components, None, SideEngine(view.engine), start)
                             for number in range(max(1, bound))]
@@ -183,9 +184,12 @@ class Producer:
 
     @staticmethod
     def _processes(view: SamplingView, start: int, bound: int, timeout: float) -> list[Worker]:
-        """Workers in processes of their own (`rlkit_core.runtime.producer_processes`), all started, then all waited for."""
+        """Workers in processes of their own (`rlkit_core.runtime.producer_processes`), all started, then all waited for
+        (under several trainer processes, worker w of each in a process group of theirs)."""
+        groups = worker_groups(view.engine.processes, bound)
         workers = [Worker(view.components, None, SideEngine(view.engine), start + number,
-                          remote=ProcessWorker(view.recipe, number, start, view.engine.device, threads=1)) for number in range(bound)]
+                          remote=ProcessWorker(view.recipe, number, start, view.engine.device, threads=1, group=group))
+                   for number, group in zip(range(bound), groups)]
         for worker in workers:
             assert worker.remote is not None
             try:
@@ -201,9 +205,10 @@ class Producer:
         """The trainer's weights after `version` updates, for the batches the workers start next
         (at bound 0 the worker samples from the trainer's own module, which never trains meanwhile)."""
         state = None
-        if self.bound:
-            weights = self.view.components.policy.model.state_dict()
-            state = pack(weights) if self.in_processes else {name: tensor.detach().clone() for name, tensor in weights.items()}
+        if self.in_processes:
+            state = self._packed()
+        elif self.bound:
+            state = {name: tensor.detach().clone() for name, tensor in self.view.components.policy.model.state_dict().items()}
         with self.changed:
             self.weights, self.version = state, version
             self.changed.notify_all()
@@ -211,6 +216,15 @@ class Producer:
             for worker in self.workers:
                 assert worker.remote is not None and isinstance(state, Packed)
                 worker.remote.offer(version, state)
+
+    def _packed(self) -> Packed:
+        """The trainer's weights, whole, in shared buffers for the worker processes. Under FSDP they
+        are gathered once for it (every trainer process calls this, in the same order) and read as
+        the module's tensors: its `state_dict` would hand back its shards."""
+        model = self.view.components.policy.model
+        with self.view.engine.full_weights():
+            tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+            return pack({name: tensors[name] for name in self.state_names})
 
     def _newer_weights(self, worker: Worker) -> bool:
         """Between the turns of a thread worker's batch: the weights pushed since it loaded its own,
