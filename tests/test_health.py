@@ -61,6 +61,14 @@ def test_a_jump_of_the_logprob_gap_against_its_earlier_mean():
     assert fired(gaps(0.001, 0.2), attrs.evolve(DEFAULTS, logprob_gap_jump=0)) == {}
 
 
+def test_a_batch_made_ahead_is_left_out_of_the_logprob_gap():
+    """Sampled by weights some updates older, its gap is the updates' (a run ahead at staleness 2
+    of the tiny recipe: 0.069 nats, against 6e-8 before), not a failed sync."""
+    rows = [{"check/logprob_gap": 6e-8, "async/staleness": 0.0}, {"check/logprob_gap": 0.069, "async/staleness": 2.0}]
+    assert fired(rows) == {}
+    assert fired([*rows, {"check/logprob_gap": 0.2, "async/staleness": 0.0}]) == {"logprob_gap_jump": 0.2}  # against 6e-8 alone
+
+
 def test_entropy_collapse_against_the_first_iteration():
     assert fired([{"train/entropy": 2.0}, {"train/entropy": 0.09}]) == {"entropy_collapse": 0.09}  # under 5% of 2.0
     assert fired([{"train/entropy": 2.0}, {"train/entropy": 0.11}]) == {}

@@ -63,8 +63,10 @@ def detect(config: HealthConfig, history: list[dict], group_share: float | None 
             found.append(Finding("all_truncated", 0.0, f"response/eos_rate = 0 for {config.all_truncated} iterations: every "
                                  "response was cut at generator.max_new_tokens; raise it, or check that the policy's EOS token "
                                  "is the one it was trained to end with"))
-    gap = now.get("check/logprob_gap")
-    earlier_gaps = [row["check/logprob_gap"] for row in earlier if "check/logprob_gap" in row]
+    # a batch made ahead (`async/staleness` above 0) was sampled by older weights: its gap measures the updates since,
+    # not the sync (each push there has its own check), so only batches sampled by the weights that train are compared
+    gap = now.get("check/logprob_gap") if not now.get("async/staleness") else None
+    earlier_gaps = [row["check/logprob_gap"] for row in earlier if "check/logprob_gap" in row and not row.get("async/staleness")]
     if config.logprob_gap_jump and gap is not None and earlier_gaps:
         usual = sum(earlier_gaps) / len(earlier_gaps)
         if gap > config.logprob_gap_floor and gap > config.logprob_gap_jump * usual:
