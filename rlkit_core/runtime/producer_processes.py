@@ -9,9 +9,13 @@ makes the batches it is asked for. The trainer's side (`ProcessWorker`) is what 
 thread for that worker calls: it sends the iteration's records and, when the version changed, the
 weights, and waits on a pipe for the batch, so the thread holds no lock while the batch is made.
 
+A worker builds every component but the critic, which only the update reads.
+
 Weights travel through shared memory: at a push the trainer copies its state into one flat buffer
-per dtype (`pack`), and the worker copies them into its model before the batch (`unpack`); nothing
-else is shared, so the update never writes what a worker reads. A worker process that dies (its
+per dtype (`pack`), and the worker copies them into its model before the batch (`unpack`) and
+checks each tensor's sum against the pushed one's (`load`); nothing else is shared, so the update
+never writes what a worker reads. With `scheduler.partial_rollouts` each push is also offered on a
+second pipe, which the worker reads between its batch's turns (`Pushes`). A worker process that dies (its
 exit code, and the signal that killed it), fails to start (its message) or fails to load weights
 ends the run as a thread worker's failure does; one that hangs is a stall (`wait_timeout_s`). A
 worker gets SIGTERM when the trainer's process dies (Linux's PR_SET_PDEATHSIG), SIGKILL included,
@@ -150,9 +154,11 @@ class ProcessWorker:
         self.latest: tuple[int, Packed] | None = None
         self.offered = threading.Condition()
         self.closed = False
+        self.reaping = threading.Lock()  # the producer's thread (a broken pipe) and `close` both wait for the process to end
         self.process = context.Process(target=serve, args=(recipe, number, first, device, threads, theirs, pushes, group),
                                        name=f"rlkit-producer-{number}", daemon=True)
-        self.sender = threading.Thread(target=self._send_pushes, name=f"rlkit-producer-{number}-pushes", daemon=True)
+        partial = recipe.scheduler.partial_rollouts
+        self.sender = threading.Thread(target=self._send_pushes, name=f"rlkit-producer-{number}-pushes", daemon=True) if partial else None
         try:
             self.process.start()
         except (pickle.PicklingError, AttributeError, TypeError) as exc:  # the recipe, its components' classes among it
@@ -163,7 +169,8 @@ class ProcessWorker:
         finally:
             theirs.close()
             pushes.close()
-        self.sender.start()
+        if self.sender is not None:
+            self.sender.start()
 
     def wait_ready(self, timeout: float) -> None:
         """Until the worker has built its components (given at least `START_WAIT_S`: importing torch
@@ -214,9 +221,15 @@ class ProcessWorker:
             raise WorkerDied(f"its process raised {rest[0]}")
         return rest[0] if kind == "ready" else tuple(rest)
 
+    def _join(self, timeout: float) -> int | None:
+        """The process's exit code once it has ended within `timeout`, else None. One thread at a time:
+        two waiting on one process at once could each miss its end (only one of them reaps it)."""
+        with self.reaping:
+            self.process.join(timeout=timeout)
+            return self.process.exitcode
+
     def _ended(self) -> str:
-        self.process.join(timeout=1.0)
-        code = self.process.exitcode
+        code = self._join(1.0)
         if code is None:
             return f"its process {self.process.pid} stopped answering"
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
@@ -229,10 +242,9 @@ class ProcessWorker:
             self.offered.notify()
         with contextlib.suppress(OSError):
             self.connection.send(None)
-        self.process.join(timeout=END_WAIT_S if wait else 0.0)
-        if self.process.is_alive():
+        if self._join(END_WAIT_S if wait else 0.0) is None:
             self.process.kill()
-            self.process.join(timeout=END_WAIT_S)
+            self._join(END_WAIT_S)
         self.connection.close()
         self.pushes.close()
 
