@@ -213,7 +213,7 @@ def engine_settings(config: VLLMGeneratorConfig, model_dir: str, policy_dtype: t
         "skip_tokenizer_init": True,
         "load_format": "dummy",  # placeholder weights; the first push replaces them
         "dtype": dtype,
-        "seed": seed,
+        "seed": seed % 2**32,  # vLLM's seeds are 32-bit
         "tensor_parallel_size": config.tensor_parallel_size,
         "gpu_memory_utilization": config.gpu_memory_fraction,
         "enable_sleep_mode": config.sleep_level > 0,

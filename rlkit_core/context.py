@@ -23,7 +23,9 @@ class BuildContext:
       iteration); a component's own settings belong in its own config class.
     - `registry`: every installed component (`recipe.registry`, a `ComponentLookup`: `find`, `names`); `build(choice)` builds a nested
       component table, the `ComponentChoice` a `nested_component` setting holds.
-    - `device`: where tensors go; `output_dir`: the run's folder (it may not exist yet); `seed`: `run.seed`.
+    - `device`: where tensors go; `output_dir`: the run's folder (it may not exist yet); `seed`: `run.seed`,
+      or for the components of a worker that makes batches ahead, a seed of that worker's own (an engine
+      seeded from it samples apart from the trainer's and the other workers').
     - `launch`: how the run is started (`rlkit_core.Launch`): `launch.processes` is the
       number of processes, each of which builds its own copy of every component.
     - `policy` and `tokenizer`: None while the policy itself is built, then set for every other kind

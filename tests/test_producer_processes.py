@@ -239,3 +239,16 @@ def test_a_worker_builds_every_component_but_the_critic(recipe_document, builtin
     parts = build_components(recipe, BuildContext(recipe=recipe, device=torch.device("cpu"), output_dir=str(tmp_path), seed=0),
                              with_critic=False)
     assert parts.value_head is None and parts.reward is not None and parts.generator is not None
+
+
+def test_every_workers_components_are_seeded_apart_from_the_trainers_and_each_others():
+    """An engine seeds its sampling from its context's seed plus SEED_STRIDE times the trainer
+    process's index (vLLM's `sampling_seed`): no two of the trainer's and the workers' meet."""
+    from rlkit_core.randomness import SEED_STRIDE, sampling_seed
+    from rlkit_core.runtime.producer_processes import worker_seed
+
+    trainers = [sampling_seed(3, index) for index in range(8)]
+    workers = [sampling_seed(worker_seed(3, number), index) for number in range(4) for index in range(8)]
+    assert len(set(trainers + workers)) == len(trainers) + len(workers)
+    assert worker_seed(3, 0) == 3 + SEED_STRIDE * 256  # by hand: ENGINE_PROCESSES strides past the run seed
+    assert sampling_seed(worker_seed(10**8, 14), 255) < 2**32  # vLLM's seeds are 32-bit

@@ -475,10 +475,12 @@ def test_episodes_run_on_vllm_with_one_push_per_rollout(recipe_document, byte_mo
     assert len(resets) == 2  # the next rollout pushes again
 
 
-def test_batches_made_one_step_off_on_an_engine_of_their_own(recipe_document, byte_model, tmp_path):
-    """`[scheduler] max_staleness = 1` with vllm: the producer's generator is a second engine, pushed the
-    copy of the weights at each batch (its prefix cache reset then), while the trainer's engine
-    serves the evaluation; every batch is at most one version old and trains its own prompts."""
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_batches_made_one_step_off_on_an_engine_of_their_own(recipe_document, byte_model, tmp_path, workers):
+    """`[scheduler] max_staleness = 1` with vllm: the producer's generator is a second engine (in
+    the trainer's process, or in the worker's), pushed the weights at each batch (its prefix cache
+    reset then), while the trainer's engine serves the evaluation; every batch is at most one
+    version old and trains its own prompts."""
     from rlkit_core.recipe.plugins import load_registry
     from tests.test_trainer import make_trainer
 
@@ -486,10 +488,17 @@ def test_batches_made_one_step_off_on_an_engine_of_their_own(recipe_document, by
     recipe_document["run"]["device"] = "cpu"
     recipe_document["generator"] = {"type": "vllm", "max_new_tokens": 8, "gpu_memory_fraction": 0.02}
     trainer = make_trainer(recipe_document, load_registry(environ={"RLKIT_PLUGINS": "none"}), scheduler__max_staleness=1,
-                           loss__tis_cap=2.0)
+                           scheduler__workers=workers, loss__tis_cap=2.0)
     try:
         rows = [trainer.iterate() for _ in range(3)]
-        assert isinstance(trainer.source, Producer) and trainer.source.workers[0].components.generator is not trainer.components.generator
+        assert isinstance(trainer.source, Producer)
+        worker = trainer.source.workers[0]
+        if workers == "processes":
+            assert worker.remote is not None
+        else:  # an engine of its own, sampling apart from the trainer's
+            seeds = [generator.engine.llm.llm_engine.vllm_config.model_config.seed for generator in (worker.components.generator,
+                                                                                                   trainer.components.generator)]
+            assert worker.components.generator is not trainer.components.generator and seeds[0] != seeds[1]
     finally:
         trainer.close()
     for iteration, row in enumerate(rows):

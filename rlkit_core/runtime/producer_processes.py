@@ -52,7 +52,16 @@ from rlkit_core.runtime.push_check import WeightPushFailed
 
 END_WAIT_S = 5.0  # how long a closing worker gets to exit before it is killed
 START_WAIT_S = 600.0  # the least time a worker gets to build the components (scheduler.wait_timeout_s if longer)
+ENGINE_PROCESSES = 256  # the trainer processes whose workers' engines are seeded apart (`worker_seed`)
 WORKER_SEEDS = 7_927  # worker w's torch seed is run.seed + SEED_STRIDE * (WORKER_SEEDS + w) + the iteration it starts at
+
+def worker_seed(seed: int, number: int) -> int:
+    """The run seed worker `number`'s components are built with (`BuildContext.seed`): an engine of
+    their own (vLLM) seeds its sampling from it plus SEED_STRIDE times the trainer process's index,
+    so this keeps every worker's apart from the trainer's and from each other's, for up to
+    ENGINE_PROCESSES trainer processes (within vLLM's 32-bit seeds: 15 workers, run seeds below 1e8)."""
+    return seed + SEED_STRIDE * ENGINE_PROCESSES * (number + 1)
+
 
 @attrs.frozen
 class Packed:
@@ -296,7 +305,7 @@ def serve(recipe: Recipe, number: int, first: int, device: torch.device, threads
         index = group.index if group is not None else 0  # a stream of its own for each (worker, trainer process)
         torch.manual_seed(run.seed + SEED_STRIDE * (WORKER_SEEDS + launch.processes * number + index) + first)
         engine = StandaloneEngine(recipe, device, launch)
-        context = BuildContext(recipe=recipe, device=device, output_dir=run.output_dir, seed=run.seed, launch=launch)
+        context = BuildContext(recipe=recipe, device=device, output_dir=run.output_dir, seed=worker_seed(run.seed, number), launch=launch)
         components = build_components(recipe, context, with_critic=False)  # it samples and scores, never trains
         components.policy.model.requires_grad_(False)
         newer = Pushes(pushes, components.policy)

@@ -55,7 +55,7 @@ from rlkit_core.runtime.batch_sources import SamplingView
 from rlkit_core.runtime.distributed import SideProcesses
 from rlkit_core.runtime.engine import Engine
 from rlkit_core.runtime.faults import BadReward
-from rlkit_core.runtime.producer_processes import Packed, ProcessWorker, pack, worker_groups
+from rlkit_core.runtime.producer_processes import Packed, ProcessWorker, pack, worker_groups, worker_seed
 from rlkit_core.runtime.push_check import PushCheck
 
 CLOSE_WAIT_S = 5.0  # the longest an ordinary close waits for the batches in flight, all workers together
@@ -145,7 +145,7 @@ class Producer:
             self.state_names = list(view.components.policy.model.state_dict())  # read here: under FSDP, not inside `full_weights`
             self.weights = self._packed()  # the first batches' weights
         else:
-            self.workers = [self._worker(view, start + number) if bound else Worker(view.components, None, SideEngine(view.engine), start)
+            self.workers = [self._worker(view, number, start + number) if bound else Worker(view.components, None, SideEngine(view.engine), start)
                             for number in range(max(1, bound))]
             if self.partial:
                 for worker in self.workers:
@@ -170,16 +170,18 @@ class Producer:
         torch.set_num_threads(trainer_threads)
 
     @staticmethod
-    def _worker(view: SamplingView, first: int) -> Worker:
+    def _worker(view: SamplingView, number: int, first: int) -> Worker:
         """A generator of its own on a copy of the weights; the copy as the policy too, so that a
-        generator with an engine of its own (vLLM) is pushed the copy's weights."""
+        generator with an engine of its own (vLLM) is pushed the copy's weights; and the worker's
+        own seed, so that such an engine samples apart from the trainer's and the other workers'."""
         weights = WeightsCopy(view.components.policy)
         context = view.context
-        live, context.policy = context.policy, cast(Policy, weights)  # what a generator reads of a policy, and no more
+        live, seed = context.policy, context.seed
+        context.policy, context.seed = cast(Policy, weights), worker_seed(seed, number)  # what a generator reads of a policy, and no more
         try:
             generator = context.build(view.recipe["generator"])
         finally:
-            context.policy = live
+            context.policy, context.seed = live, seed
         return Worker(attrs.evolve(view.components, generator=generator, policy=weights), weights, SideEngine(view.engine), first)
 
     @staticmethod
