@@ -252,3 +252,41 @@ def test_every_workers_components_are_seeded_apart_from_the_trainers_and_each_ot
     assert len(set(trainers + workers)) == len(trainers) + len(workers)
     assert worker_seed(3, 0) == 3 + SEED_STRIDE * 256  # by hand: ENGINE_PROCESSES strides past the run seed
     assert sampling_seed(worker_seed(10**8, 14), 255) < 2**32  # vLLM's seeds are 32-bit
+
+
+KILLED_UNDER_TORCHRUN = '''
+import multiprocessing, os, signal
+
+calls = 0
+
+def killed_in_the_second_trainers_worker(prompts, responses, letter):
+    global calls
+    calls += 1
+    if multiprocessing.parent_process() is not None and os.environ["RANK"] == "1" and calls == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [sum(c.islower() for c in r) / 8 for r in responses]
+'''
+
+
+@pytest.mark.slow
+def test_a_worker_process_killed_under_two_trainer_processes_ends_both_located(recipe_document, write_recipe, tmp_path,
+                                                                                monkeypatch):
+    """Its trainer process names the SIGKILL; the other's worker loses its group's peer mid-batch
+    and its trainer process names that. Both checkpoint and exit, and no process is left."""
+    from tests.test_scheduling import gone_within
+
+    reward = tmp_path / "killed.py"
+    reward.write_text(KILLED_UNDER_TORCHRUN)
+    recipe_document["reward"] = {"type": "python", "function": f"{reward}:killed_in_the_second_trainers_worker"}
+    recipe_document["run"]["steps"] = 6
+    recipe_document.update(scheduler={"max_staleness": 1, "workers": "processes"}, loss={"type": "ppo-clip", "tis_cap": 2.0})
+    monkeypatch.setenv("RLKIT_TEST_RUN", str(tmp_path))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(Path(sys.executable).with_name("rlkit")), "run", write_recipe(recipe_document), "--quiet"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines() if line.startswith("rlkit run: the producer's worker 0 failed")]
+    assert len(said) == 2, done.stderr[-3000:]
+    assert any("its process" in line and "was killed by SIGKILL" in line for line in said)
+    assert all("saved" in line and "continue with --resume auto" in line for line in said)
+    assert gone_within(10, "RLKIT_TEST_RUN", str(tmp_path))
