@@ -47,9 +47,11 @@ def slow_registry():
 AHEAD = {"scheduler__max_staleness": 1, "scheduler__partial_rollouts": True, "loss__tis_cap": 2.0, "loss__is_level": "sequence"}
 
 
-@pytest.mark.parametrize("workers", ["threads", "processes"])
-def test_weights_pushed_mid_batch_sample_the_later_turns_and_each_token_keeps_its_version(recipe_document, tmp_path, workers):
-    document = episode_document(recipe_document, ending_model(tmp_path / "ending"))
+@pytest.mark.parametrize("workers, style", [("threads", "byt5"), ("processes", "byt5"), ("processes", "gpt2")])
+def test_weights_pushed_mid_batch_sample_the_later_turns_and_each_token_keeps_its_version(recipe_document, tmp_path, workers, style):
+    """`gpt2`: a pad-less BPE tokenizer (the policy adds a suppressed PAD row), its turns rendered
+    with the environment's answers between them."""
+    document = episode_document(recipe_document, ending_model(tmp_path / "ending", style))
     document["environment"].update(type="slow-guess-number", delay=0.3)
     trainer = make_trainer(document, slow_registry(), **AHEAD, scheduler__workers=workers, optim__learning_rate=1e-2, run__steps=4)
     model = trainer.components.policy.model

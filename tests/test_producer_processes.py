@@ -47,7 +47,14 @@ def _logprobs(trainer, batch):
     return logprobs[batch.response_mask.bool()]
 
 
-def test_a_worker_process_samples_with_the_weights_last_pushed_to_it(recipe_document, builtin_registry):
+@pytest.mark.parametrize("style", ["byt5", "gpt2"])
+def test_a_worker_process_samples_with_the_weights_last_pushed_to_it(recipe_document, builtin_registry, tmp_path, style):
+    """`gpt2`: a pad-less BPE tokenizer, to which the policy adds a suppressed PAD row, in the
+    worker's build as in the trainer's."""
+    if style == "gpt2":
+        from rlkit_core.testing.offline_models import write_tiny_model
+
+        recipe_document["policy"]["model"] = str(write_tiny_model(tmp_path / "gpt2-style", "gpt2"))
     trainer = make_trainer(recipe_document, builtin_registry, **AHEAD)
     model = trainer.components.policy.model
     start = {name: tensor.clone() for name, tensor in model.state_dict().items()}
