@@ -78,24 +78,31 @@ class RolloutEngine(Protocol):
         ...
 
 
-class StandaloneEngine:
-    """What stage 1 reads of an engine (a `RolloutEngine`) in a process that trains nothing (`rlkit
-    check`'s episodes, a producer's worker process): one process (or a worker's group: `launch`),
-    whole weights, the run's mixed precision. `newer_weights`, when set, loads the weights pushed meanwhile (`between_turns`)."""
+class SamplingEngine:
+    """The part of a `RolloutEngine` that samples beside the update or apart from it (a producer's
+    worker, `rlkit check`'s episodes): its weights are whole, so reading them whole is nothing to
+    do, and `newer_weights`, when set (`scheduler.partial_rollouts`), loads the weights pushed
+    meanwhile and says whether there were any (`between_turns`)."""
 
-    def __init__(self, recipe: Recipe, device: torch.device | None = None, launch: Launch = ONE_PROCESS):
-        self.accelerator, self.processes, self.device = start_accelerator(recipe, launch, device)
-        self.push_check = PushCheck(recipe.health.weight_push_tolerance)
-        self.newer_weights: Callable[[], bool] | None = None
+    newer_weights: Callable[[], bool] | None = None
 
     def full_weights(self):
         return contextlib.nullcontext()
 
-    def autocast(self):
-        return self.accelerator.autocast()
-
     def between_turns(self) -> bool:
         return self.newer_weights() if self.newer_weights is not None else False
+
+
+class StandaloneEngine(SamplingEngine):
+    """What stage 1 reads of an engine in a process that trains nothing (`rlkit check`'s episodes,
+    a producer's worker process): one process (or a worker's group: `launch`), the run's mixed precision."""
+
+    def __init__(self, recipe: Recipe, device: torch.device | None = None, launch: Launch = ONE_PROCESS):
+        self.accelerator, self.processes, self.device = start_accelerator(recipe, launch, device)
+        self.push_check = PushCheck(recipe.health.weight_push_tolerance)
+
+    def autocast(self):
+        return self.accelerator.autocast()
 
 
 class Engine:

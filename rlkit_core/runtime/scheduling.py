@@ -36,12 +36,10 @@ resumed run makes them again from its prompt stream, so every prompt trains once
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import threading
 import time
-from collections.abc import Callable
 from typing import cast
 
 import attrs
@@ -53,7 +51,7 @@ from rlkit_core.interfaces import Policy
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.runtime.batch_sources import SamplingView
 from rlkit_core.runtime.distributed import SideProcesses
-from rlkit_core.runtime.engine import Engine
+from rlkit_core.runtime.engine import Engine, SamplingEngine
 from rlkit_core.runtime.faults import BadReward
 from rlkit_core.runtime.producer_processes import Packed, ProcessWorker, pack, worker_groups, worker_seed
 from rlkit_core.runtime.push_check import PushCheck
@@ -93,24 +91,17 @@ class WeightsCopy:
         self.weights_version = policy.weights_version  # the producer sets it as it loads pushed weights
 
 
-class SideEngine:
+class SideEngine(SamplingEngine):
     """What stage 1 reads of the engine (a `RolloutEngine`), for the producer's thread: the device,
-    the run's autocast, and the processes over a group of their own (`SideProcesses`). Weights are
-    whole in every process (FSDP runs `sync`), so reading them whole is nothing to do."""
+    the run's autocast, and the processes over a group of their own (`SideProcesses`). A thread
+    worker samples a copy of the weights, whole (under FSDP only workers in processes run ahead)."""
 
     def __init__(self, engine: Engine):
         self.engine, self.device, self.processes = engine, engine.device, SideProcesses(engine.processes)
         self.push_check = PushCheck(engine.push_check.tolerance)  # the worker's generator, compared on its own
-        self.newer_weights: Callable[[], bool] | None = None  # with `scheduler.partial_rollouts`: loads the weights pushed meanwhile
-
-    def full_weights(self):
-        return contextlib.nullcontext()
 
     def autocast(self):
         return self.engine.autocast()
-
-    def between_turns(self) -> bool:
-        return self.newer_weights() if self.newer_weights is not None else False
 
 
 @attrs.define
