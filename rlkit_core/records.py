@@ -163,7 +163,7 @@ class SchedulerConfig:
                                                "generator or reward that stalls)", validator=greater_than(0))
     workers: str = setting("threads", help="where the workers that make batches ahead run: 'threads' of the trainer's process, each "
                                            "sampling from a copy of the weights, or 'processes' of their own, each building the recipe's "
-                                           "components and receiving the weights through shared memory at each push",
+                                           "components and receiving the weights through shared memory at each push (the only way under FSDP)",
                            validator=one_of("threads", "processes"))
     partial_rollouts: bool = setting(False, help="with max_staleness >= 1 and an environment that keeps the turn barrier: a worker "
                                                  "loads the weights pushed while its episodes are in flight, between their turns, so "
