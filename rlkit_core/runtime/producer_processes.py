@@ -53,7 +53,9 @@ from rlkit_core.runtime.push_check import WeightPushFailed
 END_WAIT_S = 5.0  # how long a closing worker gets to exit before it is killed
 START_WAIT_S = 600.0  # the least time a worker gets to build the components (scheduler.wait_timeout_s if longer)
 ENGINE_PROCESSES = 256  # the trainer processes whose workers' engines are seeded apart (`worker_seed`)
-WORKER_SEEDS = 7_927  # worker w's torch seed is run.seed + SEED_STRIDE * (WORKER_SEEDS + w) + the iteration it starts at
+# worker w's torch seed: run.seed + SEED_STRIDE * (WORKER_SEEDS + trainer processes * w + its trainer's index) + its first iteration
+WORKER_SEEDS = 7_927
+
 
 def worker_seed(seed: int, number: int) -> int:
     """The run seed worker `number`'s components are built with (`BuildContext.seed`): an engine of
