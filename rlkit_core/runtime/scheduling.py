@@ -111,7 +111,8 @@ class Worker:
 
     components: Components
     copy: WeightsCopy | None
-    engine: SideEngine  # with a process group of the worker's own: its collectives in one order everywhere
+    # with a process group of the worker's own, its collectives in one order everywhere (None: a worker process, which has its own)
+    engine: SideEngine | None
     next: int  # the next iteration it makes: worker w of k makes iterations w, w + k, w + 2k, ... (past the start)
     version: int = -1
     remote: ProcessWorker | None = None  # with `scheduler.workers = "processes"`: the process that makes its batches
@@ -140,6 +141,7 @@ class Producer:
                             for number in range(max(1, bound))]
             if self.partial:
                 for worker in self.workers:
+                    assert worker.engine is not None  # a thread worker's
                     worker.engine.newer_weights = functools.partial(self._newer_weights, worker)
         self.done: dict[int, Made] = {}
         self.changed = threading.Condition()
@@ -180,7 +182,7 @@ class Producer:
         """Workers in processes of their own (`rlkit_core.runtime.producer_processes`), all started, then all waited for
         (under several trainer processes, worker w of each in a process group of theirs)."""
         groups = worker_groups(view.engine.processes, bound)
-        workers = [Worker(view.components, None, SideEngine(view.engine), start + number,
+        workers = [Worker(view.components, None, None, start + number,
                           remote=ProcessWorker(view.recipe, number, start, view.engine.device, threads=1, group=group))
                    for number, group in zip(range(bound), groups)]
         for worker in workers:
@@ -304,6 +306,7 @@ class Producer:
                         worker.copy.model.load_state_dict(weights)
                         worker.version = worker.copy.weights_version = version
                     doing = "making the batch (generation, environment or reward)"
+                    assert worker.engine is not None  # a thread worker's
                     with torch.no_grad():
                         made.batch, made.metrics = self.view.rollout(iteration, worker.components, worker.engine)
             except (BadReward, RecipeError) as exc:  # raised where `sync` raises it: a skip or stop, or bad input (exit 2)
