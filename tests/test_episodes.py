@@ -374,11 +374,30 @@ def test_a_split_episode_gives_each_sample_the_episodes_score():
     assert batch.scores.tolist() == pytest.approx([0.9, 0.9]) and batch.group_ids.tolist() == [0, 0]
 
 
-def test_single_turn_recipes_play_no_episode(recipe_document, builtin_registry):
-    trainer = make_trainer(recipe_document, builtin_registry)
-    assert trainer.components.environment is None
-    batch, metrics = rollout_with(trainer, trainer.stream.batch(0))
-    assert batch.turn_rewards is None and not any(name.startswith("env/") for name in metrics)
+def test_dynamic_sampling_joins_episode_batches_row_by_row():
+    """The rounds of dynamic sampling as one batch: each episode's turn rewards and versions stay on
+    its row, a narrower round padded."""
+    from rlkit_core.runtime.dynamic_sampling import concatenated
+
+    rewarded, other = Sample(prompt=[5]), Sample(prompt=[6, 7])
+    rewarded.extend([1, 2, 3], [-0.1, -0.2, -0.3], version=4)
+    rewarded.rewards[2] = 0.5
+    other.extend([4], [-0.4], version=5)
+    first, second = (episodes_batch([Episode(record={"prompt": p}, group=g, samples=[s], status="ok")], [score], pad=0, device="cpu")
+                     .with_(responses=[p]) for p, g, s, score in (("a", 0, rewarded, 1.0), ("b", 1, other, 2.0)))
+    joined = concatenated([first, second, first], pad_token_id=0)
+    assert joined.turn_rewards.tolist() == [[0.0, 0.0, 0.5], [0.0, 0.0, 0.0], [0.0, 0.0, 0.5]]
+    assert joined.sampled_versions.tolist() == [[4, 4, 4], [5, -1, -1], [4, 4, 4]]
+    assert joined.response_ids.tolist() == [[1, 2, 3], [4, 0, 0], [1, 2, 3]] and joined.scores.tolist() == [1.0, 2.0, 1.0]
+    assert joined.responses == ["a", "b", "a"] and joined.episode_ids is None
+
+
+def test_dynamic_sampling_trains_episodes_through_its_extra_rounds(recipe_document, builtin_registry, ending_tiny_model):
+    document = episode_document(recipe_document, ending_tiny_model)
+    trainer = make_trainer(document, builtin_registry, ppo__dynamic_sampling=True, ppo__max_extra_rounds=2, ppo__samples_per_prompt=4,
+                           advantage__type="grpo", value_head__type="none")
+    metrics = trainer.step()
+    assert metrics["batch/extra_rounds"] >= 1 and math.isfinite(metrics["train/loss"]) and metrics["env/turns"] > 1
 
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])

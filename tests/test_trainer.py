@@ -44,6 +44,49 @@ def update_with(trainer: Trainer, batch: RolloutBatch) -> dict[str, float]:
     return update.update(trainer.engine, trainer.components, trainer.recipe, batch, trainer.state, trainer.observe).metrics
 
 
+@pytest.mark.parametrize("style", ["byte-level", "padless-gpt2", "chat-llama"])
+def test_a_single_turn_rollout_is_one_generate_call_on_the_encoded_prompts(recipe_document, builtin_registry, tmp_path, style):
+    """One rollout path: a recipe without an environment plays episodes of one turn, and its batch
+    holds what one `generate` call on the prompts as `encode_prompts` cuts them samples from the
+    same random state, decoded and scored as such: pad-less GPT-2 style (rlkit adds its PAD) and
+    Llama style (several end ids) as well. A response cut off keeps its tokens, not ended."""
+    from rlkit_core.prompts import encode_prompts
+    from rlkit_core.testing.offline_models import write_tiny_model
+
+    if style != "byte-level":
+        recipe_document["policy"]["model"] = str(write_tiny_model(tmp_path / style, "gpt2" if style == "padless-gpt2" else "chat"))
+    trainer = make_trainer(recipe_document, builtin_registry, data__max_prompt_tokens=8, generator__max_new_tokens=10)
+    components, k = trainer.components, trainer.recipe.ppo.samples_per_prompt
+    tokenizer, records = components.policy.tokenizer, trainer.stream.batch(0)
+    ends = list(components.policy.eos_token_ids)
+    head = components.policy.model.get_output_embeddings()
+    head.register_forward_hook(lambda module, inputs, logits: logits.index_add_(-1, torch.tensor(ends), torch.full((*logits.shape[:-1], len(ends)), 3.0)))
+    repeated = [r for r in records for _ in range(k)]
+    started = torch.random.get_rng_state()
+    batch, metrics = rollout_with(trainer, records)
+    after = torch.random.get_rng_state()
+    torch.random.set_rng_state(started)
+    ids, mask = encode_prompts(tokenizer, repeated, trainer.engine.device, 8)
+    assert (mask.sum(dim=1) == 8).any()  # some prompt was cut
+    generation = components.generator.generate(ids, mask)
+    assert torch.equal(torch.random.get_rng_state(), after)  # the rollout drew nothing else from the training stream
+    assert torch.equal(batch.prompt_ids, ids) and torch.equal(batch.prompt_mask, mask)
+    assert torch.equal(batch.response_ids, generation.response_ids)
+    assert torch.equal(batch.response_mask, generation.response_mask) and torch.equal(batch.loss_mask, generation.response_mask)
+    counted = generation.response_mask.bool()
+    assert torch.equal(batch.sampled_logprobs[counted], generation.logprobs[counted])
+    eos = torch.tensor(components.policy.eos_token_ids)
+    ended = torch.isin(generation.response_ids, eos).any(dim=1)
+    assert torch.equal(batch.ended, ended) and 0 < int(ended.sum()) < len(ended)  # some ended, some were cut off
+    responses = tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
+    assert batch.responses == responses
+    prompts = [r["prompt"] for r in repeated]
+    expected = components.reward.score(prompts, responses, **rollout.record_columns(repeated))
+    assert batch.scores.tolist() == pytest.approx(expected, abs=0, rel=1e-7)
+    assert batch.group_ids.tolist() == [i // k for i in range(len(repeated))]
+    assert batch.turn_rewards is None and not [name for name in metrics if name.startswith("env/")]
+
+
 def test_first_step_ratio_is_one_and_logprobs_match_the_sampler(recipe_document, builtin_registry):
     trainer = make_trainer(recipe_document, builtin_registry)
     batch, _ = rollout_with(trainer, trainer.stream.batch(0))

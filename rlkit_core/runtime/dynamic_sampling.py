@@ -18,6 +18,7 @@ from typing import cast
 import torch
 
 from rlkit_core.batch import RolloutBatch
+from rlkit_core.errors import RunError
 from rlkit_core.functional import constant_groups
 from rlkit_core.randomness import extra_prompts_seed
 from rlkit_core.recipe.assemble import Components
@@ -34,13 +35,16 @@ def concatenated(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
         return batches[0]
     first = batches[0]
     fields = {}
-    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "loss_mask", "sampled_logprobs"):
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "loss_mask", "sampled_logprobs", "turn_rewards", "sampled_versions"):
         parts = [getattr(b, name) for b in batches]
+        if parts[0] is None:  # an episode batch's field, in a batch of another kind
+            continue
         width = max(p.shape[1] for p in parts)
-        pad = pad_token_id if name.endswith("_ids") else 0
+        pad = pad_token_id if name.endswith("_ids") else -1 if name == "sampled_versions" else 0
         left = name.startswith("prompt_")
         fields[name] = torch.cat([torch.nn.functional.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]), value=pad)
                                   for p in parts])
+    fields["episode_ids"] = None  # each round numbered its episodes alike; every row is an episode of its own here (`DynamicSampler`)
     for name in ("group_ids", "ended", "scores"):
         fields[name] = torch.cat([getattr(b, name) for b in batches])
     fields["prompts"] = [p for b in batches for p in b.prompts]
@@ -71,6 +75,11 @@ class DynamicSampler:
             return quota - sum(len(b) for b in kept) // self.k
         while True:
             batch, timing = rollout(engine, self.components, self.recipe, records, self.k, self.max_prompt_tokens)
+            if batch.episode_ids is not None and len(batch.episode_ids.unique()) < len(batch):  # a group is k rows here (several
+                # processes refuse splits in `rollout` already)
+                raise RunError("the chat template rewrote an episode's history, which starts a new training sample, and dynamic "
+                               "sampling (ppo.dynamic_sampling) takes a group as one row per episode; leave it out, or use a chat "
+                               "format that extends the stream (`rlkit check` audits it)")
             for name, value in timing.items():
                 metrics[name] = metrics.get(name, 0.0) + value if name.startswith("time/") else value
             lengths = batch.loss_mask.sum(dim=1)
@@ -91,7 +100,8 @@ class DynamicSampler:
             kept.append(spare.select(torch.arange(short * self.k, device=device)))
         batch = concatenated(kept, pad_token_id)
         # one id per group again, unique over processes (the rounds each numbered theirs from 0)
-        batch = batch.with_(group_ids=torch.arange(len(batch), device=device) // self.k + processes.index * quota)
+        # (and every row an episode of its own, on every process alike: `rollout` above refuses samples that split)
+        batch = batch.with_(group_ids=torch.arange(len(batch), device=device) // self.k + processes.index * quota, episode_ids=None)
         counts = processes.sum(torch.tensor([len(spare) // self.k - short, short], device=device))
         metrics.update({"batch/dropped_groups": float(counts[0]), "batch/constant_groups_kept": float(counts[1]),
                         "batch/extra_rounds": float(rounds)})

@@ -1,5 +1,6 @@
 # pyright: standard
-"""Stage 1 for a multi-turn recipe: episodes, played turn by turn against the environment.
+"""Stage 1: episodes, played turn by turn against the environment; in a recipe without one, an
+episode is one turn (the record's prompt, one response), on the same path.
 
 The core owns every token of an episode. A training sample is the rendered first prompt followed
 by one stream: the ids the generator sampled, as it sampled them (never decoded and re-encoded),
@@ -36,15 +37,20 @@ import torch
 
 from rlkit_core.batch import RolloutBatch
 from rlkit_core.chat_format import ChatFormat, TemplateAudit, audit, episode_format
-from rlkit_core.errors import RecipeError, RunError
+from rlkit_core.episode_limits import StandardEpisode
+from rlkit_core.errors import RecipeError
 from rlkit_core.functional import left_padded
 from rlkit_core.interfaces import Completion, Environment, Generator
 from rlkit_core.messages import STATUSES, TRAINED_STATUSES, Reply, Reset, Step
+from rlkit_core.prompts import prompt_token_ids
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.engine import RolloutEngine
 from rlkit_core.runtime.environment_calls import Call, CallsHung, pool_for
 from rlkit_core.runtime.faults import BadReward
+
+# A recipe without an environment: one turn, as long as the generator's response limit
+ONE_TURN = StandardEpisode(max_turns=1, max_episode_tokens=0)
 
 
 @attrs.define
@@ -124,19 +130,23 @@ def answer_problem(answer: Any, expected: type) -> str | None:
 
 
 class EpisodeRunner:
-    """Plays a batch of episodes with the run's generator and environment."""
+    """Plays a batch of episodes with the run's generator and environment (one turn each where the recipe has none)."""
 
-    def __init__(self, engine: RolloutEngine, components: Components, recipe: Recipe):
-        policy, settings, environment = components.policy, recipe["environment"].config, components.environment
-        assert environment is not None  # episodes are played in a recipe with an environment only
-        self.engine, self.components, self.settings = engine, components, settings
+    def __init__(self, engine: RolloutEngine, components: Components, recipe: Recipe, max_prompt_tokens: int = 0):
+        """`max_prompt_tokens`: where a recipe without an environment cuts its prompts from the left (0: not cut)."""
+        policy, environment = components.policy, components.environment
+        self.engine, self.components, self.max_prompt_tokens = engine, components, max_prompt_tokens
         self.response_limit = recipe["generator"].config.max_new_tokens
         self.environment, self.tokenizer = environment, policy.tokenizer
         self.context = policy.context_length
         self.eos = set(policy.eos_token_ids)
+        if environment is None:  # one turn: the record's prompt as the data prepared it, then one response
+            self.settings = ONE_TURN
+            return
+        self.settings = settings = recipe["environment"].config
         self.format: ChatFormat = episode_format(settings, policy.tokenizer, policy.eos_token_ids, recipe.registry)[0]
-        self.tools = self.environment.tools()
-        self.calls = pool_for(self.environment, settings.call_threads)
+        self.tools = environment.tools()
+        self.calls = pool_for(environment, settings.call_threads)
 
     def token_limit(self, prompt_length: int) -> int:
         """The episode's token budget after a prompt of `prompt_length` ids, within the policy's context."""
@@ -159,7 +169,8 @@ class EpisodeRunner:
         self.stopped_by: RecipeError | CallsHung | None = None
         self.streams = contextlib.ExitStack()  # each turn continues its episode's stream, while the weights stay the same
         with self.streams:
-            self.streams.enter_context(self.components.generator.continuing_streams())
+            if self.settings.max_turns > 1:  # a turn may follow: its stream is continued
+                self.streams.enter_context(self.components.generator.continuing_streams())
             episodes = self._play(records, groups, seeds, greedy)
         stop = self.stopped_by
         mine = (stop.problems if isinstance(stop, RecipeError) else str(stop) if stop else None, self.bad_rewards[0] if self.bad_rewards else None)
@@ -186,9 +197,43 @@ class EpisodeRunner:
 
         episodes = [Episode(record=r, group=g) for r, g in zip(records, groups)]
         timings = {"generate": 0.0, "environment": 0.0}
-        started = time.perf_counter()
-        resets = self._call([(self.environment.reset, (e.record, seed)) for e, seed in zip(episodes, seeds)], "reset")
-        timings["environment"] += time.perf_counter() - started
+        if self.environment is None:
+            for episode in episodes:
+                episode.samples.append(Sample(prompt=self._prompt_ids(episode.record)))
+        else:
+            started = time.perf_counter()
+            self._reset(episodes, seeds)
+            timings["environment"] += time.perf_counter() - started
+        ready = [e for e in episodes if e.status is None]
+        # one block for the rollout in every process, whatever its episodes do: under FSDP entering
+        # it gathers the weights (a collective), and the weights do not change within a rollout
+        with sampling(self.engine, self.components, [self._padded(ready)] if ready else []) as generator:
+            if self.settings.turn_barrier:
+                self._play_in_turns(generator, episodes, greedy, timings)
+            elif ready:
+                self._play_as_ready(generator, ready, greedy, timings)
+        for episode in episodes:
+            if episode.status is None:
+                episode.finish("ok")
+        if self.environment is not None:
+            began = time.perf_counter()
+            self._close([e for e in episodes if e.state is not None])
+            timings["environment"] += time.perf_counter() - began
+        self.timings = timings
+        self.hung_calls = self.calls.hung if self.environment is not None else 0
+        return episodes
+
+    def _prompt_ids(self, record: dict) -> list[int]:
+        """A one-turn episode's prompt: the record's ids as every prompt is encoded (`encode_prompts`), cut to `max_prompt_tokens`."""
+        ids = prompt_token_ids(self.tokenizer, record)
+        return ids[-self.max_prompt_tokens:] if self.max_prompt_tokens else ids
+
+    def _reset(self, episodes: list[Episode], seeds: list[int]) -> None:
+        """The environment's reset of each episode: its opening messages as the first sample's prompt,
+        or the episode ended for the environment's fault, or as "overflow" when no turn fits after it."""
+        environment = self.environment
+        assert environment is not None  # one-turn episodes have none: no reset, step or close
+        resets = self._call([(environment.reset, (e.record, seed)) for e, seed in zip(episodes, seeds)], "reset")
         for episode, (status, reset) in zip(episodes, resets):
             episode.started = time.monotonic()
             problem = answer_problem(reset, Reset) if status == "ok" else None
@@ -202,23 +247,6 @@ class EpisodeRunner:
             episode.samples.append(Sample(prompt=self.format.opening(episode.messages, episode.tools), messages=list(episode.messages)))
             if not self.room_for_a_turn(episode.sample):
                 self._opening_overflow(episode)
-        ready = [e for e in episodes if e.status is None]
-        # one block for the rollout in every process, whatever its episodes do: under FSDP entering
-        # it gathers the weights (a collective), and the weights do not change within a rollout
-        with sampling(self.engine, self.components, [self._padded(ready)] if ready else []) as generator:
-            if self.settings.turn_barrier:
-                self._play_in_turns(generator, episodes, greedy, timings)
-            elif ready:
-                self._play_as_ready(generator, ready, greedy, timings)
-        for episode in episodes:
-            if episode.status is None:
-                episode.finish("ok")
-        began = time.perf_counter()
-        self._close([e for e in episodes if e.state is not None])
-        timings["environment"] += time.perf_counter() - began
-        self.timings = timings
-        self.hung_calls = self.calls.hung
-        return episodes
 
     def _play_in_turns(self, generator: Generator, episodes: list[Episode], greedy: bool, timings: dict[str, float]) -> None:
         """Every episode's turns with the barrier: each turn, every running episode is generated in
@@ -238,7 +266,10 @@ class EpisodeRunner:
             for episode, completion in zip(running, generation.completions()):
                 self._take_turn(episode, completion, turn)
             replying = [e for e in running if e.status is None]
+            if not replying:  # every one ended with its turn (one-turn episodes always do)
+                continue
             began = time.perf_counter()
+            assert self.environment is not None  # a one-turn episode ends with its turn
             steps = self._call([(self.environment.step, (e.state, e.reply)) for e in replying], "step")
             timings["environment"] += time.perf_counter() - began
             for episode, (status, step) in zip(replying, steps):
@@ -284,6 +315,7 @@ class EpisodeRunner:
         that keeps the default (nothing to release) takes no thread of the pool."""
         if getattr(type(self.environment), "close", Environment.close) is Environment.close:
             return
+        assert self.environment is not None  # one-turn episodes have no state to close
         closes = self._call([(self.environment.close, (e.state,)) for e in ended], "close")
         failed = [(status, why) for status, why in closes if status not in ("ok", "stopped")]
         if failed:
@@ -353,6 +385,8 @@ class EpisodeRunner:
             return episode.finish("overflow")
         if not ids or ids[-1] not in self.eos:
             return episode.finish("cut_off")
+        if self.environment is None:  # a one-turn episode ends with its response
+            return episode.finish("ok")
         reply = self.format.read(ids, turn, episode.tools)
         stream = episode.sample
         reply = attrs.evolve(reply, ids=tuple(ids), logprobs=tuple(logprobs), message=self.format.assistant_message(reply),
@@ -435,7 +469,9 @@ class TurnRequests:
         episode: Episode = key
         self.runner._take_turn(episode, completion, episode.turns + 1)
         if episode.status is None:
-            self.stepping[self.runner.calls.submit(self.runner.environment.step, (episode.state, episode.reply))] = episode
+            environment = self.runner.environment
+            assert environment is not None  # a one-turn episode ends with its turn
+            self.stepping[self.runner.calls.submit(environment.step, (episode.state, episode.reply))] = episode
 
 
 def chat_audit(recipe, policy) -> TemplateAudit:
@@ -465,10 +501,10 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     return metrics
 
 
-def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, device, first_id: int = 0) -> RolloutBatch:
+def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, device, first_id: int = 0, turn_rewards: bool = True) -> RolloutBatch:
     """The episodes' samples as rows (see the module), with the episode's score on each and its
     id (`first_id` + its index) in `episode_ids`: the score is paid once per episode
-    (`RolloutBatch.by_episode`)."""
+    (`RolloutBatch.by_episode`). `turn_rewards`: whether turns can be rewarded (not without an environment)."""
     rows = [(e, s, score) for e, score in zip(episodes, scores) for s in e.samples]
     episode_ids = [first_id + index for index, e in enumerate(episodes) for _ in e.samples]
     prompt_width = max(len(s.prompt) for _, s, _ in rows)
@@ -481,7 +517,7 @@ def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, devic
     loss_mask = torch.zeros((count, width), dtype=torch.long)
     logprobs = torch.full((count, width), math.nan)
     versions = torch.full((count, width), -1, dtype=torch.long)
-    turn_rewards = torch.zeros((count, width))
+    rewards = torch.zeros((count, width))
     for row, (episode, sample, _) in enumerate(rows):
         prompt_ids[row, prompt_width - len(sample.prompt):] = torch.tensor(sample.prompt, dtype=torch.long)
         prompt_mask[row, prompt_width - len(sample.prompt):] = 1
@@ -494,7 +530,7 @@ def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, devic
             if episode.status in TRAINED_STATUSES:
                 loss_mask[row, :n] = torch.tensor(sample.sampled, dtype=torch.long)
         for position, reward in sample.rewards.items():
-            turn_rewards[row, position] = reward
+            rewards[row, position] = reward
     records = [e.record for e, _, _ in rows]
     from rlkit_core.runtime.rollout import record_columns
 
@@ -505,42 +541,9 @@ def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, devic
         response_mask=response_mask.to(device), loss_mask=loss_mask.to(device), sampled_logprobs=logprobs.to(device),
         ended=torch.tensor([e.status == "ok" for e, _, _ in rows], device=device),
         scores=torch.tensor([score for _, _, score in rows], dtype=torch.float32, device=device),
-        turn_rewards=turn_rewards.to(device), sampled_versions=versions.to(device), episode_ids=torch.tensor(episode_ids, dtype=torch.long, device=device),
+        turn_rewards=rewards.to(device) if turn_rewards else None,
+        sampled_versions=versions.to(device), episode_ids=torch.tensor(episode_ids, dtype=torch.long, device=device),
     )
-
-
-def episode_rollout(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], samples_per_prompt: int,
-                    greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
-    """`samples_per_prompt` episodes from each record, scored: the environment's rewards, plus the
-    recipe's reward (when it has one) on each episode's transcript; and the stage's timings and
-    `env/...` metrics (means over every process's episodes)."""
-    from rlkit_core.runtime.rollout import record_columns, score
-
-    k, processes, tokenizer = samples_per_prompt, engine.processes, components.policy.tokenizer
-    records = [r for r in records for _ in range(k)]
-    groups = [i // k + processes.index * (len(records) // k) for i in range(len(records))]
-    seeds = torch.randint(2**31 - 1, (len(records),)).tolist()  # the training stream's: a resumed run replays them
-    runner = EpisodeRunner(engine, components, recipe)
-    episodes = runner(records, groups, seeds, greedy)
-    if processes.count > 1 and processes.sum(torch.tensor(sum(len(e.samples) - 1 for e in episodes), device=engine.device)):
-        raise RunError("the chat template rewrote an episode's history, which starts a new training sample, and samples "
-                       "that split do not yet spread evenly over processes; run with one process, or use a chat format "
-                       "that extends the stream (`rlkit check` audits it)")
-    scored = time.perf_counter()
-    transcripts = [transcript(tokenizer, e) for e in episodes]
-    scores = [e.reward for e in episodes]
-    if components.reward is not None:
-        extra = score(processes, components.reward, [str(r["prompt"]) for r in records], transcripts, record_columns(records))
-        scores = [a + b for a, b in zip(scores, extra)]
-    finished = time.perf_counter()
-    batch = episodes_batch(episodes, scores, tokenizer.pad_token_id, engine.device, first_id=processes.index * len(episodes))
-    batch = batch.with_(responses=[text for e, text in zip(episodes, transcripts) for _ in e.samples])
-    gathered = processes.gather_objects((episode_metrics(episodes), runner.hung_calls))
-    metrics = {name: sum(values) / len(values) for name, values in _by_name([m for m, _ in gathered]).items()}
-    metrics["env/hung_calls"] = float(sum(hung for _, hung in gathered))  # calls past their timeout still running
-    metrics.update({"time/generate": runner.timings["generate"], "time/environment": runner.timings["environment"],
-                    "time/score": finished - scored, **components.generator.pop_metrics(), **engine.push_check.pop_metrics()})
-    return batch, metrics
 
 
 def transcript(tokenizer, episode: Episode) -> str:
@@ -553,11 +556,3 @@ def transcript(tokenizer, episode: Episode) -> str:
         return tokenizer.decode(first.ids, skip_special_tokens=True)
     shared = next((i for i, (a, b) in enumerate(zip(first.prompt, last.prompt)) if a != b), min(len(first.prompt), len(last.prompt)))
     return tokenizer.decode(last.prompt[shared:] + last.ids, skip_special_tokens=True)
-
-
-def _by_name(per_process: list[dict[str, float]]) -> dict[str, list[float]]:
-    merged: dict[str, list[float]] = {}
-    for metrics in per_process:
-        for name, value in metrics.items():
-            merged.setdefault(name, []).append(value)
-    return merged

@@ -1,5 +1,6 @@
 # pyright: standard
-"""Stage 1, rollouts: responses sampled from the current policy, scored by the reward."""
+"""Stage 1, rollouts: episodes played with the current policy, scored. Every recipe takes this one
+path: a recipe without an environment plays episodes of one turn (`rlkit_core.runtime.episodes`)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,14 @@ from typing import Any
 import torch
 
 from rlkit_core.batch import RolloutBatch
-from rlkit_core.errors import RecipeError
+from rlkit_core.errors import RecipeError, RunError
 from rlkit_core.functional import shaped_scores
 from rlkit_core.interfaces import Generation, RewardSource
-from rlkit_core.prompts import encode_prompts
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import Processes
 from rlkit_core.runtime.engine import RolloutEngine
-from rlkit_core.runtime.episodes import episode_rollout
+from rlkit_core.runtime.episodes import Episode, EpisodeRunner, episode_metrics, episodes_batch, transcript
 from rlkit_core.runtime.faults import BadReward, checked_scores, failure_text
 
 
@@ -30,34 +30,50 @@ def record_columns(records: list[dict]) -> dict[str, list]:
 
 def rollout(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], samples_per_prompt: int, max_prompt_tokens: int,
             greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
-    """`samples_per_prompt` responses to each record, scored; and the stage's timings and the
-    generator's metrics. Prompts are cut to `max_prompt_tokens` (0: not cut). A recipe with an
-    environment plays episodes instead (`rlkit_core.runtime.episodes`)."""
-    if components.environment is not None:
-        return episode_rollout(engine, components, recipe, records, samples_per_prompt, greedy)
-    assert components.reward is not None  # a recipe without an environment names a reward (the recipe check)
-    k, device, tokenizer = samples_per_prompt, engine.device, components.policy.tokenizer
-    records = [r for r in records for _ in range(k)]
-    prompts = [r["prompt"] for r in records]
-    columns = record_columns(records)
-    group_ids = torch.arange(len(records), device=device) // k + engine.processes.index * (len(records) // k)
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, records, device, max_prompt_tokens)
-
-    started = time.perf_counter()
-    [generation] = generate(engine, components, [(prompt_ids, prompt_mask)], greedy)
-    generated = time.perf_counter()
-    mask = generation.response_mask  # single turn: every response token was sampled, so all of them count
-    ended = torch.isin(generation.response_ids, torch.tensor(components.policy.eos_token_ids, device=device)).any(dim=1)
-    responses = tokenizer.batch_decode(generation.response_ids, skip_special_tokens=True)
-    scores = score(engine.processes, components.reward, prompts, responses, columns)
+    """`samples_per_prompt` episodes from each record, scored: the environment's rewards, plus the
+    recipe's reward (when it has one) on each episode's transcript; and the stage's timings, the
+    generator's metrics and, with an environment, `env/...` metrics (means over every process's
+    episodes). One path for every recipe: without an environment an episode is one turn, the
+    record's prompt (cut to `max_prompt_tokens`, 0: not cut) and one response
+    (`rlkit_core.runtime.episodes`)."""
+    processes, tokenizer = engine.processes, components.policy.tokenizer
+    records = [r for r in records for _ in range(samples_per_prompt)]
+    runner, episodes = play(engine, components, recipe, records, samples_per_prompt, max_prompt_tokens, greedy)
+    if processes.count > 1 and processes.sum(torch.tensor(sum(len(e.samples) - 1 for e in episodes), device=engine.device)):
+        raise RunError("the chat template rewrote an episode's history, which starts a new training sample, and samples "
+                       "that split do not yet spread evenly over processes; run with one process, or use a chat format "
+                       "that extends the stream (`rlkit check` audits it)")
     scored = time.perf_counter()
-    batch = RolloutBatch(
-        prompts=prompts, columns=columns, group_ids=group_ids, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-        response_ids=generation.response_ids, response_mask=mask, loss_mask=mask, sampled_logprobs=generation.logprobs,
-        responses=responses, ended=ended, scores=torch.tensor(scores, dtype=torch.float32, device=device),
-    )
-    return batch, {"time/generate": generated - started, "time/score": scored - generated, **components.generator.pop_metrics(),
-                   **engine.push_check.pop_metrics()}
+    transcripts = [transcript(tokenizer, e) for e in episodes]
+    scores = [e.reward for e in episodes]
+    if components.reward is not None:
+        extra = score(processes, components.reward, [str(r["prompt"]) for r in records], transcripts, record_columns(records))
+        scores = [a + b for a, b in zip(scores, extra)]
+    finished = time.perf_counter()
+    batch = episodes_batch(episodes, scores, tokenizer.pad_token_id, engine.device, first_id=processes.index * len(episodes),
+                           turn_rewards=components.environment is not None)
+    batch = batch.with_(responses=[text for e, text in zip(episodes, transcripts) for _ in e.samples])
+    metrics = {}
+    if components.environment is not None:
+        gathered = processes.gather_objects((episode_metrics(episodes), runner.hung_calls))
+        metrics = {name: sum(values) / len(values) for name, values in _by_name([m for m, _ in gathered]).items()}
+        metrics["env/hung_calls"] = float(sum(hung for _, hung in gathered))  # calls past their timeout still running
+        metrics["time/environment"] = runner.timings["environment"]
+    metrics.update({"time/generate": runner.timings["generate"], "time/score": finished - scored, **components.generator.pop_metrics(),
+                    **engine.push_check.pop_metrics()})
+    return batch, metrics
+
+
+def play(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], samples_per_prompt: int,
+         max_prompt_tokens: int, greedy: bool) -> tuple[EpisodeRunner, list[Episode]]:
+    """An episode for each of `records` (each record `samples_per_prompt` times in a row, a group),
+    played to its end, unscored."""
+    k, index = samples_per_prompt, engine.processes.index
+    groups = [i // k + index * (len(records) // k) for i in range(len(records))]
+    # an environment's resets take seeds from the training stream (a resumed run replays them); one-turn episodes draw none
+    seeds = torch.randint(2**31 - 1, (len(records),)).tolist() if components.environment is not None else [0] * len(records)
+    runner = EpisodeRunner(engine, components, recipe, max_prompt_tokens)
+    return runner, runner(records, groups, seeds, greedy)
 
 
 @contextlib.contextmanager
@@ -76,7 +92,8 @@ def sampling(engine: RolloutEngine, components: Components, prompts: list[tuple[
 
 def generate(engine: RolloutEngine, components: Components, prompts: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool
              ) -> list[Generation]:
-    """The generator's output for each (prompt ids, mask) chunk, from the current weights (`sampling`)."""
+    """The generator's output for each (prompt ids, mask) chunk, from the current weights (`sampling`):
+    a generator's calls outside an episode (benchmarks, tests)."""
     with sampling(engine, components, prompts) as generator:
         return [generator.generate(ids, mask, greedy=greedy) for ids, mask in prompts]
 
@@ -124,26 +141,22 @@ def greedy_baseline(engine: RolloutEngine, components: Components, recipe: Recip
     return batch.with_(baseline_scores=baseline), {"time/baseline": timing["time/generate"] + timing["time/score"]}
 
 
-def _one_per_episode(batch: RolloutBatch) -> list[str]:
-    """The transcript of each episode of `batch` once (a split episode has several rows)."""
-    assert batch.responses is not None  # a rollout decodes its responses
-    return list(dict(zip(batch.group_ids.tolist(), batch.responses)).values())
-
-
 def sample_responses(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], batch_size: int, max_prompt_tokens: int,
                      greedy: bool = False) -> list[str]:
-    """Responses of the current weights to `records`, `batch_size` at a time, without touching the
-    training random stream (for before/after reports)."""
+    """The transcripts of the current weights' episodes from `records`, `batch_size` at a time,
+    unscored, without touching the training random stream (for before/after reports)."""
     device, tokenizer = engine.device, components.policy.tokenizer
-    if components.environment is not None:  # the episodes' transcripts, a batch at a time
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            batches = [rollout(engine, components, recipe, records[start:start + batch_size], 1, max_prompt_tokens, greedy)[0]
-                       for start in range(0, len(records), batch_size)]
-        return [response for b in batches for response in _one_per_episode(b)]
-    prompts = [encode_prompts(tokenizer, records[start:start + batch_size], device, max_prompt_tokens)
-               for start in range(0, len(records), batch_size)]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        generations = generate(engine, components, prompts, greedy)
+        played = [play(engine, components, recipe, records[start:start + batch_size], 1, max_prompt_tokens, greedy)[1]
+                  for start in range(0, len(records), batch_size)]
     components.generator.pop_metrics()  # its sync time is the report's, not the next iteration's
     engine.push_check.pop_metrics()
-    return [text for g in generations for text in tokenizer.batch_decode(g.response_ids, skip_special_tokens=True)]
+    return [transcript(tokenizer, episode) for episodes in played for episode in episodes]
+
+
+def _by_name(per_process: list[dict[str, float]]) -> dict[str, list[float]]:
+    merged: dict[str, list[float]] = {}
+    for metrics in per_process:
+        for name, value in metrics.items():
+            merged.setdefault(name, []).append(value)
+    return merged
