@@ -180,3 +180,18 @@ def test_the_trl_tool_task_scores_the_peers_saves_with_rlkits_own_evaluation(tmp
     assert ran.returncode == 0, ran.stderr[-3000:]
     before = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert before["iteration"] == 0 and lines[0]["eval/solved"] == before["eval/solved"] and lines[0]["eval/score"] == before["eval/score"]
+
+
+def test_the_client_floor_benchmark_sends_every_request_and_prices_them():
+    """Two agents of three requests through the real `openai` client and server stack; the share is
+    the per-request milliseconds times the iteration's requests over its seconds."""
+    import subprocess
+
+    pytest.importorskip("openai")
+    script = BENCH.with_name("openai_client_floor.py")
+    done = subprocess.run([sys.executable, str(script), "--agents", "2", "--requests", "3", "--rounds", "1", "--per-iteration", "500",
+                           "--iteration-s", "1.0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout)
+    assert figures["agents"] == 2 and figures["requests_each"] == 3 and figures["wall_ms_per_request"] > 0
+    assert figures["share_of_an_iteration"] == pytest.approx(figures["wall_ms_per_request"] * 500 / 1000, abs=2e-3)
