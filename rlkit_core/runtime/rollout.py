@@ -141,17 +141,23 @@ def greedy_baseline(engine: RolloutEngine, components: Components, recipe: Recip
     return batch.with_(baseline_scores=baseline), {"time/baseline": timing["time/generate"] + timing["time/score"]}
 
 
+def _one_per_episode(batch: RolloutBatch) -> list[str]:
+    """The transcript of each episode of `batch` once (a split episode has several rows)."""
+    assert batch.responses is not None  # a rollout decodes its responses
+    return list(dict(zip(batch.group_ids.tolist(), batch.responses)).values())
+
+
 def sample_responses(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], batch_size: int, max_prompt_tokens: int,
                      greedy: bool = False) -> list[str]:
-    """The transcripts of the current weights' episodes from `records`, `batch_size` at a time,
-    unscored, without touching the training random stream (for before/after reports)."""
-    device, tokenizer = engine.device, components.policy.tokenizer
+    """The transcripts of the current weights' episodes from `records` (a rollout of one episode
+    each), `batch_size` at a time, without touching the training random stream (for before/after
+    reports)."""
+    device = engine.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        played = [play(engine, components, recipe, records[start:start + batch_size], 1, max_prompt_tokens, greedy)[1]
-                  for start in range(0, len(records), batch_size)]
-    components.generator.pop_metrics()  # its sync time is the report's, not the next iteration's
-    engine.push_check.pop_metrics()
-    return [transcript(tokenizer, episode) for episodes in played for episode in episodes]
+        # each rollout takes the generator's figures (its sync time) with it: they are the report's, not the next iteration's
+        batches = [rollout(engine, components, recipe, records[start:start + batch_size], 1, max_prompt_tokens, greedy)[0]
+                   for start in range(0, len(records), batch_size)]
+    return [response for batch in batches for response in _one_per_episode(batch)]
 
 
 def _by_name(per_process: list[dict[str, float]]) -> dict[str, list[float]]:
