@@ -6,11 +6,11 @@ to a session of its own (as `rlkit_core.harness` hands them out), send `--reques
 all at once. Whatever the endpoint adds on top of this, a request costs at least this much.
 
     python benchmarks/openai_client_floor.py                      # 64 agents of 4 requests, as a guess-number iteration
-    python benchmarks/openai_client_floor.py --agents 1 --requests 200
+    python benchmarks/openai_client_floor.py --agents 1 --requests 200   # one agent, one request at a time
 
 Prints one JSON line: the wall-clock and CPU (this process, every thread) milliseconds per request,
 and that cost for `--per-iteration` requests as a share of a `--iteration-s` iteration (defaults: the
-247 requests and 2.26 s of the multi-turn default recipe's iteration, benchmarks/README.md).
+236 requests and 1.32 s of the multi-turn default recipe's iteration in process, benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def serve() -> str:
 
     app = Starlette(routes=[Route("/sessions/{session_id}/v1/chat/completions", chat_completions, methods=["POST"])])
     listener = socket.socket()
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the endpoint's: without it a request waits ~40 ms on a delayed ACK
     listener.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True).start()
@@ -54,8 +55,8 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=64, help="agent threads, all at once")
     parser.add_argument("--requests", type=int, default=4, help="requests each agent sends, one after another")
     parser.add_argument("--rounds", type=int, default=5, help="times the whole load runs (medians)")
-    parser.add_argument("--per-iteration", type=int, default=247, help="requests in an iteration")
-    parser.add_argument("--iteration-s", type=float, default=2.26, help="seconds an iteration takes without the endpoint")
+    parser.add_argument("--per-iteration", type=int, default=236, help="requests in an iteration")
+    parser.add_argument("--iteration-s", type=float, default=1.32, help="seconds an iteration takes without the endpoint")
     args = parser.parse_args()
     from openai import OpenAI
 
