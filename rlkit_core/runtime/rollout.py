@@ -29,13 +29,14 @@ def record_columns(records: list[dict]) -> dict[str, list]:
 
 
 def rollout(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], samples_per_prompt: int, max_prompt_tokens: int,
-            greedy: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
+            greedy: bool = False, rewarded: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
     """`samples_per_prompt` episodes from each record, scored: the environment's rewards, plus the
     recipe's reward (when it has one) on each episode's transcript; and the stage's timings, the
     generator's metrics and, with an environment, `env/...` metrics (means over every process's
     episodes). One path for every recipe: without an environment an episode is one turn, the
     record's prompt (cut to `max_prompt_tokens`, 0: not cut) and one response
-    (`rlkit_core.runtime.episodes`)."""
+    (`rlkit_core.runtime.episodes`). `rewarded` False: the recipe's reward is not called (the
+    report's rollouts, whose transcripts the report scores itself)."""
     processes, tokenizer = engine.processes, components.policy.tokenizer
     records = [r for r in records for _ in range(samples_per_prompt)]
     runner, episodes = play(engine, components, recipe, records, samples_per_prompt, max_prompt_tokens, greedy)
@@ -46,7 +47,7 @@ def rollout(engine: RolloutEngine, components: Components, recipe: Recipe, recor
     scored = time.perf_counter()
     transcripts = [transcript(tokenizer, e) for e in episodes]
     scores = [e.reward for e in episodes]
-    if components.reward is not None:
+    if components.reward is not None and rewarded:
         extra = score(processes, components.reward, [str(r["prompt"]) for r in records], transcripts, record_columns(records))
         scores = [a + b for a, b in zip(scores, extra)]
     finished = time.perf_counter()
@@ -150,12 +151,12 @@ def _one_per_episode(batch: RolloutBatch) -> list[str]:
 def sample_responses(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], batch_size: int, max_prompt_tokens: int,
                      greedy: bool = False) -> list[str]:
     """The transcripts of the current weights' episodes from `records` (a rollout of one episode
-    each), `batch_size` at a time, without touching the training random stream (for before/after
-    reports)."""
+    each, the recipe's reward not called), `batch_size` at a time, without touching the training
+    random stream (for before/after reports)."""
     device = engine.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         # each rollout takes the generator's figures (its sync time) with it: they are the report's, not the next iteration's
-        batches = [rollout(engine, components, recipe, records[start:start + batch_size], 1, max_prompt_tokens, greedy)[0]
+        batches = [rollout(engine, components, recipe, records[start:start + batch_size], 1, max_prompt_tokens, greedy, rewarded=False)[0]
                    for start in range(0, len(records), batch_size)]
     return [response for batch in batches for response in _one_per_episode(batch)]
 
