@@ -37,7 +37,7 @@ def concatenated(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
     fields = {}
     for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "loss_mask", "sampled_logprobs", "turn_rewards", "sampled_versions"):
         parts = [getattr(b, name) for b in batches]
-        if parts[0] is None:  # an episode batch's field, in a batch of another kind
+        if parts[0] is None:  # turn rewards, where no environment gives them
             continue
         width = max(p.shape[1] for p in parts)
         pad = pad_token_id if name.endswith("_ids") else -1 if name == "sampled_versions" else 0
