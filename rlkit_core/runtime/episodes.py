@@ -172,6 +172,8 @@ class EpisodeRunner:
             if self.settings.max_turns > 1:  # a turn may follow: its stream is continued
                 self.streams.enter_context(self.components.generator.continuing_streams())
             episodes = self._play(records, groups, seeds, greedy)
+        if self.environment is None:  # one-turn episodes: no environment's fault for the processes to agree on
+            return episodes
         stop = self.stopped_by
         mine = (stop.problems if isinstance(stop, RecipeError) else str(stop) if stop else None, self.bad_rewards[0] if self.bad_rewards else None)
         found = self.engine.processes.gather_objects(mine)

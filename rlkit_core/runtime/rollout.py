@@ -18,7 +18,7 @@ from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import Processes
 from rlkit_core.runtime.engine import RolloutEngine
-from rlkit_core.runtime.episodes import Episode, EpisodeRunner, episode_metrics, episodes_batch, transcript
+from rlkit_core.runtime.episodes import EpisodeRunner, episode_metrics, episodes_batch, transcript
 from rlkit_core.runtime.faults import BadReward, checked_scores, failure_text
 
 
@@ -37,10 +37,16 @@ def rollout(engine: RolloutEngine, components: Components, recipe: Recipe, recor
     record's prompt (cut to `max_prompt_tokens`, 0: not cut) and one response
     (`rlkit_core.runtime.episodes`). `rewarded` False: the recipe's reward is not called (the
     report's rollouts, whose transcripts the report scores itself)."""
-    processes, tokenizer = engine.processes, components.policy.tokenizer
-    records = [r for r in records for _ in range(samples_per_prompt)]
-    runner, episodes = play(engine, components, recipe, records, samples_per_prompt, max_prompt_tokens, greedy)
-    if processes.count > 1 and processes.sum(torch.tensor(sum(len(e.samples) - 1 for e in episodes), device=engine.device)):
+    k, processes, tokenizer = samples_per_prompt, engine.processes, components.policy.tokenizer
+    records = [r for r in records for _ in range(k)]
+    groups = [i // k + processes.index * (len(records) // k) for i in range(len(records))]
+    # an environment's resets take seeds from the training stream (a resumed run replays them); one-turn episodes draw none
+    seeds = torch.randint(2**31 - 1, (len(records),)).tolist() if components.environment is not None else [0] * len(records)
+    runner = EpisodeRunner(engine, components, recipe, max_prompt_tokens)
+    episodes = runner(records, groups, seeds, greedy)
+    splits = sum(len(e.samples) - 1 for e in episodes)
+    # only an environment's episodes can split (one-turn episodes skip this collective)
+    if components.environment is not None and processes.count > 1 and processes.sum(torch.tensor(splits, device=engine.device)):
         raise RunError("the chat template rewrote an episode's history, which starts a new training sample, and samples "
                        "that split do not yet spread evenly over processes; run with one process, or use a chat format "
                        "that extends the stream (`rlkit check` audits it)")
@@ -63,18 +69,6 @@ def rollout(engine: RolloutEngine, components: Components, recipe: Recipe, recor
     metrics.update({"time/generate": runner.timings["generate"], "time/score": finished - scored, **components.generator.pop_metrics(),
                     **engine.push_check.pop_metrics()})
     return batch, metrics
-
-
-def play(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], samples_per_prompt: int,
-         max_prompt_tokens: int, greedy: bool) -> tuple[EpisodeRunner, list[Episode]]:
-    """An episode for each of `records` (each record `samples_per_prompt` times in a row, a group),
-    played to its end, unscored."""
-    k, index = samples_per_prompt, engine.processes.index
-    groups = [i // k + index * (len(records) // k) for i in range(len(records))]
-    # an environment's resets take seeds from the training stream (a resumed run replays them); one-turn episodes draw none
-    seeds = torch.randint(2**31 - 1, (len(records),)).tolist() if components.environment is not None else [0] * len(records)
-    runner = EpisodeRunner(engine, components, recipe, max_prompt_tokens)
-    return runner, runner(records, groups, seeds, greedy)
 
 
 @contextlib.contextmanager
