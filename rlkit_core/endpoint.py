@@ -226,6 +226,7 @@ class Session:
         self.calls: set[str] = set()  # ids of the tool calls the model made (the endpoint named them)
         self.answered: set[str] = set()  # those the harness sent a tool result for
         self.ended: str | None = None  # why no request is taken any more
+        self.outcome: HarnessEnded | None = None  # what the harness returned: the episode's end, whatever is queued
 
     @property
     def base_url(self) -> str:
@@ -245,25 +246,35 @@ class Session:
         self.inbox.put(request)
 
     def harness_ended(self, ended: HarnessEnded) -> None:
-        self.inbox.put(ended)
+        """The harness returned (or failed): the episode ends at this moment. A request of its still
+        queued or being answered is refused, and no turn is played after it (`next_event` returns the end)."""
+        with self.lock:
+            self.outcome, self.ended = ended, self.ended or "its harness returned"
+            request = self.in_flight
+        if request is not None:
+            why = f"this episode has ended ({self.ended}) before this request was answered"
+            self._refuse(request, Refused(410, why, "episode_ended"))
+        self.inbox.put(ended)  # wakes `next_event`
 
     def next_event(self, timeout: float | None) -> Turn | HarnessEnded:
         """The harness's next request, read (requests the endpoint refuses are answered here and
-        counted), or its end. Raises TimeoutError after `timeout` seconds with neither."""
+        counted), or its end, which comes first once the harness returned. Raises TimeoutError
+        after `timeout` seconds with neither."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            with self.lock:
+                if self.outcome is not None:
+                    return self.outcome
             try:
                 event = self.inbox.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise TimeoutError(f"the harness neither sent a request nor ended within {timeout:g} s") from None
-            if isinstance(event, HarnessEnded):
-                return event
+            if isinstance(event, HarnessEnded) or event.answer.done():  # the end, or a request it refused
+                continue
             try:
                 return self._read(event)
             except Refused as refused:
-                with self.lock:
-                    self.refused += 1
-                self._settle(event, *_refusal(refused))
+                self._refuse(event, refused)
 
     def _read(self, request: Request) -> Turn:
         body = checked_body(request.body, self.limits)
@@ -285,10 +296,16 @@ class Session:
         new = for_template(messages)[known:] if extends else None
         return Turn(messages=for_template(messages), tools=tools, new=new)
 
-    def respond(self, reply: Reply, message: dict[str, Any], logprob_pieces: Callable[[], list[str]] | None = None) -> None:
+    def respond(self, reply: Reply, message: dict[str, Any],
+                logprob_pieces: Callable[[], list[str]] | None = None) -> bool:
         """Answer the request in flight with the model's turn: `message` as the chat format recorded
         it (its content and the calls it read), the sampled ids and, when asked, their log-probs
-        (`logprob_pieces` gives each id's text, called only then: a decode per id costs)."""
+        (`logprob_pieces` gives each id's text, called only then: a decode per id costs). False when
+        the harness returned before the turn was answered: it never saw the turn, which is not the session's."""
+        with self.lock:
+            if self.outcome is not None:
+                return False
+            request, self.in_flight = self.in_flight, None
         self.turns += 1
         calls = [(f"call_{self.id}_{self.turns}_{i}", c["function"]["name"], c["function"]["arguments"])
                  for i, c in enumerate(message.get("tool_calls", ()))]
@@ -298,7 +315,6 @@ class Session:
         if calls:
             wire["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for i, n, a in calls]
         self.conversation = [*self.conversation, {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}]
-        request = self.in_flight
         choice: dict[str, Any] = {"index": 0, "message": wire, "finish_reason": "tool_calls" if calls else "stop", "logprobs": None,
                                   "token_ids": list(reply.ids), "weights_version": reply.weights_version}
         if request is not None and request.body.get("logprobs") and logprob_pieces is not None:
@@ -308,7 +324,8 @@ class Session:
         body = {"id": f"chatcmpl-{self.id}-{self.turns}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.limits.model, "choices": [choice], "usage": usage}
         if request is not None:
-            self._settle(request, 200, body)
+            request.settle(200, body)
+        return True
 
     def end(self, why: str) -> None:
         """No request is taken any more; one in flight is answered with an error."""
@@ -316,7 +333,7 @@ class Session:
             self.ended = self.ended or why
             request = self.in_flight
         if request is not None:
-            self._settle(request, *_refusal(Refused(410, f"this episode has ended ({self.ended})", "episode_ended")))
+            self._refuse(request, Refused(410, f"this episode has ended ({self.ended})", "episode_ended"))
         while True:  # requests queued but never taken
             try:
                 event = self.inbox.get_nowait()
@@ -326,11 +343,14 @@ class Session:
                 event.settle(*_refusal(Refused(410, f"this episode has ended ({self.ended})", "episode_ended")))
         self.endpoint.forget(self)
 
-    def _settle(self, request: Request, status: int, body: dict[str, Any]) -> None:
+    def _refuse(self, request: Request, refused: Refused) -> None:
+        """Refuse the request in flight, counted once (the harness's end and the episode may race to answer it)."""
         with self.lock:
-            if self.in_flight is request:
-                self.in_flight = None
-        request.settle(status, body)
+            if self.in_flight is not request:
+                return
+            self.in_flight = None
+            self.refused += 1
+        request.settle(*_refusal(refused))
 
 
 def _refusal(refused: Refused) -> tuple[int, dict[str, Any]]:

@@ -116,12 +116,17 @@ class HarnessEnvironment(Environment):
     def step(self, state: HarnessEpisode, reply: Reply) -> Step:
         session = state.session
         tokenizer = self.tokenizer
-        session.respond(reply, reply.message, None if tokenizer is None else lambda: [tokenizer.decode([i]) for i in reply.ids])
+        pieces = None if tokenizer is None else lambda: [tokenizer.decode([i]) for i in reply.ids]
+        seen = session.respond(reply, reply.message, pieces)
         event = session.next_event(self._wait(state))
         if isinstance(event, HarnessEnded):
             if event.failure:
                 raise HarnessFailed(f"the harness {event.failure}")
-            return Step(reward=event.reward, done=True, info={**self._counts(state), **event.info})
+            if not seen and not session.turns:
+                raise HarnessFailed("the harness returned before the model's first turn was answered: it saw no "
+                                    "turn to reward")
+            # a turn the harness returned before it was answered is cut from the episode, untrained
+            return Step(reward=event.reward, done=True, info={**self._counts(state), **event.info}, unseen=not seen)
         return self._turn(state, event)
 
     def close(self, state: HarnessEpisode) -> None:

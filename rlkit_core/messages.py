@@ -83,3 +83,7 @@ class Step:
     # harness that edited or dropped earlier messages); None: `messages` extend it. The next turn
     # then starts a new training sample from this conversation rendered, counted in `env/splits`
     history: list[dict[str, Any]] | None = None
+    # True: the environment never saw this turn (an agent's harness returned while it was sampled). The
+    # turn is cut from the episode with what was said before it, never trained; `reward` is paid at the
+    # turn before it, and the episode ends
+    unseen: bool = False

@@ -139,6 +139,52 @@ def too_many(record: dict, client: OpenAI) -> dict:
     return {"reward": 0.0, "answered": 19.0}
 
 
+RETURNED: list[threading.Thread] = []  # the threads of the harnesses below that return while a request waits
+LEFT: list[tuple[threading.Thread, list[str]]] = []  # each request they left waiting, and how it was answered
+
+
+def leaves_a_request(client: OpenAI, messages: list) -> None:
+    """Sends `messages` from a thread of its own, and returns once the episode has taken the request
+    (not yet answered): the harness returns while its turn is sampled."""
+    from rlkit_core.endpoint import agent_endpoint
+
+    RETURNED.append(threading.current_thread())
+    answers: list[str] = []
+
+    def send():
+        try:
+            ask(client, messages)
+            answers.append("answered")
+        except openai.APIStatusError as error:
+            answers.append(str((error.body or {}).get("code")))
+
+    thread = threading.Thread(target=send, daemon=True)
+    session = agent_endpoint().sessions[str(client.base_url).split("/sessions/")[1].split("/")[0]]
+    asked = session.requests
+    thread.start()
+    LEFT.append((thread, answers))
+    while session.requests == asked or not session.inbox.empty():
+        time.sleep(0.001)
+
+
+def returns_while_asking(record: dict, client: OpenAI, anew: bool = False) -> float:
+    """Reads the model's first turn, then returns while its second request is answered: the
+    conversation as returned, or (`anew`) without the model's turn, which starts a new sample."""
+    messages = [{"role": "user", "content": record["prompt"]}]
+    first = ask(client, messages).model_dump(exclude_none=True)
+    leaves_a_request(client, [*messages, *([] if anew else [first]), {"role": "user", "content": "again"}])
+    return 1.0
+
+
+def returns_while_asking_anew(record: dict, client: OpenAI) -> float:
+    return returns_while_asking(record, client, anew=True)
+
+
+def returns_before_its_first_answer(record: dict, client: OpenAI) -> float:
+    leaves_a_request(client, [{"role": "user", "content": record["prompt"]}])
+    return 1.0
+
+
 def raises(record: dict, client: OpenAI) -> float:
     ask(client, [{"role": "user", "content": record["prompt"]}])
     raise ValueError("the harness broke")

@@ -201,6 +201,92 @@ def _nothing():
     return contextlib.nullcontext()
 
 
+class AfterTheHarnessReturned(Scripted):
+    """Samples each turn only once every harness that is returning while it waits has returned
+    (tests/agent_harnesses.py `leaves_a_request`): the race between a request and the harness's end, made certain."""
+
+    def generate(self, prompt_ids, prompt_mask, greedy=False):
+        from tests.agent_harnesses import RETURNED
+
+        for thread in RETURNED:
+            thread.join(timeout=60)
+        return super().generate(prompt_ids, prompt_mask, greedy)
+
+
+@pytest.mark.parametrize("anew", [False, True], ids=["extending", "new-sample"])
+def test_the_harness_returning_ends_the_episode_and_the_turn_it_did_not_see_is_not_trained(recipe_document, builtin_registry, chatml,
+                                                                                            anew):
+    """The harness reads one turn, sends its second request from another thread and returns while
+    that turn is sampled: the request is answered 410 'episode_ended', and the turn, with the
+    message before it (or the sample it started), is cut from the episode: one turn, trained with
+    the reward the harness returned after seeing that turn alone."""
+    from tests import agent_harnesses
+
+    path, tokenizer = chatml
+    turn = turn_ids(tokenizer, "7")
+    name = "returns_while_asking_anew" if anew else "returns_while_asking"
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn], **harness(name))
+    trainer.components = attrs.evolve(trainer.components, generator=AfterTheHarnessReturned([turn], tokenizer.pad_token_id))
+    agent_harnesses.LEFT.clear()
+    batch, metrics = rollout_with(trainer, RECORDS)
+    for thread, _ in agent_harnesses.LEFT:
+        thread.join(timeout=60)
+    assert [answers for _, answers in agent_harnesses.LEFT] == [["episode_ended"]] * 2
+    assert (metrics["env/status_ok"], metrics["env/turns"], metrics["env/splits"], metrics["env/reward"]) == (1.0, 1.0, 0.0, 1.0)
+    assert (metrics["env/agent_requests"], metrics["env/agent_refused"]) == (2.0, 1.0)
+    assert rows_of(batch) == [render_ids(tokenizer, [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "7"}])[:-1]] * 2
+    assert sampled_of(batch) == [turn] * 2 and batch.scores.tolist() == [1.0, 1.0]
+    assert batch.turn_rewards is not None and batch.turn_rewards.tolist() == [[0.0] * (len(turn) - 1) + [1.0]] * 2  # at the turn it saw
+
+
+def test_a_harness_that_returns_before_its_first_answer_ends_its_episode_as_an_error(recipe_document, builtin_registry, chatml):
+    from rlkit_core.runtime.episodes import EnvironmentFault
+
+    path, tokenizer = chatml
+    turn = turn_ids(tokenizer, "7")
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn], **harness("returns_before_its_first_answer"))
+    trainer.components = attrs.evolve(trainer.components, generator=AfterTheHarnessReturned([turn], tokenizer.pad_token_id))
+    with pytest.warns(EnvironmentFault, match="the harness returned before the model's first turn was answered"):
+        batch, metrics = rollout_with(trainer, RECORDS)
+    assert metrics["env/status_error"] == 1.0 and int(batch.loss_mask.sum()) == 0
+
+
+def test_a_request_queued_or_in_flight_when_the_harness_returns_is_refused_and_never_played():
+    """Driven through the session as the endpoint's handler and the episode drive it: the harness's
+    end comes before a request it left queued, refuses one being answered (whose turn then is not
+    the session's), and every later request reads 410 'episode_ended', never 'request_in_flight'."""
+    from rlkit_core.endpoint import HarnessEnded, Limits, Request, agent_endpoint
+    from rlkit_core.messages import Reply
+
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+
+    def codes(request: Request) -> str:
+        return request.answer.result(timeout=5)[1]["error"]["code"]
+
+    queued = agent_endpoint().open(Limits(max_turns=3, max_new_tokens=8, temperature=1.0))
+    waiting = Request(body)
+    queued.submit(waiting)
+    queued.harness_ended(HarnessEnded(reward=1.0))
+    assert queued.next_event(timeout=5) == HarnessEnded(reward=1.0) and codes(waiting) == "episode_ended"
+    later = Request(body)
+    queued.submit(later)
+    assert codes(later) == "episode_ended" and (queued.turns, queued.refused) == (0, 1)
+
+    taken = agent_endpoint().open(Limits(max_turns=3, max_new_tokens=8, temperature=1.0))
+    sampled = Request(body)
+    taken.submit(sampled)
+    taken.next_event(timeout=5)
+    taken.harness_ended(HarnessEnded(reward=1.0))
+    assert codes(sampled) == "episode_ended"
+    assert not taken.respond(Reply(text="7", turn=1, ids=(1, 2)), {"role": "assistant", "content": "7"}) and taken.turns == 0
+    assert taken.next_event(timeout=5) == HarnessEnded(reward=1.0)
+    later = Request(body)
+    taken.submit(later)
+    assert codes(later) == "episode_ended"
+    queued.end("closed")
+    taken.end("closed")
+
+
 def test_a_turn_cut_off_ends_the_episode_and_its_request_is_refused(recipe_document, builtin_registry, chatml):
     """A turn without its end token ends the episode (trained as cut off); the request the harness
     waits on is answered 410 'episode_ended', which its client raises."""

@@ -92,6 +92,9 @@ class Episode:
     started: float = 0.0
     reply: Reply | None = None
     tools: list[dict] = attrs.field(factory=list)  # the tools the model is shown (`Reset.tools`, else the environment's)
+    # where it stood when its last answered turn ended (samples, that sample's ids, conversation, the
+    # sample's conversation, tokens): what a turn the environment did not see (`Step.unseen`) is cut back to
+    turn_end: tuple[int, int, list[dict], list[dict], int] | None = None
 
     @property
     def sample(self) -> Sample:
@@ -401,8 +404,12 @@ class EpisodeRunner:
         """The environment's answer to the episode's turn: its reward at the turn's last sampled
         token, then the end of the episode or the ids of what comes next."""
         problem = answer_problem(step, Step) if status == "ok" else None
+        if not problem and status == "ok" and step.unseen and episode.turn_end is None:
+            problem = "returned unseen=True for the episode's first turn: no turn is left to train"
         if status != "ok" or problem:
             return self._fail(episode, status, problem or step, "step")
+        if step.unseen:
+            self._cut_last_turn(episode)
         if step.reward is not None:
             reward = float(step.reward)
             if not math.isfinite(reward):
@@ -414,10 +421,12 @@ class EpisodeRunner:
         episode.info.update(step.info)
         if step.status == "error":
             return episode.finish("error", "the environment's step returned status 'error'")
-        if step.done or last_turn:
+        if step.done or step.unseen or last_turn:
             return episode.finish("ok")
         if self.settings.episode_timeout_s and time.monotonic() - episode.started > self.settings.episode_timeout_s:
             return episode.finish("timeout", f"the episode ran past environment.episode_timeout_s = {self.settings.episode_timeout_s:g} s")
+        episode.turn_end = (len(episode.samples), len(episode.sample.ids), list(episode.messages),
+                            episode.sample.messages, episode.tokens)
         if step.history is not None:  # the environment changed the conversation: a new sample starts from it
             episode.messages = list(step.history)
             return self._start_sample(episode)
@@ -431,6 +440,19 @@ class EpisodeRunner:
         episode.sample.messages = list(episode.messages)
         episode.tokens += len(bridge)
         return None
+
+    def _cut_last_turn(self, episode: Episode) -> None:
+        """Take the episode back to the end of its turn before the last (`Episode.turn_end`): the last
+        turn's ids, what was said before it and a sample it started are cut, never trained."""
+        assert episode.turn_end is not None and episode.reply is not None  # `_answer` refuses an unseen first turn
+        samples, length, messages, said, tokens = episode.turn_end
+        del episode.samples[samples:]
+        sample = episode.sample
+        for values in (sample.ids, sample.sampled, sample.logprobs, sample.versions):
+            del values[length:]
+        sample.messages, episode.messages, episode.tokens = said, messages, tokens
+        episode.turns -= 1
+        episode.unreadable -= episode.reply.parse_error is not None
 
     def _start_sample(self, episode: Episode) -> None:
         """The next turn starts a new sample from the conversation rendered whole (one that leaves
