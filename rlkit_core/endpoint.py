@@ -89,6 +89,12 @@ class Limits:
     max_new_tokens: int
     temperature: float
     model: str = "policy"
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+# sampling fields a request may send only at the value that changes nothing (`sampling`)
+NEUTRAL = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 def text_of(content: Any, where: str) -> str:
@@ -180,8 +186,21 @@ def checked_body(body: Any, limits: Limits) -> dict[str, Any]:
         if asked is not None and (not isinstance(asked, int) or asked < limits.max_new_tokens):
             raise Refused(400, f"'{name}' {asked!r} is below the run's turn limit: every turn samples up to generator.max_new_tokens = "
                                f"{limits.max_new_tokens}; leave '{name}' out or ask for at least that", "invalid_max_tokens")
+    sampling(body, limits)
     if body.get("stop"):
         raise Refused(400, "'stop' sequences are not served: a turn ends at the policy's end token", "stop_unsupported")
+    if body.get("parallel_tool_calls") is False:
+        raise Refused(400, "'parallel_tool_calls' false cannot be enforced: the policy may call several tools in a "
+                           "turn; leave it out or send true", "parallel_tool_calls_unsupported")
+    if body.get("top_logprobs"):
+        raise Refused(400, "'top_logprobs' are not served: each sampled id comes with its own log-prob only "
+                           "('logprobs': true); leave it out or send 0", "top_logprobs_unsupported")
+    if (body.get("response_format") or {"type": "text"}) != {"type": "text"}:
+        raise Refused(400, "'response_format' cannot be enforced: the policy samples freely; leave it out or send "
+                           "{'type': 'text'}", "response_format_unsupported")
+    if body.get("reasoning_effort") is not None:
+        raise Refused(400, "'reasoning_effort' is not served: how long the policy reasons is its training's and its "
+                           "chat template's; leave it out", "reasoning_effort_unsupported")
     if body.get("tool_choice", "auto") not in ("auto", None):
         raise Refused(400, f"'tool_choice' {body['tool_choice']!r} cannot be enforced: the policy samples freely; leave it out or "
                            "send 'auto'", "tool_choice_unsupported")
@@ -191,6 +210,23 @@ def checked_body(body: Any, limits: Limits) -> dict[str, Any]:
                                               and isinstance(t["function"].get("name"), str) for t in tools):
         raise Refused(400, "'tools' must be a list of {'type': 'function', 'function': {'name': ..., ...}}", "invalid_tools")
     return body
+
+
+def sampling(body: dict[str, Any], limits: Limits) -> None:
+    """Refuse a sampling field that would change what the policy samples: the run's sampler is the
+    one its training assumes. Each is taken at the run's value, or the value that changes nothing."""
+    served = {"top_p": limits.top_p, "top_k": limits.top_k, **NEUTRAL}
+    for name, value in served.items():
+        asked = body.get(name)
+        if asked is None or name == "top_k" and value == 0 and asked == -1:  # -1: off, as vLLM writes it
+            continue
+        if isinstance(asked, bool) or not isinstance(asked, (int, float)) or abs(asked - value) > 1e-6:
+            raise Refused(400, f"'{name}' {asked!r} is not served: the policy samples with {name} = {value:g} (the "
+                               f"run's), which its training assumes; leave '{name}' out or send {value:g}",
+                          "sampling_unsupported")
+    if body.get("logit_bias"):
+        raise Refused(400, "'logit_bias' is not served: a bias changes what the policy samples, which its training "
+                           "assumes is its own distribution; leave it out or send {}", "sampling_unsupported")
 
 
 def as_chunks(completion: dict[str, Any], usage: bool) -> list[dict[str, Any]]:

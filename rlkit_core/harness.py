@@ -88,7 +88,8 @@ class HarnessEnvironment(Environment):
         self.settings = settings
         generator = context.recipe["generator"].config if context is not None else None
         self.limits = Limits(max_turns=settings.max_turns, max_new_tokens=getattr(generator, "max_new_tokens", 1),
-                             temperature=getattr(generator, "temperature", 1.0), model=model)
+                             temperature=getattr(generator, "temperature", 1.0), model=model,
+                             top_p=getattr(generator, "top_p", 1.0), top_k=getattr(generator, "top_k", 0))
         self.tokenizer = context.tokenizer if context is not None else None
         self.lock, self.shared = threading.Lock(), None
 

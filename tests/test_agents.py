@@ -325,6 +325,62 @@ def test_the_endpoint_lists_the_model_and_names_what_it_refuses_before_an_episod
     session.end("closed")
 
 
+REFUSED_SETTINGS = [
+    ({"top_p": 0.9}, "sampling_unsupported", "'top_p' 0.9 is not served: the policy samples with top_p = 1"),
+    ({"presence_penalty": 0.5}, "sampling_unsupported", "leave 'presence_penalty' out or send 0"),
+    ({"frequency_penalty": -1.0}, "sampling_unsupported", "'frequency_penalty' -1.0 is not served"),
+    ({"logit_bias": {"7": 100}}, "sampling_unsupported", "'logit_bias' is not served"),
+    ({"extra_body": {"top_k": 5}}, "sampling_unsupported", "'top_k' 5 is not served: the policy samples with top_k"),
+    ({"extra_body": {"min_p": 0.1}}, "sampling_unsupported", "'min_p' 0.1 is not served"),
+    ({"extra_body": {"repetition_penalty": 1.2}}, "sampling_unsupported", "leave 'repetition_penalty' out or send 1"),
+    ({"logprobs": True, "top_logprobs": 5}, "top_logprobs_unsupported", "'top_logprobs' are not served"),
+    ({"response_format": {"type": "json_object"}}, "response_format_unsupported", "'response_format' cannot be"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls_unsupported", "'parallel_tool_calls' false cannot"),
+    ({"reasoning_effort": "low"}, "reasoning_effort_unsupported", "'reasoning_effort' is not served"),
+]
+
+
+@pytest.mark.parametrize(("fields", "code", "said"), REFUSED_SETTINGS)
+def test_a_setting_that_would_change_what_the_policy_samples_is_refused_by_name(fields, code, said):
+    """What the endpoint does not serve is refused with the field's name and the fix, never ignored
+    (docs/agents.md's table): a sampling setting other than the run's, a format or a limit on the
+    calls it cannot enforce, log-probs it does not compute."""
+    from rlkit_core.endpoint import Limits, agent_endpoint
+
+    session = agent_endpoint().open(Limits(max_turns=2, max_new_tokens=8, temperature=1.0))
+    client = openai.OpenAI(base_url=session.base_url, api_key=session.key, max_retries=0, timeout=10)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], **fields)
+    session.end("closed")
+    assert raised.value.body["code"] == code and said in raised.value.body["message"]
+
+
+def test_top_p_and_top_k_are_taken_at_the_generators_values(recipe_document, builtin_registry, chatml):
+    from rlkit_core.endpoint import Refused, checked_body
+
+    path, tokenizer = chatml
+    recipe_document["generator"].update(top_p=0.9, top_k=5)
+    turn = turn_ids(tokenizer, "7")
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn], **harness("talk"))
+    limits = trainer.components.environment.limits
+    messages = [{"role": "user", "content": "hi"}]
+    checked_body({"messages": messages, "top_p": 0.9, "top_k": 5}, limits)
+    for fields in ({"top_p": 1.0}, {"top_k": 0}, {"top_k": -1}):
+        with pytest.raises(Refused, match="the policy samples with top_[pk] = (0.9|5) "):
+            checked_body({"messages": messages, **fields}, limits)
+
+
+def test_settings_that_change_nothing_are_taken(recipe_document, builtin_registry, chatml):
+    """Each setting at the value that changes nothing, and the fields taken without use (`seed`,
+    `user`, `metadata`, `store`), are answered as a request without them."""
+    path, tokenizer = chatml
+    turn = turn_ids(tokenizer, "7")
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn], **harness("neutral"))
+    _, metrics = rollout_with(trainer, RECORDS)
+    assert (metrics["env/status_ok"], metrics["env/reward"], metrics["env/turns"]) == (1.0, 1.0, 2.0)
+    assert metrics["env/agent_refused"] == 0.0
+
+
 def test_a_recipe_names_its_agent_once_and_loadably(recipe_document, builtin_registry, chatml):
     from rlkit_core.errors import RecipeError
 
