@@ -231,9 +231,10 @@ def sampling(body: dict[str, Any], limits: Limits) -> None:
 
 def as_chunks(completion: dict[str, Any], usage: bool) -> list[dict[str, Any]]:
     """A whole completion as the chunks of a stream (`stream: true`): the role and the content with
-    its log-probs, then the tool calls, then the finish reason with the sampled ids, then (`usage`:
-    the request's `stream_options.include_usage`) the token counts. The turn is sampled whole before
-    its first chunk is sent: a stream is its answer in OpenAI's stream layout."""
+    its log-probs, then the tool calls, then the finish reason with the sampled ids and the other
+    extension fields, then (`usage`: the request's `stream_options.include_usage`) the token counts.
+    The turn is sampled whole before its first chunk is sent: a stream is its answer in OpenAI's
+    stream layout."""
     choice, head = completion["choices"][0], {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
                                               "model": completion["model"]}
     message = choice["message"]
@@ -242,7 +243,7 @@ def as_chunks(completion: dict[str, Any], usage: bool) -> list[dict[str, Any]]:
         calls = [{"index": index, **call} for index, call in enumerate(message["tool_calls"])]
         deltas.append({"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None})
     deltas.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"], "token_ids": choice["token_ids"],
-                   "weights_version": choice["weights_version"]})
+                   "weights_version": choice["weights_version"], "tool_call_error": choice["tool_call_error"]})
     return [{**head, "choices": [delta]} for delta in deltas] + ([{**head, "choices": [], "usage": completion["usage"]}] if usage else [])
 
 
@@ -352,7 +353,8 @@ class Session:
             wire["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for i, n, a in calls]
         self.conversation = [*self.conversation, {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}]
         choice: dict[str, Any] = {"index": 0, "message": wire, "finish_reason": "tool_calls" if calls else "stop", "logprobs": None,
-                                  "token_ids": list(reply.ids), "weights_version": reply.weights_version}
+                                  "token_ids": list(reply.ids), "weights_version": reply.weights_version,
+                                  "tool_call_error": reply.parse_error}
         if request is not None and request.body.get("logprobs") and logprob_pieces is not None:
             choice["logprobs"] = {"content": [{"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
                                               for piece, lp in zip(logprob_pieces(), reply.logprobs)]}

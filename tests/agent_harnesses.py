@@ -303,3 +303,32 @@ def talk_with_logprobs(record: dict, client: OpenAI) -> dict:
         total += sum(entry.logprob for entry in entries)
         messages.append(choice.message.model_dump(exclude_none=True))
     return {"reward": 1.0, "logprobs_ok": float(all(ok)), "logprob_sum": total}
+
+
+def tells_unreadable_calls(record: dict, client: OpenAI, stream: bool = False) -> dict:
+    """`tool_user`, telling the model when its call could not be read (`tool_call_error`), as the
+    in-process environment does, in a user message (such a call has no id to answer). `told`: the
+    answers that carried an error; `errors_only_there`: 1 when every other answer's field was null."""
+    messages: list = [{"role": "user", "content": record["prompt"]}]
+    errors = []
+    while True:
+        if stream:
+            answer = streamed(client, messages, tools=[LOOKUP])
+            message, error = answer["message"], answer.get("tool_call_error")
+        else:
+            choice = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP]).choices[0]
+            message, error = choice.message.model_dump(exclude_none=True), (choice.model_extra or {})["tool_call_error"]
+        messages.append(message)
+        errors.append(error)
+        if error:
+            messages.append({"role": "user", "content": f"Error: your tool call could not be read: {error}. Again."})
+        elif message.get("tool_calls"):
+            messages += [{"role": "tool", "tool_call_id": c["id"], "content": "found"} for c in message["tool_calls"]]
+        else:
+            told = sum(bool(e) for e in errors)
+            only_there = errors.count(None) + told == len(errors)
+            return {"reward": 1.0, "told": float(told), "errors_only_there": float(only_there)}
+
+
+def tells_unreadable_calls_streaming(record: dict, client: OpenAI) -> dict:
+    return tells_unreadable_calls(record, client, stream=True)

@@ -77,6 +77,19 @@ def test_tool_calls_answered_by_their_ids_are_round_trips(recipe_document, built
     assert c.samples[0].matches
 
 
+def test_calls_the_model_wrote_unreadably_are_counted_per_episode(recipe_document, builtin_registry, chatml):
+    """As env/unreadable_tool_calls counts them in a run: answered as text, with `tool_call_error`."""
+    path, tokenizer = chatml
+    bad = turn_ids(tokenizer, '<tool_call>\n{"name": "lookup", "arguments": {"word": }\n</tool_call>')
+    call = turn_ids(tokenizer, '<tool_call>\n{"name": "lookup", "arguments": {"word": "fig"}}\n</tool_call>')
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [bad, call, turn_ids(tokenizer, "done")],
+                            max_episode_tokens=800, **harness("tells_unreadable_calls"))
+    checks = agent_check.play(trainer.engine, trainer.components, trainer.recipe, RECORDS)
+    assert [(c.status, c.turns, c.unreadable, c.tool_calls, c.tool_results) for c in checks] == [("ok", 3, 1, 1, 1)] * 2
+    assert ("  tool calls        1 made by the model, 1 answered by the harness with a tool result, 1 unreadable (answered as "
+            "text, with choices[0].tool_call_error)") in agent_check.describe(checks, "tells_unreadable_calls", False)
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["rendered", "kept"])
 def test_the_templates_splits_are_told_apart_and_a_stream_kept_as_sampled_differs_from_the_render(recipe_document, builtin_registry,
                                                                                                    chatml, kept):

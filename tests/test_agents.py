@@ -136,6 +136,25 @@ def test_tool_calls_go_out_with_ids_and_their_results_come_back_rendered(recipe_
     assert sampled_of(batch)[0] == call + answer
 
 
+@pytest.mark.parametrize("name", ["tells_unreadable_calls", "tells_unreadable_calls_streaming"])
+def test_an_unreadable_call_is_marked_for_the_harness_to_tell_it(recipe_document, builtin_registry, chatml, name):
+    """A turn whose tool-call markup cannot be read is answered as text, with why in
+    `choices[0].tool_call_error` (the stream's last chunk too): a harness that reads it tells the
+    model and the episode goes on, as in the in-process environment; the turn is counted in
+    env/unreadable_tool_calls."""
+    path, tokenizer = chatml
+    bad = turn_ids(tokenizer, '<tool_call>\n{"name": "lookup", "arguments": {"word": }\n</tool_call>')
+    call = turn_ids(tokenizer, '<tool_call>\n{"name": "lookup", "arguments": {"word": "fig"}}\n</tool_call>')
+    turns = [bad, call, turn_ids(tokenizer, "done")]
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, turns, max_episode_tokens=800,
+                            **harness(name))
+    _, metrics = rollout_with(trainer, RECORDS)
+    assert (metrics["env/status_ok"], metrics["env/turns"], metrics["env/reward"]) == (1.0, 3.0, 1.0)
+    assert (metrics["env/told"], metrics["env/errors_only_there"]) == (1.0, 1.0)
+    assert metrics["env/unreadable_tool_calls"] == 1.0
+    assert (metrics["env/agent_tool_calls"], metrics["env/agent_tool_results"]) == (1.0, 1.0)
+
+
 def test_each_answer_names_the_weights_that_sampled_it(recipe_document, builtin_registry, chatml):
     """`choices[0].weights_version`: the run's iterations done when the sampling weights were current,
     the same for every turn of an episode, one more after each update."""

@@ -5,8 +5,9 @@ played as `rlkit run` plays them, before any training. The policy is built, the 
 samples it, the harness talks to the endpoint and `EpisodeRunner` plays the turns; then each
 episode is reported as the training samples it made: the harness's requests and refusals, the
 turns merged into the stream or split into a new sample (by the harness changing the history, or
-by the chat template), the tool calls the harness answered, the status and reward, and whether each
-sample's ids are its conversation rendered at once by the chat format, compared by ids.
+by the chat template), the tool calls the harness answered and those the model wrote unreadably,
+the status and reward, and whether each sample's ids are its conversation rendered at once by the
+chat format, compared by ids.
 
 An agent recipe is the only one for which `rlkit check` builds the policy: its episodes are someone
 else's program, whose conformance shows only when it plays against a model. A harness that fails
@@ -66,6 +67,7 @@ class EpisodeCheck:
     rewrites: int  # requests whose history the harness had changed
     tool_calls: int  # made by the model
     tool_results: int  # of those, answered by the harness with a tool result
+    unreadable: int  # turns whose call markup could not be read, answered as text with `tool_call_error`
     turns: int
     merged: int  # turns after a sample's first that went on in its stream
     samples: tuple[SampleCheck, ...]
@@ -169,8 +171,8 @@ def checked(chat: ChatFormat, episode: Episode) -> EpisodeCheck:
     return EpisodeCheck(status=episode.status or "ok", failure=episode.failure, reward=episode.reward,
                         requests=int(info.get("agent_requests", 0)), refused=int(info.get("agent_refused", 0)),
                         rewrites=int(info.get("agent_rewrites", 0)), tool_calls=int(info.get("agent_tool_calls", 0)),
-                        tool_results=int(info.get("agent_tool_results", 0)), turns=episode.turns,
-                        merged=episode.turns - sampling,
+                        tool_results=int(info.get("agent_tool_results", 0)), unreadable=episode.unreadable,
+                        turns=episode.turns, merged=episode.turns - sampling,
                         samples=tuple(sample_check(chat, s, episode.tools) for s in episode.samples))
 
 
@@ -204,7 +206,8 @@ def describe(checks: list[EpisodeCheck], harness: str, scored: bool) -> list[str
                   f"  requests          {c.requests}, {c.refused} refused",
                   f"  turns             {c.turns}: {c.merged} merged into the stream, {c.splits} started a new sample "
                   f"({c.rewrites} by history rewrites of the harness, {c.template_splits} by the chat template)",
-                  f"  tool calls        {c.tool_calls} made by the model, {c.tool_results} answered by the harness with a tool result"]
+                  f"  tool calls        {c.tool_calls} made by the model, {c.tool_results} answered by the harness "
+                  f"with a tool result, {c.unreadable} unreadable (answered as text, with choices[0].tool_call_error)"]
         differing = [(i, s) for i, s in enumerate(c.samples, 1) if not s.matches]
         size = f"{len(c.samples)} sample(s), {sum(s.prompt + s.stream for s in c.samples)} ids"
         if c.status in FAILED:
