@@ -215,19 +215,23 @@ class Faulty(Environment):
             return Step(status="error")
         if fault == "not a step":
             return {"messages": []}
+        if fault == "unseen":  # a turn the environment did not see: there is none before it to go back to
+            return Step(reward=1.0, unseen=True)
         return Step(messages=[{"role": "user", "content": "more"}], reward=1.0, done=fault == "wins")
 
 
 @pytest.mark.parametrize("barrier", [True, False], ids=["turn-barrier", "as-ready"])
 @pytest.mark.parametrize("fault, status", [("raises", "error"), ("reset raises", "error"), ("hangs", "timeout"),
-                                           ("says error", "error"), ("not a step", "error"), ("wins", "ok")])
+                                           ("says error", "error"), ("not a step", "error"), ("unseen", "error"),
+                                           ("wins", "ok")])
 def test_every_fault_of_an_environment_is_a_status_never_a_score(recipe_document, builtin_registry, ending_tiny_model, fault, status,
                                                                  barrier):
     trainer = make_trainer(episode_document(recipe_document, ending_tiny_model, step_timeout_s=0.5, turn_barrier=barrier), builtin_registry)
     trainer.components = attrs.evolve(trainer.components, environment=Faulty())
     records = [{"prompt": "p", "secret": 1, "fault": fault}] * 16
     started = time.monotonic()
-    said = {"raises": "broken tool", "reset raises": "no such game", "not a step": "not a Step"}.get(fault)
+    said = {"raises": "broken tool", "reset raises": "no such game", "not a step": "not a Step",
+            "unseen": "unseen=True for the episode's first turn"}.get(fault)
     with pytest.warns(EnvironmentFault, match=said) if said else contextlib.nullcontext():
         batch, metrics = rollout_with(trainer, records)
     assert time.monotonic() - started < 20  # a hanging step ends its episode after the timeout
