@@ -175,7 +175,7 @@ def checked_body(body: Any, limits: Limits) -> dict[str, Any]:
         raise Refused(400, "the request body is not a JSON object", "invalid_request")
     if not isinstance(body.get("stream_options") or {}, dict):
         raise Refused(400, "'stream_options' must be an object, e.g. {'include_usage': true}", "invalid_request")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise Refused(400, "'n' must be 1: an episode is one conversation (set samples_per_prompt in the recipe for more)", "invalid_n")
     temperature = body.get("temperature")
     if temperature is not None and (not isinstance(temperature, (int, float)) or abs(temperature - limits.temperature) > 1e-6):

@@ -187,12 +187,13 @@ def returns_before_its_first_answer(record: dict, client: OpenAI) -> float:
 
 NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {},
            "seed": 7, "user": "someone", "metadata": {"run": "a"}, "store": False, "parallel_tool_calls": True,
-           "logprobs": True, "top_logprobs": 0, "response_format": {"type": "text"},
+           "logprobs": True, "top_logprobs": 0, "response_format": {"type": "text"}, "n": None, "stop": None,
            "extra_body": {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}}
 
 
 def neutral(record: dict, client: OpenAI) -> float:
-    """Two turns asked with every setting at the value that changes nothing (top_k 0 and -1 alike)."""
+    """Two turns asked with every setting at the value that changes nothing (top_k 0 and -1 alike,
+    `n` and `stop` sent as null, as left out)."""
     messages = [{"role": "user", "content": record["prompt"]}]
     messages += [ask(client, messages, **NEUTRAL).model_dump(exclude_none=True), {"role": "user", "content": "again"}]
     ask(client, messages, **{**NEUTRAL, "extra_body": {"top_k": 0}})
