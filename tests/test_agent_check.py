@@ -82,12 +82,14 @@ def test_calls_the_model_wrote_unreadably_are_counted_per_episode(recipe_documen
     path, tokenizer = chatml
     bad = turn_ids(tokenizer, '<tool_call>\n{"name": "lookup", "arguments": {"word": }\n</tool_call>')
     call = turn_ids(tokenizer, '<tool_call>\n{"name": "lookup", "arguments": {"word": "fig"}}\n</tool_call>')
-    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [bad, call, turn_ids(tokenizer, "done")],
-                            max_episode_tokens=800, **harness("tells_unreadable_calls"))
+    turns = [bad, call, turn_ids(tokenizer, "done")]
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, turns, max_episode_tokens=800,
+                            **harness("tells_unreadable_calls"))
     checks = agent_check.play(trainer.engine, trainer.components, trainer.recipe, RECORDS)
     assert [(c.status, c.turns, c.unreadable, c.tool_calls, c.tool_results) for c in checks] == [("ok", 3, 1, 1, 1)] * 2
-    assert ("  tool calls        1 made by the model, 1 answered by the harness with a tool result, 1 unreadable (answered as "
-            "text, with choices[0].tool_call_error)") in agent_check.describe(checks, "tells_unreadable_calls", False)
+    lines = agent_check.describe(checks, "tells_unreadable_calls", False)
+    assert ("  tool calls        1 made by the model, 1 answered by the harness with a tool result, 1 unreadable "
+            "(answered as text, with choices[0].tool_call_error)") in lines
 
 
 @pytest.mark.parametrize("kept", [False, True], ids=["rendered", "kept"])

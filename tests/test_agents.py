@@ -222,7 +222,8 @@ def _nothing():
 
 class AfterTheHarnessReturned(Scripted):
     """Samples each turn only once every harness that is returning while it waits has returned
-    (tests/agent_harnesses.py `leaves_a_request`): the race between a request and the harness's end, made certain."""
+    (tests/agent_harnesses.py `leaves_a_request`): the race between a request and the harness's
+    end, made certain."""
 
     def generate(self, prompt_ids, prompt_mask, greedy=False):
         from tests.agent_harnesses import RETURNED
@@ -232,39 +233,47 @@ class AfterTheHarnessReturned(Scripted):
         return super().generate(prompt_ids, prompt_mask, greedy)
 
 
-@pytest.mark.parametrize("anew", [False, True], ids=["extending", "new-sample"])
-def test_the_harness_returning_ends_the_episode_and_the_turn_it_did_not_see_is_not_trained(recipe_document, builtin_registry, chatml,
-                                                                                            anew):
+def racing_trainer(recipe_document, registry, chatml, name: str, **environment):
+    """A trainer of the harness `name`, which returns while a request of its waits; the model says "7"."""
+    path, tokenizer = chatml
+    turn = turn_ids(tokenizer, "7")
+    trainer = agent_trainer(recipe_document, registry, path, tokenizer, [turn], **harness(name), **environment)
+    generator = AfterTheHarnessReturned([turn], tokenizer.pad_token_id)
+    trainer.components = attrs.evolve(trainer.components, generator=generator)
+    return trainer, turn
+
+
+@pytest.mark.parametrize(("anew", "barrier"), [(False, True), (True, True), (False, False)],
+                         ids=["extending", "new-sample", "extending-as-ready"])
+def test_the_turn_a_harness_returned_before_seeing_is_not_trained(recipe_document, builtin_registry, chatml, anew,
+                                                                   barrier):
     """The harness reads one turn, sends its second request from another thread and returns while
     that turn is sampled: the request is answered 410 'episode_ended', and the turn, with the
     message before it (or the sample it started), is cut from the episode: one turn, trained with
     the reward the harness returned after seeing that turn alone."""
     from tests import agent_harnesses
 
-    path, tokenizer = chatml
-    turn = turn_ids(tokenizer, "7")
     name = "returns_while_asking_anew" if anew else "returns_while_asking"
-    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn], **harness(name))
-    trainer.components = attrs.evolve(trainer.components, generator=AfterTheHarnessReturned([turn], tokenizer.pad_token_id))
+    trainer, turn = racing_trainer(recipe_document, builtin_registry, chatml, name, turn_barrier=barrier)
     agent_harnesses.LEFT.clear()
     batch, metrics = rollout_with(trainer, RECORDS)
     for thread, _ in agent_harnesses.LEFT:
         thread.join(timeout=60)
     assert [answers for _, answers in agent_harnesses.LEFT] == [["episode_ended"]] * 2
-    assert (metrics["env/status_ok"], metrics["env/turns"], metrics["env/splits"], metrics["env/reward"]) == (1.0, 1.0, 0.0, 1.0)
-    assert (metrics["env/agent_requests"], metrics["env/agent_refused"]) == (2.0, 1.0)
-    assert rows_of(batch) == [render_ids(tokenizer, [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "7"}])[:-1]] * 2
+    assert (metrics["env/status_ok"], metrics["env/turns"], metrics["env/splits"]) == (1.0, 1.0, 0.0)
+    assert (metrics["env/reward"], metrics["env/agent_requests"], metrics["env/agent_refused"]) == (1.0, 2.0, 1.0)
+    conversation = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "7"}]
+    assert rows_of(batch) == [render_ids(chatml[1], conversation)[:-1]] * 2
     assert sampled_of(batch) == [turn] * 2 and batch.scores.tolist() == [1.0, 1.0]
-    assert batch.turn_rewards is not None and batch.turn_rewards.tolist() == [[0.0] * (len(turn) - 1) + [1.0]] * 2  # at the turn it saw
+    assert batch.turn_rewards is not None  # the reward at the end of the turn the harness saw
+    assert batch.turn_rewards.tolist() == [[0.0] * (len(turn) - 1) + [1.0]] * 2
 
 
-def test_a_harness_that_returns_before_its_first_answer_ends_its_episode_as_an_error(recipe_document, builtin_registry, chatml):
+def test_a_harness_that_returns_before_its_first_answer_ends_its_episode_as_an_error(recipe_document, builtin_registry,
+                                                                                     chatml):
     from rlkit_core.runtime.episodes import EnvironmentFault
 
-    path, tokenizer = chatml
-    turn = turn_ids(tokenizer, "7")
-    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn], **harness("returns_before_its_first_answer"))
-    trainer.components = attrs.evolve(trainer.components, generator=AfterTheHarnessReturned([turn], tokenizer.pad_token_id))
+    trainer, _ = racing_trainer(recipe_document, builtin_registry, chatml, "returns_before_its_first_answer")
     with pytest.warns(EnvironmentFault, match="the harness returned before the model's first turn was answered"):
         batch, metrics = rollout_with(trainer, RECORDS)
     assert metrics["env/status_error"] == 1.0 and int(batch.loss_mask.sum()) == 0
@@ -297,7 +306,8 @@ def test_a_request_queued_or_in_flight_when_the_harness_returns_is_refused_and_n
     taken.next_event(timeout=5)
     taken.harness_ended(HarnessEnded(reward=1.0))
     assert codes(sampled) == "episode_ended"
-    assert not taken.respond(Reply(text="7", turn=1, ids=(1, 2)), {"role": "assistant", "content": "7"}) and taken.turns == 0
+    assert not taken.respond(Reply(text="7", turn=1, ids=(1, 2)), {"role": "assistant", "content": "7"})
+    assert taken.turns == 0
     assert taken.next_event(timeout=5) == HarnessEnded(reward=1.0)
     later = Request(body)
     taken.submit(later)
