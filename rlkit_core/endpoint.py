@@ -12,9 +12,11 @@ A request's messages are compared, never re-encoded: when they extend the conver
 endpoint returned it (the assistant turns as it sent them, tool-call ids included), the new ones
 are what the environment says next, and the core renders only the gap; when the harness changed
 what came before, the turn comes with the whole conversation (`Step.history`), a new sample starts
-and is counted. Whatever the endpoint refuses (a malformed request, an unknown tool-call id, a
-request past the episode's turns or after its end, a second request at once) is an HTTP error the
-harness can read, counted, and never trained on.
+and is counted. Whatever the endpoint refuses (a malformed request, a setting the run's sampling
+would not honour, an unknown tool-call id, a request past the episode's turns or after its end,
+a second request at once) is an HTTP error the harness can read, counted, and never trained on.
+The harness's return ends the episode at once: a request it left waiting is refused, and a turn
+sampled for it is not the episode's.
 """
 
 from __future__ import annotations
