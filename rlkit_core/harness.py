@@ -60,13 +60,14 @@ def failure_text(exc: BaseException) -> str:
 
 
 def outcome_of(result: Any) -> HarnessEnded:
-    """What an agent returned (or printed, read as JSON): a reward, or a dict of 'reward' and figures."""
+    """What an agent returned (or printed, read as JSON): a reward, or a dict of 'reward' and figures.
+    The figures go on as returned, for the runner to check as it checks every environment's `info`:
+    one that is not a finite number (text, None, a nested value, NaN) makes the episode an error."""
     figures = result if isinstance(result, dict) else {"reward": result}
     reward = figures.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         return HarnessEnded(failure=f"ended with {result!r}: a finite reward, or a dict with 'reward', is expected")
-    info = {k: float(v) for k, v in figures.items() if k != "reward" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return HarnessEnded(reward=float(reward), info=info)
+    return HarnessEnded(reward=float(reward), info={k: v for k, v in figures.items() if k != "reward"})
 
 
 def printed_outcome(stdout: str) -> HarnessEnded:

@@ -159,6 +159,12 @@ def never_asks(record: dict, client: OpenAI) -> float:
     return 1.0
 
 
+def reports(record: dict, client: OpenAI) -> dict:
+    """Asks once, then returns a reward of 1 and the record's `figures` as they are (text, NaN, a bool, ...)."""
+    ask(client, [{"role": "user", "content": record["prompt"]}])
+    return {"reward": 1.0, **record["figures"]}
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     if name == "exits":

@@ -7,6 +7,7 @@ harness is an episode status, never a reward of 0."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -208,6 +209,37 @@ def test_a_turn_cut_off_ends_the_episode_and_its_request_is_refused(recipe_docum
     trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7", end=False)], **harness("talk"))
     batch, metrics = rollout_with(trainer, RECORDS)
     assert metrics["env/status_cut_off"] == 1.0 and int(batch.loss_mask.sum()) > 0
+
+
+NOT_A_NUMBER = {"text": "x", "nan": math.nan, "inf": math.inf, "none": None, "nested": {"solved": 1.0}, "list": [1.0]}
+
+
+@pytest.mark.parametrize(("form", "kind"), [("callable", kind) for kind in NOT_A_NUMBER] + [("command", "text"),
+                                                                                            ("command", "nan")])
+def test_a_figure_that_is_not_a_finite_number_makes_the_episode_an_error(recipe_document, builtin_registry, chatml,
+                                                                         form, kind):
+    """The rule of every environment's `info`: a figure that is text, NaN, an infinity, None or a
+    nested value is not averaged (nor dropped in silence): its episode ends as an error, said once,
+    and trains nothing. A command prints it as JSON (`NaN` included)."""
+    from rlkit_core.runtime.episodes import EnvironmentFault
+
+    path, tokenizer = chatml
+    how = harness("reports") if form == "callable" else command("reports")
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7")], **how)
+    records = [{"prompt": PROMPT, "figures": {"solved": 1.0, "figure": NOT_A_NUMBER[kind]}}] * 2
+    with pytest.warns(EnvironmentFault, match=r"returned info .*a dict of finite numbers is expected \('figure' is "):
+        batch, metrics = rollout_with(trainer, records)
+    assert metrics["env/status_error"] == 1.0 and int(batch.loss_mask.sum()) == 0
+    assert "env/figure" not in metrics
+
+
+@pytest.mark.parametrize("how", [harness("reports"), command("reports")], ids=["callable", "command"])
+def test_a_bool_figure_counts_as_1_or_0(recipe_document, builtin_registry, chatml, how):
+    path, tokenizer = chatml
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7")], **how)
+    records = [{"prompt": PROMPT, "figures": {"solved": True}}, {"prompt": PROMPT, "figures": {"solved": False}}]
+    _, metrics = rollout_with(trainer, records)
+    assert (metrics["env/status_ok"], metrics["env/solved"]) == (1.0, 0.5)
 
 
 def test_a_request_after_the_episode_ended_reads_why(chatml):

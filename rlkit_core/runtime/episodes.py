@@ -116,8 +116,8 @@ def answer_problem(answer: Any, expected: type) -> str | None:
                                                      and isinstance(m.get("content"), str) for m in messages):
             return f"returned {name} that are not a list of dicts with a string 'role' and 'content'"
     messages = answer.messages
-    if not isinstance(answer.info, dict) or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in answer.info.values()):
-        return f"returned info {answer.info!r}: a dict of finite numbers is expected"
+    if problem := info_problem(answer.info):
+        return problem
     if isinstance(answer, Reset):
         return None if messages else "returned no opening messages"
     if not isinstance(answer.done, bool):
@@ -126,6 +126,18 @@ def answer_problem(answer: Any, expected: type) -> str | None:
         return f"returned status {answer.status!r}; an environment says 'ok' or 'error'"
     if answer.reward is not None and (isinstance(answer.reward, bool) or not isinstance(answer.reward, (int, float))):
         return f"returned a reward of {answer.reward!r}, not a number or None"
+    return None
+
+
+def info_problem(info: Any) -> str | None:
+    """Why `info` (a reset's, a step's or a close's) is not a dict of names to finite numbers, or
+    None. A bool is a number (1 or 0); text, None, nested values, NaN and infinities are not: one rule
+    for every environment, an agent's figures included, and an episode that breaks it is an error."""
+    if not isinstance(info, dict):
+        return f"returned info {info!r}: a dict of finite numbers is expected"
+    for name, value in info.items():
+        if not isinstance(name, str) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"returned info {info!r}: a dict of finite numbers is expected ({name!r} is {value!r})"
     return None
 
 
