@@ -317,6 +317,7 @@ class Session:
             request = self.in_flight
         if request is not None:
             self._settle(request, *_refusal(Refused(410, f"this episode has ended ({self.ended})", "episode_ended")))
+        returns = []
         while True:  # requests queued but never taken
             try:
                 event = self.inbox.get_nowait()
@@ -324,7 +325,24 @@ class Session:
                 break
             if isinstance(event, Request):
                 event.settle(*_refusal(Refused(410, f"this episode has ended ({self.ended})", "episode_ended")))
+            else:
+                returns.append(event)
+        for event in returns:  # the harness's return, kept for `returned`
+            self.inbox.put(event)
         self.endpoint.forget(self)
+
+    def returned(self, timeout: float | None) -> HarnessEnded | None:
+        """After `end`: the harness's return, waited for up to `timeout` seconds (None when it did not
+        come); a request that reaches the inbox meanwhile is refused as after the end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                event = self.inbox.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if isinstance(event, HarnessEnded):
+                return event
+            event.settle(*_refusal(Refused(410, f"this episode has ended ({self.ended})", "episode_ended")))
 
     def _settle(self, request: Request, status: int, body: dict[str, Any]) -> None:
         with self.lock:

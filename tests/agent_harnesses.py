@@ -165,6 +165,28 @@ def reports(record: dict, client: OpenAI) -> dict:
     return {"reward": 1.0, **record["figures"]}
 
 
+def reports_when_ended(record: dict, client: OpenAI) -> dict:
+    """`talk`; when the episode is ended under it (the endpoint answers `episode_ended`) it returns all
+    the same: `told_ended` 1, the record's `figures`, and a reward of 5 that the ended episode must not take."""
+    try:
+        talk(record, client)
+    except openai.APIStatusError as error:
+        if error.status_code != 410 or error.body.get("code") != "episode_ended":
+            raise
+        return {"reward": 5.0, "told_ended": 1.0, **record.get("figures", {})}
+    return {"reward": 1.0, "told_ended": 0.0}
+
+
+def hangs_when_ended(record: dict, client: OpenAI) -> dict:
+    """`talk`; when the episode is ended under it, it returns its figures only after 30 s."""
+    try:
+        talk(record, client)
+    except openai.APIStatusError:
+        time.sleep(30)
+        return {"reward": 5.0, "told_ended": 1.0}
+    return {"reward": 1.0, "told_ended": 0.0}
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     if name == "exits":

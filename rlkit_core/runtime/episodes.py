@@ -324,13 +324,21 @@ class EpisodeRunner:
         return [(call, ("stopped", None) if call.recipe_error else cast(tuple[str, Any], call.outcome)) for call in ended]
 
     def _close(self, ended: list[Episode]) -> None:
-        """`Environment.close` for each ended episode. A close that fails or times out is warned of
-        once and changes nothing else: the episode has ended and trains as it ended. An environment
-        that keeps the default (nothing to release) takes no thread of the pool."""
+        """`Environment.close` for each ended episode, the figures it returns merged into the
+        episode's info (figures that break `info`'s rule make the episode an error, as a step's
+        do). A close that fails or times out is warned of once and changes nothing else: the episode
+        has ended and trains as it ended. An environment that keeps the default (nothing to release)
+        takes no thread of the pool."""
         if getattr(type(self.environment), "close", Environment.close) is Environment.close:
             return
         assert self.environment is not None  # one-turn episodes have no state to close
         closes = self._call([(self.environment.close, (e.state,)) for e in ended], "close")
+        for episode, (status, figures) in zip(ended, closes):
+            if status == "ok" and figures is not None:
+                if problem := info_problem(figures):
+                    self._fail(episode, status, problem, "close")
+                else:
+                    episode.info.update(figures)
         failed = [(status, why) for status, why in closes if status not in ("ok", "stopped")]
         if failed:
             status, why = failed[0]
