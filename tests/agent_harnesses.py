@@ -7,6 +7,7 @@ return a reward of 1 only when the endpoint refused it as it should, with the co
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -185,6 +186,21 @@ def hangs_when_ended(record: dict, client: OpenAI) -> dict:
         time.sleep(30)
         return {"reward": 5.0, "told_ended": 1.0}
     return {"reward": 1.0, "told_ended": 0.0}
+
+
+EPISODES = itertools.count()  # the episodes this process's agents played
+
+
+def reports_by_rank(record: dict, client: OpenAI) -> dict:
+    """Asks once (a turn cut off is answered `episode_ended`, and it returns all the same). Under
+    torchrun, on RANK 0 every episode reports `figure` = 1; on another, one episode in four reports it, as 0."""
+    try:
+        ask(client, [{"role": "user", "content": record["prompt"]}])
+    except openai.APIStatusError:
+        pass
+    if os.environ.get("RANK", "0") == "0":
+        return {"reward": 1.0, "figure": 1.0}
+    return {"reward": 1.0, **({"figure": 0.0} if next(EPISODES) % 4 == 0 else {})}
 
 
 if __name__ == "__main__":

@@ -503,24 +503,40 @@ def chat_audit(recipe, policy) -> TemplateAudit:
     return audit(policy.tokenizer, policy.eos_token_ids, chat.name, chat.tool_calls, how, settings.thinking_in_history, chat)
 
 
+def episode_totals(episodes: list[Episode]) -> dict[str, tuple[float, int]]:
+    """Each `env/...` figure of `episodes` as (sum, episodes counted): every episode for the
+    runner's own figures, those that reported the name for what the environment said about the
+    episode last (`Reset.info`, then each step's, then its close's). Totals add up over processes
+    and batches, where means do not (`figure_means`)."""
+    count = len(episodes)
+    totals = {f"env/status_{status}": (float(sum(e.status == status for e in episodes)), count) for status in STATUSES}
+    totals.update({
+        "env/turns": (float(sum(e.turns for e in episodes)), count),
+        "env/tokens": (float(sum(e.tokens for e in episodes)), count),
+        "env/reward": (sum(e.reward for e in episodes), count),
+        "env/unreadable_tool_calls": (float(sum(e.unreadable for e in episodes)), count),
+        "env/splits": (float(sum(len(e.samples) - 1 for e in episodes)), count),
+    })
+    for name in sorted({name for e in episodes for name in e.info}):
+        values = [float(e.info[name]) for e in episodes if name in e.info]
+        totals[f"env/{name}"] = (sum(values), len(values))
+    return totals
+
+
+def figure_means(parts: list[dict[str, tuple[float, int]]]) -> dict[str, float]:
+    """The means of `episode_totals` added up over `parts` (processes, batches): each figure's sums
+    over its counts, so that a part where fewer episodes reported a name weighs less."""
+    added: dict[str, tuple[float, int]] = {}
+    for totals in parts:
+        for name, (total, count) in totals.items():
+            known_total, known_count = added.get(name, (0.0, 0))
+            added[name] = (known_total + total, known_count + count)
+    return {name: total / count for name, (total, count) in added.items()}
+
+
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     """`env/...` means over the episodes (the batch's, on this process)."""
-    count = len(episodes)
-    metrics = {f"env/status_{status}": sum(e.status == status for e in episodes) / count for status in STATUSES}
-    metrics.update({
-        "env/turns": sum(e.turns for e in episodes) / count,
-        "env/tokens": sum(e.tokens for e in episodes) / count,
-        "env/reward": sum(e.reward for e in episodes) / count,
-        "env/unreadable_tool_calls": sum(e.unreadable for e in episodes) / count,
-        "env/splits": sum(len(e.samples) - 1 for e in episodes) / count,
-    })
-    # what the environment said about the episode last (`Reset.info`, then each step's), over the
-    # episodes that reported the name
-    names = sorted({name for e in episodes for name in e.info})
-    for name in names:
-        values = [float(e.info[name]) for e in episodes if name in e.info]
-        metrics[f"env/{name}"] = sum(values) / len(values)
-    return metrics
+    return figure_means([episode_totals(episodes)])
 
 
 def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, device, first_id: int = 0, turn_rewards: bool = True) -> RolloutBatch:
