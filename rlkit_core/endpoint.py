@@ -282,7 +282,7 @@ class Session:
                                                              "conversation, one request at a time", "request_in_flight")))
             self.in_flight = request
             self.requests += 1
-        self.inbox.put(request)
+            self.inbox.put(request)  # under the lock: a request taken before `end` is in the inbox `end` drains
 
     def harness_ended(self, ended: HarnessEnded) -> None:
         """The harness returned (or failed): the episode ends at this moment. A request of its still
@@ -382,6 +382,21 @@ class Session:
             if isinstance(event, Request):
                 event.settle(*_refusal(Refused(410, f"this episode has ended ({self.ended})", "episode_ended")))
         self.endpoint.forget(self)
+
+    def returned(self, timeout: float | None) -> HarnessEnded | None:
+        """After `end`: the harness's return, waited for up to `timeout` seconds (None when it did not
+        come); a request that reaches the inbox meanwhile is refused as after the end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if self.outcome is not None:
+                    return self.outcome
+            try:
+                event = self.inbox.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if isinstance(event, Request):
+                event.settle(*_refusal(Refused(410, f"this episode has ended ({self.ended})", "episode_ended")))
 
     def _refuse(self, request: Request, refused: Refused) -> None:
         """Refuse the request in flight, counted once (the harness's end and the episode may race to answer it)."""

@@ -12,7 +12,9 @@ The agent's first request opens the episode; each later one answers the model's 
 pays the reward. An agent that raises, exits non-zero or ends with no reward ends its episode with
 status "error" (`HarnessFailed`); one that neither sends a request nor ends within `step_timeout_s`
 (or what is left of `episode_timeout_s`) ends it as a "timeout". Neither is scored, and both are
-counted. Every ending closes the session (a late request is refused) and kills the command's process.
+counted. Every ending closes the session (a late request is refused) and kills the command's process;
+when the runner ended the episode first (a turn cut off), what the agent returns then still gives
+the episode its figures (`close`).
 """
 
 from __future__ import annotations
@@ -60,13 +62,14 @@ def failure_text(exc: BaseException) -> str:
 
 
 def outcome_of(result: Any) -> HarnessEnded:
-    """What an agent returned (or printed, read as JSON): a reward, or a dict of 'reward' and figures."""
+    """What an agent returned (or printed, read as JSON): a reward, or a dict of 'reward' and figures.
+    The figures go on as returned, for the runner to check as it checks every environment's `info`:
+    one that is not a finite number (text, None, a nested value, NaN) makes the episode an error."""
     figures = result if isinstance(result, dict) else {"reward": result}
     reward = figures.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         return HarnessEnded(failure=f"ended with {result!r}: a finite reward, or a dict with 'reward', is expected")
-    info = {k: float(v) for k, v in figures.items() if k != "reward" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return HarnessEnded(reward=float(reward), info=info)
+    return HarnessEnded(reward=float(reward), info={k: v for k, v in figures.items() if k != "reward"})
 
 
 def printed_outcome(stdout: str) -> HarnessEnded:
@@ -130,8 +133,16 @@ class HarnessEnvironment(Environment):
             return Step(reward=event.reward, done=True, info={**self._counts(state), **event.info}, unseen=not seen)
         return self._turn(state, event)
 
-    def close(self, state: HarnessEpisode) -> None:
-        state.session.end("closed")
+    def close(self, state: HarnessEpisode) -> dict[str, float] | None:
+        """End the session and the command's process. When the runner ended the episode while its
+        harness waited on a request (a turn cut off, the tokens or the time ran out), that request is
+        answered `episode_ended`, and the figures of what the harness returns then, within the wait a
+        step has, are the episode's (never its reward: a cut-off turn's is its status's); a harness
+        that fails or does not return in time reports none."""
+        session = state.session
+        waiting = session.in_flight is not None
+        session.end("closed")
+        late = session.returned(self._wait(state)) if waiting else None
         process = state.process
         if process is not None and process.poll() is None:
             try:
@@ -139,6 +150,7 @@ class HarnessEnvironment(Environment):
             except ProcessLookupError:
                 pass
             process.wait(timeout=5)
+        return late.info if late is not None and late.failure is None else None
 
     def _turn(self, state: HarnessEpisode, turn: Turn) -> Step:
         info = self._counts(state)

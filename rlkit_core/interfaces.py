@@ -503,12 +503,15 @@ class Environment(ComponentBase):
     def step(self, state: Any, reply: Reply) -> Step:
         """The environment's answer to the model's turn `reply` in the episode whose state is `state`."""
 
-    def close(self, state: Any) -> None:
+    def close(self, state: Any) -> dict[str, float] | None:
         """Release what the episode whose state is `state` holds (a process, a connection, a sandbox).
         Called once for every episode whose `reset` returned, after its last step, however it ended
         (done, cut off by the turns or the tokens, a step that failed or timed out: a step still
         running past its timeout may still be running); in the environment's call pool, within
-        `step_timeout_s`. Nothing by default."""
+        `step_timeout_s`. Nothing by default. It may return figures known only at the end (what an
+        agent returned after its episode was cut off): they replace the info of those names, as a
+        step's do, and are checked as a step's are."""
+        return None
 
 
 class BatchSource(ComponentBase):

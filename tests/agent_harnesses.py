@@ -7,6 +7,7 @@ return a reward of 1 only when the endpoint refused it as it should, with the co
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -218,6 +219,49 @@ def no_reward(record: dict, client: OpenAI):
 
 def never_asks(record: dict, client: OpenAI) -> float:
     return 1.0
+
+
+def reports(record: dict, client: OpenAI) -> dict:
+    """Asks once, then returns a reward of 1 and the record's `figures` as they are (text, NaN, a bool, ...)."""
+    ask(client, [{"role": "user", "content": record["prompt"]}])
+    return {"reward": 1.0, **record["figures"]}
+
+
+def reports_when_ended(record: dict, client: OpenAI) -> dict:
+    """`talk`; when the episode is ended under it (the endpoint answers `episode_ended`) it returns all
+    the same: `told_ended` 1, the record's `figures`, and a reward of 5 that the ended episode must not take."""
+    try:
+        talk(record, client)
+    except openai.APIStatusError as error:
+        if error.status_code != 410 or error.body.get("code") != "episode_ended":
+            raise
+        return {"reward": 5.0, "told_ended": 1.0, **record.get("figures", {})}
+    return {"reward": 1.0, "told_ended": 0.0}
+
+
+def hangs_when_ended(record: dict, client: OpenAI) -> dict:
+    """`talk`; when the episode is ended under it, it returns its figures only after 30 s."""
+    try:
+        talk(record, client)
+    except openai.APIStatusError:
+        time.sleep(30)
+        return {"reward": 5.0, "told_ended": 1.0}
+    return {"reward": 1.0, "told_ended": 0.0}
+
+
+EPISODES = itertools.count()  # the episodes this process's agents played
+
+
+def reports_by_rank(record: dict, client: OpenAI) -> dict:
+    """Asks once (a turn cut off is answered `episode_ended`, and it returns all the same). Under
+    torchrun, on RANK 0 every episode reports `figure` = 1; on another, one episode in four reports it, as 0."""
+    try:
+        ask(client, [{"role": "user", "content": record["prompt"]}])
+    except openai.APIStatusError:
+        pass
+    if os.environ.get("RANK", "0") == "0":
+        return {"reward": 1.0, "figure": 1.0}
+    return {"reward": 1.0, **({"figure": 0.0} if next(EPISODES) % 4 == 0 else {})}
 
 
 if __name__ == "__main__":

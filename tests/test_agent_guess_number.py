@@ -4,11 +4,10 @@ on a small warm start holds the same ids as the in-process environment's, token 
 openings, the model's turns, every answer: "higher", "lower", "say a number"), the same masks and
 log-probs, and the same return for each game that ended. What differs is when the reward is paid:
 the environment pays each wrong guess at its turn, the agent the sum at the game's end, and a game
-the model cut off pays the agent nothing (it never got to return)."""
+the model cut off pays the agent nothing (what it returns then gives its figures, not its reward)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -84,5 +83,6 @@ def test_the_agent_plays_the_environments_games_token_for_token(tmp_path, builti
     # a game cut off: the environment had paid its wrong guesses, the agent pays nothing
     assert (theirs.scores[~ended] == 0).all() and torch.allclose(ours.scores[~ended], ours.turn_rewards[~ended].sum(dim=1))
 
-    # the figures: `won` over every game in-process (its reset says 0), over the games the agent ended for the agent
-    assert math.isclose(theirs_metrics["env/won"] * theirs_metrics["env/status_ok"], ours_metrics["env/won"], rel_tol=1e-9)
+    # the figures: `won` over every game, in-process (its reset says 0) and for the agent, which returns it (0) when
+    # the runner cut its game off and the endpoint answered `episode_ended`
+    assert theirs_metrics["env/won"] == ours_metrics["env/won"] and theirs_metrics["env/status_cut_off"] > 0

@@ -119,3 +119,20 @@ def test_two_processes_each_serve_their_own_agents_and_train_on_what_they_sample
         samples = read_lines([rolled / f"rollouts-{rank}.jsonl"])
         assert len(samples) > 16 and all(s["score"] == 1.0 for s in samples)
         assert_trained_on_what_the_agents_were_answered(by_rank[rank], samples, tokenizer)
+
+
+@pytest.mark.slow
+def test_an_agents_figure_is_its_mean_over_every_process_episodes_that_reported_it(recipe_document, write_recipe,
+                                                                                     tmp_path):
+    """8 episodes a process an iteration: on process 0 each reports figure = 1, on process 1 one in
+    four reports it, as 0 (any 8 episodes in a row hold two). env/figure = 8 / (8 + 2) = 0.8, the
+    mean over the episodes that reported it, where a mean of the processes' means would be (1 + 0) / 2."""
+    model = ending_model(tmp_path / "ending", end_logit=END_LOGIT)
+    agent = {"harness": "tests.agent_harnesses:reports_by_rank"}
+    output_dir = Path(recipe_document["run"]["output_dir"])
+    recipe = write_recipe(agent_recipe(recipe_document, model, agent))
+    done = recorded_run(recipe, tmp_path / "told", tmp_path / "rolled", processes=2)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if row["iteration"] >= 1]
+    assert len(trained) == 2 and all(row["env/figure"] == pytest.approx(0.8) for row in trained), trained

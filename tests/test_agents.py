@@ -7,7 +7,9 @@ harness is an episode status, never a reward of 0."""
 
 from __future__ import annotations
 
+import math
 import sys
+import time
 from pathlib import Path
 
 import attrs
@@ -325,6 +327,80 @@ def test_a_turn_cut_off_ends_the_episode_and_its_request_is_refused(recipe_docum
     assert metrics["env/status_cut_off"] == 1.0 and int(batch.loss_mask.sum()) > 0
 
 
+NOT_A_NUMBER = {"text": "x", "nan": math.nan, "inf": math.inf, "none": None, "nested": {"solved": 1.0}, "list": [1.0]}
+
+
+@pytest.mark.parametrize(("form", "kind"), [("callable", kind) for kind in NOT_A_NUMBER] + [("command", "text"),
+                                                                                            ("command", "nan")])
+def test_a_figure_that_is_not_a_finite_number_makes_the_episode_an_error(recipe_document, builtin_registry, chatml,
+                                                                         form, kind):
+    """The rule of every environment's `info`: a figure that is text, NaN, an infinity, None or a
+    nested value is not averaged (nor dropped in silence): its episode ends as an error, said once,
+    and trains nothing. A command prints it as JSON (`NaN` included)."""
+    from rlkit_core.runtime.episodes import EnvironmentFault
+
+    path, tokenizer = chatml
+    how = harness("reports") if form == "callable" else command("reports")
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7")], **how)
+    records = [{"prompt": PROMPT, "figures": {"solved": 1.0, "figure": NOT_A_NUMBER[kind]}}] * 2
+    with pytest.warns(EnvironmentFault, match=r"returned info .*a dict of finite numbers is expected \('figure' is "):
+        batch, metrics = rollout_with(trainer, records)
+    assert metrics["env/status_error"] == 1.0 and int(batch.loss_mask.sum()) == 0
+    assert "env/figure" not in metrics
+
+
+@pytest.mark.parametrize("how", [harness("reports"), command("reports")], ids=["callable", "command"])
+def test_a_bool_figure_counts_as_1_or_0(recipe_document, builtin_registry, chatml, how):
+    path, tokenizer = chatml
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7")], **how)
+    records = [{"prompt": PROMPT, "figures": {"solved": True}}, {"prompt": PROMPT, "figures": {"solved": False}}]
+    _, metrics = rollout_with(trainer, records)
+    assert (metrics["env/status_ok"], metrics["env/solved"]) == (1.0, 0.5)
+
+
+@pytest.mark.parametrize(("how", "ending", "status"), [
+    (harness("reports_when_ended"), {}, "cut_off"),
+    (command("reports_when_ended"), {}, "cut_off"),
+    (harness("reports_when_ended"), {"max_episode_tokens": 1}, "overflow"),
+], ids=["cut-off", "cut-off-command", "overflow"])
+def test_an_episode_the_runner_ends_keeps_the_figures_its_harness_returns_then(recipe_document, builtin_registry,
+                                                                               chatml, how, ending, status):
+    """The model's turn cut off (or past the token budget): the request the harness waits on is
+    answered `episode_ended`, and what the harness returns then gives the episode its figures
+    (`told_ended`, `solved`), never its reward (5 here): a cut-off episode's reward is its status's."""
+    path, tokenizer = chatml
+    turn = turn_ids(tokenizer, "7", end=status != "cut_off")
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn], **how, **ending)
+    records = [{"prompt": PROMPT, "figures": {"solved": 0.0}}] * 2
+    batch, metrics = rollout_with(trainer, records)
+    assert (metrics[f"env/status_{status}"], metrics["env/told_ended"], metrics["env/solved"]) == (1.0, 1.0, 0.0)
+    assert metrics["env/reward"] == 0.0 and batch.scores.tolist() == [0.0, 0.0]
+
+
+def test_figures_returned_after_the_end_keep_the_rule_of_every_figure(recipe_document, builtin_registry, chatml):
+    from rlkit_core.runtime.episodes import EnvironmentFault
+
+    path, tokenizer = chatml
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7", end=False)],
+                            **harness("reports_when_ended"))
+    with pytest.warns(EnvironmentFault, match=r"the environment's close returned info .*\('solved' is nan\)"):
+        batch, metrics = rollout_with(trainer, [{"prompt": PROMPT, "figures": {"solved": math.nan}}] * 2)
+    assert metrics["env/status_error"] == 1.0 and int(batch.loss_mask.sum()) == 0
+
+
+def test_a_harness_that_does_not_return_in_time_after_the_end_reports_no_figures(recipe_document, builtin_registry,
+                                                                                  chatml):
+    """What the harness returns after the end is waited for as a step is (within step_timeout_s);
+    one that takes longer reports nothing, and its episode ends as the runner ended it."""
+    path, tokenizer = chatml
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7", end=False)],
+                            step_timeout_s=2.0, **harness("hangs_when_ended"))
+    started = time.monotonic()
+    batch, metrics = rollout_with(trainer, RECORDS)
+    assert time.monotonic() - started < 25
+    assert metrics["env/status_cut_off"] == 1.0 and "env/told_ended" not in metrics and int(batch.loss_mask.sum()) > 0
+
+
 def test_a_request_after_the_episode_ended_reads_why(chatml):
     from rlkit_core.endpoint import Limits, agent_endpoint
 
@@ -334,6 +410,20 @@ def test_a_request_after_the_episode_ended_reads_why(chatml):
     with pytest.raises(openai.APIStatusError) as raised:
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     assert raised.value.status_code == 410 and raised.value.body["code"] == "episode_ended"
+
+
+def test_the_end_keeps_the_harness_return_for_the_close_and_refuses_what_comes_after():
+    """`Session.end` refuses what waits and keeps a return the harness made before it, which
+    `returned` gives; a request that reached the inbox after the end is refused as after it."""
+    from rlkit_core.endpoint import HarnessEnded, Limits, Request, agent_endpoint
+
+    session = agent_endpoint().open(Limits(max_turns=2, max_new_tokens=8, temperature=1.0))
+    session.harness_ended(HarnessEnded(reward=1.0, info={"solved": 1.0}))
+    session.end("closed")
+    late = Request({"messages": [{"role": "user", "content": "hi"}]})
+    session.inbox.put(late)
+    assert session.returned(5.0) == HarnessEnded(reward=1.0, info={"solved": 1.0})
+    assert session.returned(0.1) is None and late.answer.result(timeout=1)[0] == 410
 
 
 def test_the_endpoint_lists_the_model_and_names_what_it_refuses_before_an_episode_reads_it():

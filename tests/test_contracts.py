@@ -384,6 +384,26 @@ class ReportsAWord(Echo):
         return Step(done=True, info={"mood": "good"})
 
 
+class ReportsANumberAsText(Echo):
+    def step(self, state, reply):
+        return Step(done=True, info={"score": "1.5"})
+
+
+class ClosesWithFigures(Echo):
+    def close(self, state):
+        return {"turns": float(state.turns), "solved": False}
+
+
+class ClosesWithAWord(Echo):
+    def close(self, state):
+        return {"mood": "good"}
+
+
+class ClosesWithTrue(Echo):
+    def close(self, state):
+        return True
+
+
 class BreaksInTurnThree(Echo):
     def step(self, state, reply):
         if reply.turn == 3:
@@ -427,6 +447,10 @@ def test_the_environment_contract_passes_an_environment_that_keeps_every_promise
     environment_check(check, Echo)
 
 
+def test_the_environment_contract_passes_a_close_that_returns_figures():
+    environment_check("test_close_takes_an_episode_however_far_it_went", ClosesWithFigures)
+
+
 BROKEN_ENVIRONMENTS = [
     (BareSchemas, "test_tools_are_function_schemas", r"tools\(\)\[0\] must be \{'type': 'function'"),
     (CountedSchemas, "test_tools_are_function_schemas", "differs between two calls"),
@@ -437,6 +461,10 @@ BROKEN_ENVIRONMENTS = [
     (SaysItIsDone, "test_every_reply_gets_a_valid_step", "status 'done'; an environment says 'ok' or 'error'"),
     (PaysNaN, "test_every_reply_gets_a_valid_step", "reward must be a finite number or None, got nan"),
     (ReportsAWord, "test_every_reply_gets_a_valid_step", r"info\['mood'\] = 'good'"),
+    (ReportsANumberAsText, "test_every_reply_gets_a_valid_step", r"info\['score'\] = '1.5'"),
+    (ClosesWithAWord, "test_close_takes_an_episode_however_far_it_went", r"close\(\): info\['mood'\] = 'good'"),
+    (ClosesWithTrue, "test_close_takes_an_episode_however_far_it_went", "info must be a dict of names to numbers, got "
+                                                                           "bool"),
     (BreaksInTurnThree, "test_a_fixed_reply_for_max_turns_ends_or_stays_valid", "in turn 3 raised RuntimeError: lost track"),
     (CountsOnItself, "test_one_instance_serves_interleaved_episodes", "episode A got other steps beside another episode than alone"),
     (SharesOneState, "test_one_instance_serves_interleaved_episodes", "resetting episode B changed episode A's state"),

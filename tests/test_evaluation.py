@@ -2,15 +2,20 @@
 and no effect on the training random stream (so resume stays exact)."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from rlkit_core.errors import RecipeError
+from rlkit_core.interfaces import Environment
+from rlkit_core.messages import Reset, Step
 from rlkit_core.recipe.document import parse_recipe
+from rlkit_core.runtime.episodes import EnvironmentFault
 from rlkit_core.runtime.evaluation import hold_out
 from rlkit_core.runtime.run import run_recipe
 from rlkit_core.runtime.trainer import Trainer
+from tests.test_trainer import make_trainer
 
 
 def with_eval(document, steps=3, **settings):
@@ -130,3 +135,49 @@ def test_resume_with_evaluation_matches_an_uninterrupted_run(recipe_document, bu
     run_recipe(parse_recipe(second, builtin_registry), quiet=True, resume="auto")
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]  # noqa: E731
     assert strip(rows(tmp_path / "split")) == strip(rows(tmp_path / "straight"))
+
+
+class Reports(Environment):
+    """Gives each episode the figures of its record's `figures` column, and ends it after the model's
+    first turn (a record with `hangs` takes 5 s to answer)."""
+
+    def tools(self):
+        return []
+
+    def reset(self, record, seed):
+        return Reset([{"role": "user", "content": "go"}], state=record, info=dict(record["figures"]))
+
+    def step(self, state, reply):
+        if state.get("hangs"):
+            time.sleep(5)
+        return Step(done=True)
+
+
+def test_an_episodes_figure_is_its_mean_over_every_episode_that_reported_it(recipe_document, builtin_registry,
+                                                                            tmp_path):
+    """Eight held-out episodes in two chunks of ppo.batch_size = 4. In the first, one episode reports
+    solved = 1 and three report nothing; in the second, all four report it and one is solved:
+    eval/solved = 2 solved / 5 reporting = 0.4, where the mean of the chunks' means would be
+    (1/1 + 1/4) / 2 = 0.625. `rare`, reported by one episode of the first chunk (2.0), is 2.0, not
+    2.0 x 4 / 8 = 1.0. A figure of every episode (eval/status_ok) is the mean over all eight. The
+    last episode's step hangs past step_timeout_s: a timeout (its reset's figures still count), and
+    eval/hung_calls is the count of calls still running after the last chunk (1), not a mean over chunks."""
+    import attrs
+
+    from rlkit_core.runtime.evaluation import Evaluator
+    from tests.test_episodes import Scripted, ending_model, episode_document
+
+    model = ending_model(tmp_path / "model")
+    document = episode_document(recipe_document, model, step_timeout_s=0.5)
+    document["ppo"].update(batch_size=4, minibatch_size=4)
+    trainer = make_trainer(document, builtin_registry)
+    eos = trainer.components.policy.eos_token_ids[0]
+    trainer.components = attrs.evolve(trainer.components, environment=Reports(), generator=Scripted([[eos]], eos))
+    figures = [{"solved": 1.0, "rare": 2.0}, {}, {}, {}] + [{"solved": 1.0}] + [{"solved": 0.0}] * 3
+    records = [{"prompt": f"game {i}", "secret": 1, "figures": f, "hangs": i == 7} for i, f in enumerate(figures)]
+    evaluator = Evaluator(trainer.recipe, trainer.engine, trainer.components, trainer.context,
+                          attrs.evolve(trainer.prompts, held_out=records))
+    with pytest.warns(EnvironmentFault, match="did not return within"):
+        outcomes = evaluator()
+    assert outcomes["eval/solved"] == pytest.approx(2 / 5)
+    assert (outcomes["eval/rare"], outcomes["eval/status_ok"], outcomes["eval/hung_calls"]) == (2.0, 7 / 8, 1.0)

@@ -7,14 +7,16 @@ nothing here knows about rlkit.
 
 Called as a function, it is given the puzzle (the prompt record: its `prompt` and `prices`) and a
 client; run as a program, it reads the puzzle from RLKIT_RECORD and the endpoint from
-OPENAI_BASE_URL and OPENAI_API_KEY, as the OpenAI client does, and prints its result.
+OPENAI_BASE_URL and OPENAI_API_KEY, as the OpenAI client does, and prints its result. A puzzle the
+server ends under it (410: the model's turn was cut off) is unsolved, as the in-process
+environment counts it.
 """
 
 import json
 import os
 import re
 
-from openai import OpenAI
+from openai import APIStatusError, OpenAI
 
 PRICE_TOOL = {
     "type": "function",
@@ -46,6 +48,15 @@ def look_up(prices: list[int], call) -> tuple[str, bool]:
 
 
 def play(record: dict, client: OpenAI) -> dict:
+    try:
+        return puzzle(record, client)
+    except APIStatusError as error:
+        if error.status_code != 410:  # 410: the server ended the puzzle (the model's turn was cut off)
+            raise
+        return {"reward": 0.0, "solved": 0.0, "optimal": 0.0}  # unsolved: the server counts its figures, not its reward
+
+
+def puzzle(record: dict, client: OpenAI) -> dict:
     prices = record["prices"]
     messages = [{"role": "user", "content": record["prompt"]}]
     lookups = 0

@@ -20,14 +20,15 @@ It says what the environment says, word for word, and pays what it pays: `TURN_C
 wrong guess and 1 for the right one, summed and returned when the game ends (an agent pays once,
 at its end; the environment pays each turn as it goes). Its figures are the environment's: `won`,
 `turns_to_win` (won games only) and `in_range` (whether the last guess was a number inside the
-open range).
+open range). A game the server ends under it (410: the model's turn was cut off) is lost, `won` 0,
+as the environment counts it.
 """
 
 import json
 import os
 import re
 
-from openai import OpenAI
+from openai import APIStatusError, OpenAI
 
 LOW, HIGH = 1, 16  # the numbers it may think of: the recipe's environment.low and .high
 MAX_TURNS = 5  # guesses before the game is lost: the recipe's environment.max_turns
@@ -36,6 +37,15 @@ NUMBER = re.compile(r"\s*(\d{1,3})\s*")  # a guess: a number of up to three digi
 
 
 def play(record: dict, client: OpenAI) -> dict:
+    try:
+        return game(record, client)
+    except APIStatusError as error:
+        if error.status_code != 410:  # 410: the server ended the game (the model's turn was cut off)
+            raise
+        return {"reward": 0.0, "won": 0.0}  # lost: the server counts its figures, not its reward
+
+
+def game(record: dict, client: OpenAI) -> dict:
     secret, low, high = record["secret"], LOW, HIGH
     messages = [{"role": "user", "content": f"Guess my number, {low}-{high}."}]
     reward, in_range = 0.0, False

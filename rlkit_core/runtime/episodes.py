@@ -119,8 +119,8 @@ def answer_problem(answer: Any, expected: type) -> str | None:
                                                      and isinstance(m.get("content"), str) for m in messages):
             return f"returned {name} that are not a list of dicts with a string 'role' and 'content'"
     messages = answer.messages
-    if not isinstance(answer.info, dict) or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in answer.info.values()):
-        return f"returned info {answer.info!r}: a dict of finite numbers is expected"
+    if problem := info_problem(answer.info):
+        return problem
     if isinstance(answer, Reset):
         return None if messages else "returned no opening messages"
     if not isinstance(answer.done, bool):
@@ -129,6 +129,18 @@ def answer_problem(answer: Any, expected: type) -> str | None:
         return f"returned status {answer.status!r}; an environment says 'ok' or 'error'"
     if answer.reward is not None and (isinstance(answer.reward, bool) or not isinstance(answer.reward, (int, float))):
         return f"returned a reward of {answer.reward!r}, not a number or None"
+    return None
+
+
+def info_problem(info: Any) -> str | None:
+    """Why `info` (a reset's, a step's or a close's) is not a dict of names to finite numbers, or
+    None. A bool is a number (1 or 0); text, None, nested values, NaN and infinities are not: one rule
+    for every environment, an agent's figures included, and an episode that breaks it is an error."""
+    if not isinstance(info, dict):
+        return f"returned info {info!r}: a dict of finite numbers is expected"
+    for name, value in info.items():
+        if not isinstance(name, str) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"returned info {info!r}: a dict of finite numbers is expected ({name!r} is {value!r})"
     return None
 
 
@@ -315,13 +327,21 @@ class EpisodeRunner:
         return [(call, ("stopped", None) if call.recipe_error else cast(tuple[str, Any], call.outcome)) for call in ended]
 
     def _close(self, ended: list[Episode]) -> None:
-        """`Environment.close` for each ended episode. A close that fails or times out is warned of
-        once and changes nothing else: the episode has ended and trains as it ended. An environment
-        that keeps the default (nothing to release) takes no thread of the pool."""
+        """`Environment.close` for each ended episode, the figures it returns merged into the
+        episode's info (figures that break `info`'s rule make the episode an error, as a step's
+        do). A close that fails or times out is warned of once and changes nothing else: the episode
+        has ended and trains as it ended. An environment that keeps the default (nothing to release)
+        takes no thread of the pool."""
         if getattr(type(self.environment), "close", Environment.close) is Environment.close:
             return
         assert self.environment is not None  # one-turn episodes have no state to close
         closes = self._call([(self.environment.close, (e.state,)) for e in ended], "close")
+        for episode, (status, figures) in zip(ended, closes):
+            if status == "ok" and figures is not None:
+                if problem := info_problem(figures):
+                    self._fail(episode, status, problem, "close")
+                else:
+                    episode.info.update(figures)
         failed = [(status, why) for status, why in closes if status not in ("ok", "stopped")]
         if failed:
             status, why = failed[0]
@@ -505,24 +525,40 @@ def chat_audit(recipe, policy) -> TemplateAudit:
     return audit(policy.tokenizer, policy.eos_token_ids, chat.name, chat.tool_calls, how, settings.thinking_in_history, chat)
 
 
+def episode_totals(episodes: list[Episode]) -> dict[str, tuple[float, int]]:
+    """Each `env/...` figure of `episodes` as (sum, episodes counted): every episode for the
+    runner's own figures, those that reported the name for what the environment said about the
+    episode last (`Reset.info`, then each step's, then its close's). Totals add up over processes
+    and batches, where means do not (`figure_means`)."""
+    count = len(episodes)
+    totals = {f"env/status_{status}": (float(sum(e.status == status for e in episodes)), count) for status in STATUSES}
+    totals.update({
+        "env/turns": (float(sum(e.turns for e in episodes)), count),
+        "env/tokens": (float(sum(e.tokens for e in episodes)), count),
+        "env/reward": (sum(e.reward for e in episodes), count),
+        "env/unreadable_tool_calls": (float(sum(e.unreadable for e in episodes)), count),
+        "env/splits": (float(sum(len(e.samples) - 1 for e in episodes)), count),
+    })
+    for name in sorted({name for e in episodes for name in e.info}):
+        values = [float(e.info[name]) for e in episodes if name in e.info]
+        totals[f"env/{name}"] = (sum(values), len(values))
+    return totals
+
+
+def figure_means(parts: list[dict[str, tuple[float, int]]]) -> dict[str, float]:
+    """The means of `episode_totals` added up over `parts` (processes, batches): each figure's sums
+    over its counts, so that a part where fewer episodes reported a name weighs less."""
+    added: dict[str, tuple[float, int]] = {}
+    for totals in parts:
+        for name, (total, count) in totals.items():
+            known_total, known_count = added.get(name, (0.0, 0))
+            added[name] = (known_total + total, known_count + count)
+    return {name: total / count for name, (total, count) in added.items()}
+
+
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     """`env/...` means over the episodes (the batch's, on this process)."""
-    count = len(episodes)
-    metrics = {f"env/status_{status}": sum(e.status == status for e in episodes) / count for status in STATUSES}
-    metrics.update({
-        "env/turns": sum(e.turns for e in episodes) / count,
-        "env/tokens": sum(e.tokens for e in episodes) / count,
-        "env/reward": sum(e.reward for e in episodes) / count,
-        "env/unreadable_tool_calls": sum(e.unreadable for e in episodes) / count,
-        "env/splits": sum(len(e.samples) - 1 for e in episodes) / count,
-    })
-    # what the environment said about the episode last (`Reset.info`, then each step's), over the
-    # episodes that reported the name
-    names = sorted({name for e in episodes for name in e.info})
-    for name in names:
-        values = [float(e.info[name]) for e in episodes if name in e.info]
-        metrics[f"env/{name}"] = sum(values) / len(values)
-    return metrics
+    return figure_means([episode_totals(episodes)])
 
 
 def episodes_batch(episodes: list[Episode], scores: list[float], pad: int, device, first_id: int = 0, turn_rewards: bool = True) -> RolloutBatch:

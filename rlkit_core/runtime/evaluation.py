@@ -19,6 +19,7 @@ from rlkit_core.randomness import evaluation_seed, held_out_generator
 from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import ComponentChoice, Recipe
 from rlkit_core.runtime.engine import Engine
+from rlkit_core.runtime.episodes import figure_means
 from rlkit_core.runtime.faults import checked_scores
 from rlkit_core.runtime.prompt_stream import Prompts
 from rlkit_core.runtime.rollout import rollout
@@ -60,19 +61,19 @@ class Evaluator:
     def __call__(self) -> dict[str, float]:
         """Means over the held-out records: `eval/score` (the run's reward), `eval/<metric>` for each
         extra metric, `eval/length`, `eval/eos_rate`, and `eval/kl` when responses are sampled; in
-        a multi-turn recipe also each `env/<name>` of the episodes as `eval/<name>` (`eval/won`)."""
+        a multi-turn recipe also each `env/<name>` of the episodes as `eval/<name>` (`eval/won`): the
+        mean over every held-out episode that reported it, whichever chunk it was played in."""
         recipe, engine, components = self.recipe, self.engine, self.components
         device = engine.device
-        sums, count, episode_sums, episodes = {}, 0, {}, 0
+        sums, count, totals, hung = {}, 0, [], {}
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(evaluation_seed(recipe.run.seed))
             for start in range(0, len(self.records), recipe.ppo.batch_size):
                 chunk = self.records[start:start + recipe.ppo.batch_size]
-                batch, stage = rollout(engine, components, recipe, chunk, 1, self.max_prompt_tokens, greedy=self.config.greedy)
-                for name, value in stage.items():  # an episode's outcomes (`env/won`), as means over the chunk's episodes
-                    if name.startswith("env/"):
-                        episode_sums[name] = episode_sums.get(name, 0.0) + value * len(chunk)
-                episodes += len(chunk)
+                batch, stage = rollout(engine, components, recipe, chunk, 1, self.max_prompt_tokens,
+                                       greedy=self.config.greedy, totals=totals)
+                if "env/hung_calls" in stage:  # a count of calls still running, not a mean: the last chunk's
+                    hung = {"eval/hung_calls": stage["env/hung_calls"]}
                 assert batch.scores is not None and batch.ended is not None  # a rollout is scored
                 values = {
                     "eval/score": batch.scores,
@@ -88,8 +89,9 @@ class Evaluator:
                 for name, per_response in values.items():
                     sums[name] = sums.get(name, 0.0) + float(per_response.sum())
                 count += len(batch)
-        outcomes = {f"eval/{name.removeprefix('env/')}": total / episodes for name, total in episode_sums.items()}
-        return {**{name: total / count for name, total in sums.items()}, **outcomes}
+        # an episode's outcomes (`env/won`) over every episode that reported them, whichever chunk it was in
+        outcomes = {f"eval/{name.removeprefix('env/')}": mean for name, mean in figure_means(totals).items()}
+        return {**{name: total / count for name, total in sums.items()}, **outcomes, **hung}
 
 
 def _metric_scores(name: str, reward, batch) -> list[float]:

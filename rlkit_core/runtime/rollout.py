@@ -18,7 +18,7 @@ from rlkit_core.recipe.assemble import Components
 from rlkit_core.recipe.document import Recipe
 from rlkit_core.runtime.distributed import Processes
 from rlkit_core.runtime.engine import RolloutEngine
-from rlkit_core.runtime.episodes import EpisodeRunner, episode_metrics, episodes_batch, transcript
+from rlkit_core.runtime.episodes import EpisodeRunner, episode_totals, episodes_batch, figure_means, transcript
 from rlkit_core.runtime.faults import BadReward, checked_scores, failure_text
 
 
@@ -29,14 +29,16 @@ def record_columns(records: list[dict]) -> dict[str, list]:
 
 
 def rollout(engine: RolloutEngine, components: Components, recipe: Recipe, records: list[dict], samples_per_prompt: int, max_prompt_tokens: int,
-            greedy: bool = False, rewarded: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
+            greedy: bool = False, rewarded: bool = True, totals: list[dict[str, tuple[float, int]]] | None = None
+            ) -> tuple[RolloutBatch, dict[str, float]]:
     """`samples_per_prompt` episodes from each record, scored: the environment's rewards, plus the
     recipe's reward (when it has one) on each episode's transcript; and the stage's timings, the
     generator's metrics and, with an environment, `env/...` metrics (means over every process's
     episodes). One path for every recipe: without an environment an episode is one turn, the
     record's prompt (cut to `max_prompt_tokens`, 0: not cut) and one response
     (`rlkit_core.runtime.episodes`). `rewarded` False: the recipe's reward is not called (the
-    report's rollouts, whose transcripts the report scores itself)."""
+    report's rollouts, whose transcripts the report scores itself). `totals`: a list that each
+    process's `episode_totals` are added to, for means over several rollouts (the held-out evaluation's chunks)."""
     k, processes, tokenizer = samples_per_prompt, engine.processes, components.policy.tokenizer
     records = [r for r in records for _ in range(k)]
     groups = [i // k + processes.index * (len(records) // k) for i in range(len(records))]
@@ -62,8 +64,10 @@ def rollout(engine: RolloutEngine, components: Components, recipe: Recipe, recor
     batch = batch.with_(responses=[text for e, text in zip(episodes, transcripts) for _ in e.samples])
     metrics = {}
     if components.environment is not None:
-        gathered = processes.gather_objects((episode_metrics(episodes), runner.hung_calls))
-        metrics = {name: sum(values) / len(values) for name, values in _by_name([m for m, _ in gathered]).items()}
+        gathered = processes.gather_objects((episode_totals(episodes), runner.hung_calls))
+        if totals is not None:
+            totals += [t for t, _ in gathered]
+        metrics = figure_means([t for t, _ in gathered])  # over every process's episodes, not a mean of their means
         metrics["env/hung_calls"] = float(sum(hung for _, hung in gathered))  # calls past their timeout still running
         metrics["time/environment"] = runner.timings["environment"]
     metrics.update({"time/generate": runner.timings["generate"], "time/score": finished - scored, **components.generator.pop_metrics(),
@@ -153,11 +157,3 @@ def sample_responses(engine: RolloutEngine, components: Components, recipe: Reci
         batches = [rollout(engine, components, recipe, records[start:start + batch_size], 1, max_prompt_tokens, greedy, rewarded=False)[0]
                    for start in range(0, len(records), batch_size)]
     return [response for batch in batches for response in _one_per_episode(batch)]
-
-
-def _by_name(per_process: list[dict[str, float]]) -> dict[str, list[float]]:
-    merged: dict[str, list[float]] = {}
-    for metrics in per_process:
-        for name, value in metrics.items():
-            merged.setdefault(name, []).append(value)
-    return merged

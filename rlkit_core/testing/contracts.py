@@ -678,16 +678,17 @@ def step_problems(step: Any, what: str) -> list[str]:
             finite = False
         if not finite or isinstance(step.reward, bool):
             problems.append(f"{what}: reward must be a finite number or None, got {step.reward!r}")
-    if not isinstance(step.info, dict):
-        return [*problems, f"{what}: info must be a dict of names to numbers, got {type(step.info).__name__}"]
-    for name, value in step.info.items():
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = math.nan
-        if not isinstance(name, str) or not math.isfinite(number):
-            problems.append(f"{what}: info[{name!r}] = {value!r}; info maps str names to finite numbers (averaged into env/<name>)")
-    return problems
+    return problems + info_problems(step.info, what)
+
+
+def info_problems(info: Any, what: str) -> list[str]:
+    """Why `info` (a step's, or the figures a close returns) breaks the runner's rule, or []: str
+    names to finite numbers, a bool as 1 or 0; the runner ends an episode that breaks it as an error."""
+    if not isinstance(info, dict):
+        return [f"{what}: info must be a dict of names to numbers, got {type(info).__name__}"]
+    return [f"{what}: info[{name!r}] = {value!r}; info maps str names to finite numbers (averaged into env/<name>)"
+            for name, value in info.items()
+            if not isinstance(name, str) or not isinstance(value, (int, float)) or not math.isfinite(value)]
 
 
 def snapshots(states: dict[str, Any]) -> dict[str, Any]:
@@ -812,12 +813,15 @@ class EnvironmentContract(ComponentContract):
 
     def test_close_takes_an_episode_however_far_it_went(self, instance, environment_records):
         """The runner closes every episode whose reset returned, once, after its last step: one just
-        opened (its first turn was cut off) as well as one that was answered."""
+        opened (its first turn was cut off) as well as one that was answered. It returns None, or
+        figures known only at the end, under the rule of a step's info."""
         opened = self.reset(instance, environment_records[0], 0).state
         answered = self.reset(instance, environment_records[0], 1).state
         self.step(instance, answered, next(iter(self.replies)))
         for state in (opened, answered):
-            assert instance.close(state) is None, "close() returns nothing: it releases what the episode holds"
+            figures = instance.close(state)
+            problems = [] if figures is None else info_problems(figures, "close()")
+            assert not problems, "close() returns None or the episode's figures: " + "; ".join(problems)
 
     def play(self, instance, episodes: dict[str, tuple[dict[str, Any], int]], order: list[str]) -> dict[str, list[Step]]:
         """Episodes reset in turn, then stepped in `order` (names, each as often as it takes
