@@ -414,16 +414,23 @@ def test_a_request_after_the_episode_ended_reads_why(chatml):
 
 def test_the_end_keeps_the_harness_return_for_the_close_and_refuses_what_comes_after():
     """`Session.end` refuses what waits and keeps a return the harness made before it, which
-    `returned` gives; a request that reached the inbox after the end is refused as after it."""
+    `returned` gives; a request after the end is refused as after it, and a session whose harness
+    never returns gives nothing once its wait is over."""
     from rlkit_core.endpoint import HarnessEnded, Limits, Request, agent_endpoint
 
-    session = agent_endpoint().open(Limits(max_turns=2, max_new_tokens=8, temperature=1.0))
+    limits = Limits(max_turns=2, max_new_tokens=8, temperature=1.0)
+    session = agent_endpoint().open(limits)
+    waiting = Request({"messages": [{"role": "user", "content": "hi"}]})
+    session.submit(waiting)
     session.harness_ended(HarnessEnded(reward=1.0, info={"solved": 1.0}))
     session.end("closed")
     late = Request({"messages": [{"role": "user", "content": "hi"}]})
-    session.inbox.put(late)
+    session.submit(late)
     assert session.returned(5.0) == HarnessEnded(reward=1.0, info={"solved": 1.0})
-    assert session.returned(0.1) is None and late.answer.result(timeout=1)[0] == 410
+    assert waiting.answer.result(timeout=1)[0] == 410 and late.answer.result(timeout=1)[0] == 410
+    silent = agent_endpoint().open(limits)
+    silent.end("closed")
+    assert silent.returned(0.1) is None
 
 
 def test_the_endpoint_lists_the_model_and_names_what_it_refuses_before_an_episode_reads_it():
