@@ -203,6 +203,8 @@ def sample_check(chat: ChatFormat, sample: Sample, tools: list[dict]) -> SampleC
     """Whether the sample's ids (prompt, then stream) are its conversation before its last turn
     rendered at once with the generation prompt (`ChatFormat.opening`), then that turn as sampled:
     every turn it trains on was sampled after exactly what a deployed model is shown."""
+    if not sample.messages:  # the row of an episode that ended at its reset (a failure, an opening past the context): nothing played
+        return SampleCheck(prompt=len(sample.prompt), stream=len(sample.ids), matches=True)
     ids = sample.prompt + sample.ids
     render = chat.opening(sample.messages, tools)
     tail = len(render) - len(sample.prompt)  # where the last turn starts in the stream
