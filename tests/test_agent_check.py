@@ -97,6 +97,7 @@ def test_the_templates_splits_are_told_apart_and_a_stream_kept_as_sampled_differ
 
 @pytest.mark.parametrize(("name", "status", "said"), [
     ("raises", "error", "the environment's step raised HarnessFailed: the harness raised ValueError: the harness broke"),
+    ("never_asks", "error", "the environment's reset raised HarnessFailed: the harness ended before its first request: it sent none"),
     ("hangs", "timeout", "the environment's step timed out: the harness neither sent a request nor ended within 1.9 s "
                          "(environment.step_timeout_s = 2 s)"),
 ])
@@ -211,6 +212,23 @@ def test_rlkit_check_plays_an_agent_recipe_and_names_a_forgetful_harness(recipe_
     assert ("$.environment: agent episode 1 of 2 (record 1 of the data) ended with status error: the environment's step raised "
             "HarnessFailed: the harness raised ValueError: the harness broke") in failed.stderr
     assert "Traceback" not in failed.stderr
+
+
+@pytest.mark.slow
+def test_rlkit_check_fails_a_command_that_cannot_start_within_its_budget(recipe_document, write_recipe, tmp_path):
+    """A command whose first request comes 4 s after its imports, with start_timeout_s = 2: a run's
+    episodes would all time out before their first turn, and the check says so (exit 2)."""
+    recipe_document["policy"]["model"] = str(ending_model(tmp_path / "ending"))
+    recipe_document.pop("reward")
+    recipe_document["environment"] = {"type": "agent", "command": [sys.executable, str(ROOT / "tests" / "agent_harnesses.py"), "slow_start"],
+                                      "max_turns": 3, "start_timeout_s": 2.0, "max_starting": 2}
+    recipe_document["data"] = {"type": "guess-number-games", "size": 8, "seed": 0}
+    env = {**os.environ, "RLKIT_PLUGINS": "none", "RLKIT_TEST_START_S": "4"}
+    done = subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", "check", write_recipe(recipe_document)], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-3000:]
+    assert ("$.environment.start_timeout_s: 2 of 2 commands launched at once as a run launches them (a batch's 16 episodes, "
+            "environment.max_starting = 2 at a time) sent no first request within 2 s of their launch") in done.stderr
 
 
 def test_offline_a_hub_model_not_in_the_cache_plays_no_episode_and_says_so(recipe_document, write_recipe, tmp_path):
