@@ -356,18 +356,18 @@ def test_the_docs_harness_environment_works_as_written():
     environment.close(opening.state)
     from rlkit_core.harness import cores_per_process
 
-    assert (environment.start_timeout_s, environment.max_starting) == (30.0, cores_per_process())  # a plain StandardEpisode: the defaults
+    assert (environment.start_timeout_s, environment.max_starting) == (30.0, 8 * cores_per_process())  # a plain StandardEpisode: the defaults
 
 
 def test_commands_start_at_most_the_cores_of_a_process_at_once(monkeypatch):
-    """max_starting = 0: the cores this process may use, shared among the processes torchrun started on the machine."""
+    """max_starting = 0: 8 for each core this process may use, the cores shared among the processes torchrun started on the machine."""
     import os
 
     from rlkit_core import HarnessEnvironment, HarnessSettings
 
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert HarnessEnvironment(HarnessSettings()).max_starting == max(1, cores // 2)
+    assert HarnessEnvironment(HarnessSettings()).max_starting == 8 * max(1, cores // 2)
     assert HarnessEnvironment(HarnessSettings(max_starting=5)).max_starting == 5
 
 
