@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import attrs
@@ -233,7 +234,7 @@ def test_a_callable_that_outlives_its_episode_is_a_hung_call_within_the_call_thr
     """`held` asks once, then waits for the test: each of its episodes times out, and its thread,
     still running, is counted in env/hung_calls and holds one of the two call threads, so that the
     next rollout cannot start and the run would stop. Released, they return their threads."""
-    from rlkit_core.runtime.environment_calls import CallsHung
+    from rlkit_core.runtime.environment_calls import CallsHung, pool_for
     from rlkit_core.runtime.episodes import EnvironmentFault
     from tests.agent_harnesses import HELD
 
@@ -251,6 +252,10 @@ def test_a_callable_that_outlives_its_episode_is_a_hung_call_within_the_call_thr
             rollout_with(trainer, RECORDS)
     finally:
         HELD.set()
+    pool = pool_for(trainer.components.environment, 2)
+    deadline = time.monotonic() + 30
+    while pool.hung and time.monotonic() < deadline:  # each returns its thread as it returns
+        time.sleep(0.05)
     _, metrics = rollout_with(trainer, RECORDS)
     assert (metrics["env/status_ok"], metrics["env/hung_calls"]) == (1.0, 0.0)
 

@@ -103,7 +103,9 @@ class Episode:
 
 
 class EnvironmentFault(UserWarning):
-    """An environment's reset or step failed: the episode ends with status "error"."""
+    """An environment's fault, said once per environment (`EpisodeRunner._say_once`): a reset or step
+    that failed or timed out, an episode past its time, an opening past the context, a close that
+    failed, an agent still running after its episode ended."""
 
 
 def answer_problem(answer: Any, expected: type) -> str | None:
