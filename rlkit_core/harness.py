@@ -62,7 +62,7 @@ class HarnessSettings(StandardEpisode):
                                         "processes on the machine)", validator=at_least(0), kw_only=True)
 
 
-STARTS_PER_CORE = 8  # a start mostly waits (imports read from disk): 16 at once on 2 cores started a batch 3x sooner than 2 (docs/results.md)
+STARTS_PER_CORE = 8  # a start is not all CPU work: 16 at once on 2 cores started a batch 3x sooner than 2 (docs/results.md)
 
 
 def cores_per_process() -> int:
