@@ -21,11 +21,11 @@ from typing import Any
 
 import attrs
 
-from rlkit_core import HarnessEnvironment, RecipeError, StandardEpisode, building_at, hookimpl, load_module, setting
+from rlkit_core import HarnessEnvironment, HarnessSettings, RecipeError, building_at, hookimpl, load_module, setting
 
 
 @attrs.frozen
-class AgentConfig(StandardEpisode):
+class AgentConfig(HarnessSettings):
     harness: str = setting("", help="the agent as a Python callable 'package.module:function' or 'path/to/agent.py:function' (from the "
                                "working directory), called once per episode with the record and an openai.OpenAI client; it returns "
                                "the reward, or a dict with 'reward' and other figures")

@@ -11,7 +11,7 @@ and the records a factory reads through its `BuildContext` (the `Recipe` and its
 environment speaks the messages of `Reply`, `Reset` and `Step`; `ToolEnvironment` and `tool` make
 typed methods its tools; an environment whose episodes an outside agent plays subclasses
 `HarnessEnvironment` (built on `agent_endpoint()`: a `Session` per episode, opened with the run's
-`Limits`; its `Turn`s and `HarnessEnded`). A process a component starts calls `end_with_parent`
+`Limits`; its `Turn`s and `HarnessEnded`; `HarnessSettings` bound a command's start). A process a component starts calls `end_with_parent`
 first, so that it ends with the run.
 
 Besides this module a plugin may import three helper modules, as the built-in plugins do (and
@@ -29,7 +29,7 @@ from rlkit_core.context import BuildContext, building_at
 from rlkit_core.endpoint import HarnessEnded, Limits, Session, Turn, agent_endpoint
 from rlkit_core.episode_limits import StandardEpisode
 from rlkit_core.errors import Problem, RecipeError, RunError
-from rlkit_core.harness import HarnessEnvironment
+from rlkit_core.harness import HarnessEnvironment, HarnessSettings
 from rlkit_core.hookspecs import hookimpl
 from rlkit_core.imports import load_module
 from rlkit_core.interfaces import (
@@ -82,7 +82,8 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = [
     "AdvantageEstimator", "BatchSource", "BuildContext", "ChatFormat", "Component", "ComponentBase", "ComponentChoice", "ComponentLookup", "Completion",
-    "Environment", "EvalConfig", "Generation", "Generator", "HarnessEnded", "HarnessEnvironment", "HealthConfig", "JSONInTags", "KLController", "Launch",
+    "Environment", "EvalConfig", "Generation", "Generator", "HarnessEnded", "HarnessEnvironment", "HarnessSettings", "HealthConfig",
+    "JSONInTags", "KLController", "Launch",
     "Limits", "Loss", "LossInputs", "LossTerms", "ModelSettings", "ModelShape", "NullTracker", "OptimConfig", "PPOConfig", "Policy",
     "PolicyOutput", "PolicySettings", "Problem", "Progress", "PromptLengthLimit", "PromptSource", "RatioClip", "Recipe", "RecipeError", "Requests",
     "Reply", "Reset", "RewardSource", "RunConfig", "RunError", "SamplingSettings", "Session", "StandardEpisode", "StandardSampling",

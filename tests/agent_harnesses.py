@@ -212,6 +212,17 @@ def hangs(record: dict, client: OpenAI) -> float:
     return 1.0
 
 
+HELD = threading.Event()  # released by the test that holds `held`'s threads
+
+
+def held(record: dict, client: OpenAI) -> float:
+    """Asks once, then waits (up to a minute) for the test to release it, whatever the endpoint says: a callable that
+    outlives its episode."""
+    ask(client, [{"role": "user", "content": record["prompt"]}])
+    HELD.wait(60)
+    return 1.0
+
+
 def no_reward(record: dict, client: OpenAI):
     ask(client, [{"role": "user", "content": record["prompt"]}])
     return None
@@ -272,6 +283,13 @@ if __name__ == "__main__":
     if name == "silent":
         ask(OpenAI(max_retries=0), [{"role": "user", "content": json.loads(os.environ["RLKIT_RECORD"])["prompt"]}])
         sys.exit(0)
+    if name == "slow_start":  # `talk`, its first request RLKIT_TEST_START_S seconds after its imports: when, told in RLKIT_TEST_AGENT_LOG
+        launched = time.time()
+        time.sleep(float(os.environ["RLKIT_TEST_START_S"]))
+        if os.environ.get("RLKIT_TEST_AGENT_LOG"):
+            with open(os.path.join(os.environ["RLKIT_TEST_AGENT_LOG"], f"{os.getpid()}.start"), "w") as out:
+                out.write(json.dumps({"launched": launched, "asked": time.time()}))
+        name = "talk"
     record = json.loads(sys.stdin.read())
     print("some chatter first")
     print(json.dumps(globals()[name](record, OpenAI(max_retries=0))))

@@ -7,8 +7,8 @@ problem with its status and reason."""
 
 from __future__ import annotations
 
-import contextlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,15 +112,42 @@ def test_the_templates_splits_are_told_apart_and_a_stream_kept_as_sampled_differ
 
 @pytest.mark.parametrize(("name", "status", "said"), [
     ("raises", "error", "the environment's step raised HarnessFailed: the harness raised ValueError: the harness broke"),
-    ("hangs", "timeout", "the environment's step did not return in time (environment.step_timeout_s = 2 s"),
+    ("never_asks", "error", "the environment's reset raised HarnessFailed: the harness ended before its first request: it sent none"),
+    ("hangs", "timeout", "the environment's step timed out: the harness neither sent a request nor ended within 1.9 s "
+                         "(environment.step_timeout_s = 2 s)"),
 ])
 def test_a_harness_that_fails_is_a_problem_with_its_status_and_reason(recipe_document, builtin_registry, chatml, name, status, said):
-    with pytest.warns(EnvironmentFault) if status == "error" else contextlib.nullcontext():  # as a run warns of it
+    with pytest.warns(EnvironmentFault, match=re.escape(said.split(": ", 1)[1])):  # as a run warns of it
         checks, _ = played(recipe_document, builtin_registry, chatml, name, "7", step_timeout_s=2.0)
     problems = agent_check.failures(checks)
     assert [c.status for c in checks] == [status] * 2 and len(problems) == 2
     assert problems[0].startswith(f"$.environment: agent episode 1 of 2 (record 1 of the data) ended with status {status}: {said}")
     assert problems[0].endswith(f"a run keeps such episodes out of training (env/status_{status})")
+
+
+def test_a_commands_start_is_timed_as_a_run_starts_it(recipe_document, builtin_registry, chatml, tmp_path, monkeypatch):
+    """As many commands launched at once as a run launches (a batch's 16 episodes, at most
+    max_starting = 3), each timed from its launch to its first request; one past start_timeout_s is a
+    problem at that setting."""
+    monkeypatch.setenv("RLKIT_TEST_AGENT_LOG", str(tmp_path))
+    path, tokenizer = chatml
+
+    def starts(start_s: str, budget: float):
+        monkeypatch.setenv("RLKIT_TEST_START_S", start_s)
+        trainer = agent_trainer(dict(recipe_document), builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7")], start_timeout_s=budget,
+                                max_starting=3, command=[sys.executable, str(ROOT / "tests" / "agent_harnesses.py"), "slow_start"])
+        return agent_check.command_starts(trainer.recipe, trainer.components, RECORDS)
+
+    lines, problems = starts("0", 60.0)
+    assert problems == [] and len(list(tmp_path.glob("*.start"))) == 3
+    assert lines[0].startswith("command start       3 launched at once as a run launches them (a batch's 16 episodes, "
+                               "environment.max_starting = 3 at a time): ")
+    assert lines[0].endswith(" s from launch to first request, within environment.start_timeout_s = 60 s")
+    lines, problems = starts("30", 1.0)
+    assert lines == [] and problems == ["$.environment.start_timeout_s: 3 of 3 commands launched at once as a run launches them (a batch's "
+                                        "16 episodes, environment.max_starting = 3 at a time) sent no first request within 1 s of their launch; "
+                                        "in a run such episodes end as timeouts before their first turn: raise "
+                                        "environment.start_timeout_s, or lower environment.max_starting"]
 
 
 def agent_recipe(recipe_document, write_recipe, model: Path | str, name: str) -> str:
@@ -200,6 +227,23 @@ def test_rlkit_check_plays_an_agent_recipe_and_names_a_forgetful_harness(recipe_
     assert ("$.environment: agent episode 1 of 2 (record 1 of the data) ended with status error: the environment's step raised "
             "HarnessFailed: the harness raised ValueError: the harness broke") in failed.stderr
     assert "Traceback" not in failed.stderr
+
+
+@pytest.mark.slow
+def test_rlkit_check_fails_a_command_that_cannot_start_within_its_budget(recipe_document, write_recipe, tmp_path):
+    """A command whose first request comes 4 s after its imports, with start_timeout_s = 2: a run's
+    episodes would all time out before their first turn, and the check says so (exit 2)."""
+    recipe_document["policy"]["model"] = str(ending_model(tmp_path / "ending"))
+    recipe_document.pop("reward")
+    recipe_document["environment"] = {"type": "agent", "command": [sys.executable, str(ROOT / "tests" / "agent_harnesses.py"), "slow_start"],
+                                      "max_turns": 3, "start_timeout_s": 2.0, "max_starting": 2}
+    recipe_document["data"] = {"type": "guess-number-games", "size": 8, "seed": 0}
+    env = {**os.environ, "RLKIT_PLUGINS": "none", "RLKIT_TEST_START_S": "4"}
+    done = subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", "check", write_recipe(recipe_document)], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-3000:]
+    assert ("$.environment.start_timeout_s: 2 of 2 commands launched at once as a run launches them (a batch's 16 episodes, "
+            "environment.max_starting = 2 at a time) sent no first request within 2 s of their launch") in done.stderr
 
 
 def test_offline_a_hub_model_not_in_the_cache_plays_no_episode_and_says_so(recipe_document, write_recipe, tmp_path):

@@ -7,7 +7,9 @@ harness is an episode status, never a reward of 0."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ openai = pytest.importorskip("openai")
 
 HARNESSES = Path(__file__).parent / "agent_harnesses.py"
 PROMPT = "Guess my number, 1-16."
+TIMED_OUT = "the environment's step timed out: the harness neither sent a request nor ended within 1.9 s (environment.step_timeout_s = 2 s)"
 
 
 def turn_ids(tokenizer, text: str, end: bool = True) -> list[int]:
@@ -199,27 +202,82 @@ def test_every_bad_request_is_an_http_error_the_harness_reads_and_the_episode_go
     (harness("raises"), "error", "raised ValueError: the harness broke"),
     (harness("no_reward"), "error", "ended with None: a finite reward"),
     (harness("never_asks"), "error", "ended before its first request"),
-    (harness("hangs"), "timeout", None),
+    (harness("hangs"), "timeout", TIMED_OUT),
     (command("exits"), "error", "exited with status 3"),
     (command("silent"), "error", "printed no reward"),
-    (command("hangs"), "timeout", None),
+    (command("hangs"), "timeout", TIMED_OUT),
 ], ids=["raises", "no-reward", "never-asks", "hangs", "exits-non-zero", "prints-nothing", "command-hangs"])
 def test_every_failure_of_a_harness_is_a_status_never_a_score(recipe_document, builtin_registry, chatml, how, status, said):
+    """Each said in a warning, with its reason: a timeout names the limit it ran past."""
     from rlkit_core.runtime.episodes import EnvironmentFault
 
     path, tokenizer = chatml
-    wait = 2.0 if status == "timeout" else 60.0  # time enough for a program to start on a loaded machine, but to hang
+    wait = 2.0 if status == "timeout" else 60.0  # a step's limit: the command's start has its own (start_timeout_s)
     trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7")], step_timeout_s=wait, **how)
-    with pytest.warns(EnvironmentFault, match=said or ".") if said else _nothing():
+    with pytest.warns(EnvironmentFault, match=re.escape(said)):
         batch, metrics = rollout_with(trainer, RECORDS)
     assert metrics[f"env/status_{status}"] == 1.0
     assert int(batch.loss_mask.sum()) == 0  # nothing trained from it
 
 
-def _nothing():
-    import contextlib
+def test_a_commands_start_has_a_budget_of_its_own_and_starts_take_turns(recipe_document, builtin_registry, chatml, tmp_path, monkeypatch):
+    """Each command sends its first request 2 s after its imports, past step_timeout_s = 1.5 s and
+    within start_timeout_s: every episode plays. With max_starting = 1, each is launched once the
+    one before has sent its first request."""
+    monkeypatch.setenv("RLKIT_TEST_START_S", "2")
+    monkeypatch.setenv("RLKIT_TEST_AGENT_LOG", str(tmp_path))
+    path, tokenizer = chatml
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7")], step_timeout_s=1.5,
+                            start_timeout_s=60.0, max_starting=1, **command("slow_start"))
+    _, metrics = rollout_with(trainer, RECORDS)
+    assert metrics["env/status_ok"] == 1.0 and metrics["env/talked"] == 3.0
+    first, second = sorted((json.loads(f.read_text()) for f in tmp_path.glob("*.start")), key=lambda start: start["launched"])
+    assert second["launched"] > first["asked"]
 
-    return contextlib.nullcontext()
+
+def test_a_command_that_does_not_start_in_time_is_a_timeout_that_names_the_start_budget(recipe_document, builtin_registry, chatml,
+                                                                                        monkeypatch):
+    from rlkit_core.runtime.episodes import EnvironmentFault
+
+    monkeypatch.setenv("RLKIT_TEST_START_S", "30")
+    path, tokenizer = chatml
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7")], start_timeout_s=1.0,
+                            max_starting=2, **command("slow_start"))
+    with pytest.warns(EnvironmentFault, match=re.escape("the environment's reset timed out: the harness neither sent a request nor ended "
+                                                        "within 1 s (environment.start_timeout_s = 1 s from the command's launch, with "
+                                                        "up to environment.max_starting = 2 starting at once)")):
+        _, metrics = rollout_with(trainer, RECORDS)
+    assert metrics["env/status_timeout"] == 1.0
+
+
+def test_a_callable_that_outlives_its_episode_is_a_hung_call_within_the_call_threads(recipe_document, builtin_registry, chatml):
+    """`held` asks once, then waits for the test: each of its episodes times out, and its thread,
+    still running, is counted in env/hung_calls and holds one of the two call threads, so that the
+    next rollout cannot start and the run would stop. Released, they return their threads."""
+    from rlkit_core.runtime.environment_calls import CallsHung, pool_for
+    from rlkit_core.runtime.episodes import EnvironmentFault
+    from tests.agent_harnesses import HELD
+
+    path, tokenizer = chatml
+    trainer = agent_trainer(recipe_document, builtin_registry, path, tokenizer, [turn_ids(tokenizer, "7")], step_timeout_s=1.0,
+                            call_threads=2, **harness("held"))
+    HELD.clear()
+    try:
+        with pytest.warns(EnvironmentFault, match=re.escape("the agent of 2 episode(s) that ended is still running")):
+            _, metrics = rollout_with(trainer, RECORDS)
+        assert (metrics["env/status_timeout"], metrics["env/hung_calls"]) == (1.0, 2.0)
+        with pytest.raises(CallsHung, match=re.escape("every one of the environment's 2 call threads (environment.call_threads) is held by a "
+                                                      "call that did not return within environment.step_timeout_s and is still running "
+                                                      "(2 of them an agent still running after its episode ended)")):
+            rollout_with(trainer, RECORDS)
+    finally:
+        HELD.set()
+    pool = pool_for(trainer.components.environment, 2)
+    deadline = time.monotonic() + 30
+    while pool.hung and time.monotonic() < deadline:  # each returns its thread as it returns
+        time.sleep(0.05)
+    _, metrics = rollout_with(trainer, RECORDS)
+    assert (metrics["env/status_ok"], metrics["env/hung_calls"]) == (1.0, 0.0)
 
 
 class AfterTheHarnessReturned(Scripted):
@@ -568,6 +626,21 @@ def test_the_docs_harness_environment_works_as_written():
     end = environment.step(opening.state, Reply(text="a fig", turn=1, message={"role": "assistant", "content": "a fig"}))
     assert (end.done, end.reward, end.info["agent_requests"]) == (True, 1.0, 1.0)
     environment.close(opening.state)
+    from rlkit_core.harness import cores_per_process
+
+    assert (environment.start_timeout_s, environment.max_starting) == (30.0, 8 * cores_per_process())  # a plain StandardEpisode: the defaults
+
+
+def test_commands_start_at_most_the_cores_of_a_process_at_once(monkeypatch):
+    """max_starting = 0: 8 for each core this process may use, the cores shared among the processes torchrun started on the machine."""
+    import os
+
+    from rlkit_core import HarnessEnvironment, HarnessSettings
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert HarnessEnvironment(HarnessSettings()).max_starting == 8 * max(1, cores // 2)
+    assert HarnessEnvironment(HarnessSettings(max_starting=5)).max_starting == 5
 
 
 def test_a_harness_module_in_the_working_directory_is_named_with_the_fix(recipe_document, builtin_registry, chatml, tmp_path, monkeypatch):

@@ -55,6 +55,8 @@ class Faulty(Environment):
     def step(self, state, reply):
         if self.fault == "step hangs on half the episodes" and state["seed"] % 2 == 0:
             time.sleep(3600)
+        if self.fault == "every step times out":
+            raise TimeoutError("the tool server did not answer within 5 s")
         return Step(messages=[{"role": "user", "content": "more"}], reward=1.0, done=True)
 
 
@@ -123,6 +125,20 @@ def test_a_run_whose_every_episode_fails_says_so_and_exits_3(plugin_path, faulty
     assert [row["run/untrained_batches"] for row in trained] == [1, 2, 3]
     assert not any(name.startswith(("score/", "kl/", "train/", "response/")) for row in trained for name in row)
     assert all(row["env/status_error"] == 1.0 for row in trained)
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_episode_times_out_says_why_above_its_end(plugin_path, faulty_recipe):
+    """The warnings the run's last message points to are there: the timeout, once, with its reason."""
+    recipe, _ = faulty_recipe("every step times out", steps=2)
+    done = rlkit(plugin_path, "run", recipe, "--quiet")
+    assert done.returncode == 3, done.stderr[-3000:]
+    said = ("EnvironmentFault: the environment's step timed out: the tool server did not answer within 5 s; the episode ends as a timeout, "
+            "kept out of training (env/status_timeout)")
+    assert done.stderr.count(said) == 1
+    assert done.stderr.index(said) < done.stderr.index("every iteration of the run trained nothing, up to iteration 2: no rollout had a "
+                                                       "token to train: every episode ended in a status kept out of training "
+                                                       "(env/status_timeout = 1.00)")
 
 
 @pytest.mark.slow

@@ -211,6 +211,10 @@ class Faulty(Environment):
             raise RuntimeError("broken tool")
         if fault == "hangs":
             time.sleep(30)
+        if fault == "times out":
+            raise TimeoutError("the tool server did not answer within 5 s")
+        if fault == "slow":
+            time.sleep(0.3)
         if fault == "says error":
             return Step(status="error")
         if fault == "not a step":
@@ -222,15 +226,17 @@ class Faulty(Environment):
 
 @pytest.mark.parametrize("barrier", [True, False], ids=["turn-barrier", "as-ready"])
 @pytest.mark.parametrize("fault, status", [("raises", "error"), ("reset raises", "error"), ("hangs", "timeout"),
-                                           ("says error", "error"), ("not a step", "error"), ("unseen", "error"),
-                                           ("wins", "ok")])
+                                           ("times out", "timeout"), ("says error", "error"), ("not a step", "error"),
+                                           ("unseen", "error"), ("wins", "ok")])
 def test_every_fault_of_an_environment_is_a_status_never_a_score(recipe_document, builtin_registry, ending_tiny_model, fault, status,
                                                                  barrier):
     trainer = make_trainer(episode_document(recipe_document, ending_tiny_model, step_timeout_s=0.5, turn_barrier=barrier), builtin_registry)
     trainer.components = attrs.evolve(trainer.components, environment=Faulty())
     records = [{"prompt": "p", "secret": 1, "fault": fault}] * 16
     started = time.monotonic()
-    said = {"raises": "broken tool", "reset raises": "no such game", "not a step": "not a Step",
+    said = {"raises": "broken tool", "reset raises": "no such game", "not a step": "not a Step",  # every fault is said, with its reason
+            "hangs": "the environment's step did not return within environment.step_timeout_s = 0.5 s",
+            "times out": "the environment's step timed out: the tool server did not answer within 5 s; the episode ends as a timeout",
             "unseen": "unseen=True for the episode's first turn"}.get(fault)
     with pytest.warns(EnvironmentFault, match=said) if said else contextlib.nullcontext():
         batch, metrics = rollout_with(trainer, records)
@@ -239,6 +245,19 @@ def test_every_fault_of_an_environment_is_a_status_never_a_score(recipe_document
     if status != "ok":
         assert not batch.loss_mask.any()  # out of training, whatever its score
         assert metrics["env/status_ok"] == 0
+
+
+def test_an_episode_past_its_time_is_said_with_the_limit(recipe_document, builtin_registry, ending_tiny_model):
+    """Each step takes 0.3 s and the episode may take 0.2: every episode ends as a timeout after its
+    first step, and the warning names the limit, once."""
+    trainer = make_trainer(episode_document(recipe_document, ending_tiny_model, episode_timeout_s=0.2), builtin_registry)
+    trainer.components = attrs.evolve(trainer.components, environment=Faulty())
+    with pytest.warns(EnvironmentFault) as said:
+        batch, metrics = rollout_with(trainer, [{"prompt": "p", "secret": 1, "fault": "slow"}] * 4)
+    assert metrics["env/status_timeout"] == 1.0 and not batch.loss_mask.any()
+    assert [str(w.message) for w in said] == ["the episode ran past environment.episode_timeout_s = 0.2 s (its turns' generation and the "
+                                              "environment's calls, from its reset): it ends as a timeout, kept out of training "
+                                              "(env/status_timeout); raise the limit (0: no limit)"]
 
 
 class Sleepy(Environment):

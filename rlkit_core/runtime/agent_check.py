@@ -124,21 +124,46 @@ def agent_episodes(recipe: Recipe, count: int = EPISODES) -> tuple[list[str], li
                         f"raised {type(exc).__name__}: {exc}"]
     if not records:
         return [], [], ["$.data: no record to play an agent episode on"]
+    timed, late = command_starts(recipe, components, records)
     records = records[:count]
     try:
         with warnings.catch_warnings():  # each failure is said below, per episode
             warnings.simplefilter("ignore", EnvironmentFault)
             checks = play(engine, components, recipe, records)
     except RecipeError as exc:  # the environment found the recipe at fault, as it would stop a run
-        return [], exc.problems, []
+        return [], late + exc.problems, []
     settings = recipe["environment"].config
     spec = getattr(settings, "harness", "") or shlex.join(getattr(settings, "command", None) or [])  # the `agent` environment's
     harness = f"the harness {spec}" if spec else f"the {recipe['environment'].component.name} environment's agent"
     head = [f"agent episodes      {len(checks)}, on the data's first {len(records)} record(s) (rlkit check --agent-episodes N; 0: none), "
             f"played as a run plays them: {harness} through the endpoint,",
             "                    the policy built for them (rlkit check builds it for agent recipes only) and sampled by the generator"]
-    lines = head + describe(checks, harness, "reward" in recipe.components)
-    return lines, failures(checks), []
+    lines = head + timed + describe(checks, harness, "reward" in recipe.components)
+    return lines, late + failures(checks), []
+
+
+def command_starts(recipe: Recipe, components: Components, records: list[dict]) -> tuple[list[str], list[str]]:
+    """A command harness's start, timed as a run starts it: as many commands launched at once as a
+    run launches (a batch's episodes, at most environment.max_starting), each timed from its launch
+    to its first request (lines, problems). A start past environment.start_timeout_s is a problem:
+    in a run, such episodes end as timeouts before their first turn."""
+    environment = components.environment
+    if not isinstance(environment, HarnessEnvironment) or environment.command(records[0]) is None:
+        return [], []
+    budget, most = environment.start_timeout_s, environment.max_starting
+    if not budget:
+        return ["command start       not timed: environment.start_timeout_s = 0 gives it no limit"], []
+    count = min(recipe.ppo.batch_size, most)
+    how = f"as a run launches them (a batch's {recipe.ppo.batch_size} episodes, environment.max_starting = {most} at a time)"
+    times = environment.start_times([records[i % len(records)] for i in range(count)])
+    started = sorted(t for t in times if t is not None)
+    took = f"{started[0]:.1f}–{started[-1]:.1f} s" if started else ""
+    if len(started) == len(times):  # none timed when every one ended before its first request: the episodes below say why
+        return ([f"command start       {count} launched at once {how}: {took} from launch to first request, within "
+                 f"environment.start_timeout_s = {budget:g} s"] if started else []), []
+    return [], [f"$.environment.start_timeout_s: {len(times) - len(started)} of {count} commands launched at once {how} sent no first "
+                f"request within {budget:g} s of their launch" + (f" (the others took {took})" if took else "") + "; in a run such "
+                "episodes end as timeouts before their first turn: raise environment.start_timeout_s, or lower environment.max_starting"]
 
 
 def parts(recipe: Recipe, device: torch.device) -> tuple[Components, list[dict]]:
@@ -180,6 +205,8 @@ def sample_check(chat: ChatFormat, sample: Sample, tools: list[dict]) -> SampleC
     """Whether the sample's ids (prompt, then stream) are its conversation before its last turn
     rendered at once with the generation prompt (`ChatFormat.opening`), then that turn as sampled:
     every turn it trains on was sampled after exactly what a deployed model is shown."""
+    if not sample.messages:  # the row of an episode that ended at its reset (a failure, an opening past the context): nothing played
+        return SampleCheck(prompt=len(sample.prompt), stream=len(sample.ids), matches=True)
     ids = sample.prompt + sample.ids
     render = chat.opening(sample.messages, tools)
     tail = len(render) - len(sample.prompt)  # where the last turn starts in the stream

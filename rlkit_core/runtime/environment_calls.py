@@ -7,7 +7,9 @@ unbounded, such threads pile up: one per hung call, for the whole run. Here ever
 thread of its environment's `CallPool`, which runs at most `size` calls at once (the environment's
 `call_threads` setting); a call waits for a free thread and its timeout counts from when it starts.
 The threads are kept and reused, call after call (a multi-turn batch makes hundreds of calls), and
-end when their environment is collected. A hung call holds its thread until it returns (`hung`, logged as `env/hung_calls`). When every thread
+end when their environment is collected. A hung call holds its thread until it returns (`hung`, logged as `env/hung_calls`). A
+thread the environment started itself and left running after its episode ended (a callable agent's,
+`rlkit_core.harness`) is `held` against the same bound and counted the same way. When every thread
 is held by a hung call, no episode can go on: the run ends (`CallsHung`), located, with a checkpoint,
 rather than ending every later episode as a timeout that never ran.
 
@@ -44,7 +46,7 @@ class Call:
     function: Callable
     args: tuple
     started: float | None = None  # when a thread took it (monotonic); None while it waits for one
-    outcome: tuple[str, Any] | None = None  # ("ok", result), ("error", text) or ("timeout", None); None while it runs
+    outcome: tuple[str, Any] | None = None  # ("ok", result), ("error", text) or ("timeout", text or None); None while it runs
     recipe_error: RecipeError | None = None  # bad input it raised: the run stops, not only the episode
     overdue: bool = False  # past its timeout and still running: its thread is held (`CallPool.hung`)
 
@@ -59,13 +61,15 @@ class CallPool:
         self.queued: deque[Call] = deque()  # calls submitted while every thread was running one
         self.threads = 0  # threads started and not ended: at least `running`, the others wait on `jobs`
         self.running = 0  # calls whose thread has not returned, this batch's and hung ones alike
-        self.hung = 0  # calls past their timeout whose thread has not returned
+        self.hung = 0  # calls past their timeout whose thread has not returned, and the environment's own threads `held`
+        self.outside = 0  # of those, the environment's own threads: each takes the place of one of the pool's
         self.said: set[str] = set()  # what was said of this environment's faults already, each said once (`EpisodeRunner._say_once`)
         self.owner: Any = None  # the environment, kept alive where it cannot be weakly referenced (`pool_for`)
 
     def run(self, calls: list[tuple[Callable, tuple]], timeout: float, what: str = "call") -> list[tuple[str, Any]]:
         """Each `(function, args)` run in a thread of the pool: ("ok", result), ("error", text) or
-        ("timeout", None) once it has run `timeout` seconds (0: no limit) or raised TimeoutError. A `RecipeError` is bad
+        ("timeout", None) once it has run `timeout` seconds (0: no limit), ("timeout", its message) when
+        it raised TimeoutError. A `RecipeError` is bad
         input, not an episode's fault: the first one is raised once every call has ended or timed
         out. `what` names the calls in the error that ends the run when every thread is held."""
         submitted = [self.submit(function, args) for function, args in calls]
@@ -102,16 +106,35 @@ class CallPool:
                     return done
                 if self.hung >= self.size and any(call.started is None for call in calls):
                     self.queued = deque(call for call in self.queued if call not in calls)
+                    outlived = f" ({self.outside} of them an agent still running after its episode ended)" if self.outside else ""
+                    limit = f" = {timeout:g} s" if timeout else ""  # a call without a limit of its own waits on the others' (a harness's reset)
                     raise CallsHung(f"every one of the environment's {self.size} call threads (environment.call_threads) is held by "
-                                    f"a call that did not return within environment.step_timeout_s = {timeout:g} s and is still "
-                                    f"running, so the next {what} cannot start; the environment hangs on some calls: find the call "
-                                    "that never returns (a lock, a request without a timeout)")
+                                    f"a call that did not return within environment.step_timeout_s{limit} and is still "
+                                    f"running{outlived}, so the next {what} cannot start; the environment hangs on some calls: find "
+                                    "the call that never returns (a lock, a request without a timeout)")
                 deadlines = [call.started + timeout for call in calls if timeout and call.started is not None]
                 self.changed.wait(max(0.0, min(deadlines) - now) if deadlines else None)
 
+    def held(self) -> Callable[[], None]:
+        """A thread the environment started itself is still running after its episode ended: it is
+        counted as a hung call and takes one of the `size` places until the function returned is called
+        (when it returns)."""
+        with self.changed:
+            self.hung += 1
+            self.outside += 1
+
+        def returned() -> None:
+            with self.changed:
+                self.hung -= 1
+                self.outside -= 1
+                self._start_queued()
+                self.changed.notify_all()
+
+        return returned
+
     def _start_queued(self) -> None:
         """Give queued calls to threads while fewer than `size` run (under `changed`); a call's timeout counts from here."""
-        while self.queued and self.running < self.size:
+        while self.queued and self.running + self.outside < self.size:
             call = self.queued.popleft()
             call.started = time.monotonic()
             self.running += 1
@@ -127,8 +150,8 @@ class CallPool:
         except RecipeError as exc:
             call.recipe_error = exc
             outcome = ("error", str(exc))
-        except TimeoutError:  # the call gave up waiting on what it called (a socket, an agent's harness): a timeout
-            outcome = ("timeout", None)
+        except TimeoutError as exc:  # the call gave up waiting on what it called (a socket, an agent's harness): a timeout
+            outcome = ("timeout", str(exc) or "TimeoutError")
         except BaseException as exc:  # the environment's code (a sys.exit too): its failure is the episode's status, the thread lives on
             outcome = ("error", failure_text(exc))
         with self.changed:

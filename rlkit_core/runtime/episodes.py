@@ -40,6 +40,7 @@ from rlkit_core.chat_format import ChatFormat, TemplateAudit, audit, episode_for
 from rlkit_core.episode_limits import StandardEpisode
 from rlkit_core.errors import RecipeError
 from rlkit_core.functional import left_padded
+from rlkit_core.harness import HarnessEnvironment
 from rlkit_core.interfaces import Completion, Environment, Generator
 from rlkit_core.messages import STATUSES, TRAINED_STATUSES, Reply, Reset, Step
 from rlkit_core.prompts import prompt_token_ids
@@ -105,7 +106,9 @@ class Episode:
 
 
 class EnvironmentFault(UserWarning):
-    """An environment's reset or step failed: the episode ends with status "error"."""
+    """An environment's fault, said once per environment (`EpisodeRunner._say_once`): a reset or step
+    that failed or timed out, an episode past its time, an opening past the context, a close that
+    failed, an agent still running after its episode ended."""
 
 
 def answer_problem(answer: Any, expected: type) -> str | None:
@@ -162,6 +165,11 @@ class EpisodeRunner:
         self.format: ChatFormat = episode_format(settings, policy.tokenizer, policy.eos_token_ids, recipe.registry)[0]
         self.tools = environment.tools()
         self.calls = pool_for(environment, settings.call_threads)
+        # a harness bounds its resets itself (a command's start by start_timeout_s, once one of max_starting places is free)
+        self.reset_timeout_s = settings.step_timeout_s
+        if isinstance(environment, HarnessEnvironment):
+            environment.hold_thread = self.calls.held  # a callable agent that outlives its episode holds a call thread
+            self.reset_timeout_s = 0.0
 
     def token_limit(self, prompt_length: int) -> int:
         """The episode's token budget after a prompt of `prompt_length` ids, within the policy's context."""
@@ -199,12 +207,12 @@ class EpisodeRunner:
             raise BadReward(f"the environment {problem}", {"rows": rows})
         return episodes
 
-    def _call(self, calls: list[tuple[Any, tuple]], what: str) -> list[tuple[str, Any]]:
-        """The environment's calls in its pool (`rlkit_core.runtime.environment_calls`). A
-        `RecipeError` among them, or a pool whose every thread hung, is kept for `__call__` (which
-        raises it on every process) and ends this batch's episodes."""
+    def _call(self, calls: list[tuple[Any, tuple]], what: str, timeout: float | None = None) -> list[tuple[str, Any]]:
+        """The environment's calls in its pool (`rlkit_core.runtime.environment_calls`), each within
+        `timeout` seconds (None: step_timeout_s). A `RecipeError` among them, or a pool whose every
+        thread hung, is kept for `__call__` (which raises it on every process) and ends this batch's episodes."""
         try:
-            return self.calls.run(calls, self.settings.step_timeout_s, what)
+            return self.calls.run(calls, self.settings.step_timeout_s if timeout is None else timeout, what)
         except (RecipeError, CallsHung) as exc:
             self.stopped_by = self.stopped_by or exc
             return [("stopped", None)] * len(calls)
@@ -236,6 +244,12 @@ class EpisodeRunner:
             began = time.perf_counter()
             self._close([e for e in episodes if e.state is not None])
             timings["environment"] += time.perf_counter() - began
+            if self.calls.outside:
+                self._say_once("outlived", f"the agent of {self.calls.outside} episode(s) that ended is still running (a callable that has "
+                                           "not returned: Python cannot stop its thread): each is counted in env/hung_calls and holds one "
+                                           f"of environment.call_threads = {self.calls.size} threads until it returns, and when every one "
+                                           "is held the run stops; make the agent return when its requests are refused (410 "
+                                           "episode_ended), or run it as a command, whose process is killed when its episode ends")
         self.timings = timings
         self.hung_calls = self.calls.hung if self.environment is not None else 0
         return episodes
@@ -250,7 +264,7 @@ class EpisodeRunner:
         or the episode ended for the environment's fault, or as "overflow" when no turn fits after it."""
         environment = self.environment
         assert environment is not None  # one-turn episodes have none: no reset, step or close
-        resets = self._call([(environment.reset, (e.record, seed)) for e, seed in zip(episodes, seeds)], "reset")
+        resets = self._call([(environment.reset, (e.record, seed)) for e, seed in zip(episodes, seeds)], "reset", self.reset_timeout_s)
         for episode, (status, reset) in zip(episodes, resets):
             episode.started = time.monotonic()
             problem = answer_problem(reset, Reset) if status == "ok" else None
@@ -350,17 +364,22 @@ class EpisodeRunner:
                                     "have been released" + (f": {why}" if status != "timeout" else ""))
 
     def _fail(self, episode: Episode, status: str, why: Any, call: str) -> None:
-        """End the episode for the environment's fault: "timeout", or else "error" with the text
-        `why` shown once per environment. An episode stopped by another's recipe error ("stopped")
-        ends silently: the run is about to stop with that error."""
+        """End the episode for the environment's fault: "timeout" or "error", the reason `why` said
+        once per environment (a timeout once per call it hit: its seconds vary). `why` of a timeout is
+        None when the pool timed the call out (it still runs), else what the call's TimeoutError said.
+        An episode stopped by another's recipe error ("stopped") ends silently: the run is about to
+        stop with that error."""
         if status == "timeout":
-            if self.calls.hung:
-                self._say_once("hung", f"the environment's {call} did not return within environment.step_timeout_s = "
-                                       f"{self.settings.step_timeout_s:g} s: the episode ends as a timeout, and the call is left running in "
-                                       f"one of environment.call_threads = {self.calls.size} threads until it returns (env/hung_calls counts "
-                                       "them; when every one is held, the run stops)")
-            return episode.finish("timeout", f"the environment's {call} did not return in time (environment.step_timeout_s = "
-                                             f"{self.settings.step_timeout_s:g} s, episode_timeout_s = {self.settings.episode_timeout_s:g} s)")
+            if why is None:
+                said = f"the environment's {call} did not return within environment.step_timeout_s = {self.settings.step_timeout_s:g} s"
+                self._say_once("hung", f"{said}: the episode ends as a timeout, kept out of training (env/status_timeout), and the call is "
+                                       f"left running in one of environment.call_threads = {self.calls.size} threads until it returns "
+                                       "(env/hung_calls counts them; when every one is held, the run stops)")
+            else:
+                said = f"the environment's {call} timed out: {why}"
+                self._say_once(f"timeout {call}", f"{said}; the episode ends as a timeout, kept out of training (env/status_timeout): "
+                                                  "raise the limit named (0: no limit), or find what is slow")
+            return episode.finish("timeout", said)
         if status != "stopped":
             said = f"the environment's {call} {'raised ' if status == 'error' else ''}{why}"
             text = f"{said}; the episode is kept out of training (env/status_error)"
@@ -444,7 +463,10 @@ class EpisodeRunner:
         if step.done or step.unseen or last_turn:
             return episode.finish("ok")
         if self.settings.episode_timeout_s and time.monotonic() - episode.started > self.settings.episode_timeout_s:
-            return episode.finish("timeout", f"the episode ran past environment.episode_timeout_s = {self.settings.episode_timeout_s:g} s")
+            said = f"the episode ran past environment.episode_timeout_s = {self.settings.episode_timeout_s:g} s"
+            self._say_once("episode timeout", f"{said} (its turns' generation and the environment's calls, from its reset): it ends as a "
+                                              "timeout, kept out of training (env/status_timeout); raise the limit (0: no limit)")
+            return episode.finish("timeout", said)
         episode.turn_end = (len(episode.samples), len(episode.sample.ids), list(episode.messages),
                             episode.sample.messages, episode.tokens)
         if step.history is not None:  # the environment changed the conversation: a new sample starts from it
