@@ -27,7 +27,7 @@ from rlkit_core import (
     setting,
     switch_off_dropout,
 )
-from rlkit_core.hf import DTYPES, LOAD_ERRORS, check_tokenizer, context_length, load_problem, settle_pad, shard_units
+from rlkit_core.hf import DTYPES, LOAD_ERRORS, check_model, context_length, load_problem, settle_pad, shard_units
 
 
 @attrs.frozen
@@ -143,10 +143,10 @@ class HFPolicy(Policy):
 
     @staticmethod
     def check(config: HFPolicyConfig, recipe, where: str) -> tuple[list[str], list[str]]:
-        """(problems, notes) of `rlkit check`: the tokenizer must load (a missing directory is named)."""
+        """(problems, notes) of `rlkit check`: a local model folder must hold a model, and the tokenizer
+        must load (a missing directory is named)."""
         problems, notes = [], []
-        setting = f"{where}.tokenizer" if config.tokenizer else f"{where}.model"
-        check_tokenizer(config.tokenizer or config.model, setting, problems, notes, config.trust_remote_code)
+        check_model(config.model, config.tokenizer, where, problems, notes, config.trust_remote_code)
         return problems, notes
 
     @staticmethod
@@ -156,7 +156,7 @@ class HFPolicy(Policy):
 
         try:
             model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
-        except OSError:
+        except LOAD_ERRORS:  # no config to read here (`check` locates why)
             return None
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(model_config)

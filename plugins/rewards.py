@@ -13,7 +13,7 @@ import attrs
 import torch
 
 from rlkit_core import RecipeError, RewardSource, at_least, building_at, greater_than, hookimpl, setting, switch_off_dropout
-from rlkit_core.hf import LOAD_ERRORS, check_tokenizer, load_problem
+from rlkit_core.hf import LOAD_ERRORS, check_model, load_problem
 
 
 @attrs.frozen
@@ -200,9 +200,10 @@ class RewardModel(RewardSource):
 
     @staticmethod
     def check(config: RewardModelConfig, recipe, where: str) -> tuple[list[str], list[str]]:
-        """(problems, notes) of `rlkit check`: the reward model's tokenizer must load."""
+        """(problems, notes) of `rlkit check`: a local model folder must hold a model, and the reward
+        model's tokenizer must load."""
         problems, notes = [], []
-        check_tokenizer(config.tokenizer or config.model, f"{where}.tokenizer" if config.tokenizer else f"{where}.model", problems, notes)
+        check_model(config.model, config.tokenizer, where, problems, notes)
         return problems, notes
 
     def token_ids(self, prompt: str, response: str, messages) -> list[int]:

@@ -7,7 +7,7 @@ import attrs
 import torch
 
 from rlkit_core import ModelSettings, RecipeError, ValueHead, building_at, hookimpl, one_of, setting, switch_off_dropout
-from rlkit_core.hf import LOAD_ERRORS, PAD_TOKEN, check_tokenizer, load_problem, vocabulary_mismatch
+from rlkit_core.hf import LOAD_ERRORS, PAD_TOKEN, check_model, load_problem, vocabulary_mismatch
 
 
 @attrs.frozen
@@ -111,9 +111,8 @@ class SeparateValueHead(ValueHead):
         policy = recipe["policy"].config
         if not isinstance(policy, ModelSettings) or not (policy.tokenizer or policy.model):  # a policy that builds its own
             return problems, notes
-        setting = "tokenizer" if policy.tokenizer else "model"
-        policy_tokenizer = check_tokenizer(policy.tokenizer or policy.model, f"$.policy.{setting}", problems, notes)
-        critic_tokenizer = check_tokenizer(config.model, f"{where}.model", problems, notes)
+        policy_tokenizer = check_model(policy.model, policy.tokenizer, "$.policy", problems, notes)
+        critic_tokenizer = check_model(config.model, "", where, problems, notes)
         if policy_tokenizer is not None and critic_tokenizer is not None:
             problem = critic_vocabulary_problem(config.model, policy_tokenizer, critic_tokenizer, len(critic_tokenizer), where)
             if problem:

@@ -73,11 +73,18 @@ def missing_path(name: str) -> bool:
     return not Path(name).expanduser().exists() and (is_local(name) or not could_be_hub_name(name))
 
 
+# what to do about a local folder that holds no model or tokenizer (yet: a warm start may still be writing it)
+UNFINISHED_FOLDER_FIX = "give a folder that save_pretrained wrote, or wait until the one being written there is whole"
+
+
 def load_problem(name: str, where: str, what: str, error: Exception | None = None) -> str:
     """Why `name` could not be loaded as `what` (a model, a tokenizer), with the fix: a located
     sentence instead of transformers' traceback."""
     if missing_path(name):
         return f"{where}: no directory {name!r}; give a local model directory (relative paths start at the working directory) or a hub name"
+    folder = Path(name).expanduser()
+    if folder.is_dir() and not any(folder.iterdir()):
+        return f"{where}: {name!r} is an empty folder; {UNFINISHED_FOLDER_FIX}"
     if isinstance(error, pickle.UnpicklingError):
         return (f"{where}: {name!r} has a pickled weights file that holds more than tensors; rlkit loads pickles only "
                 "as plain tensors (weights_only), so none of its code ran. Use a model saved as safetensors, or one you trust re-saved so")
@@ -87,6 +94,19 @@ def load_problem(name: str, where: str, what: str, error: Exception | None = Non
     hub = "HF_HUB_OFFLINE is set, so only the local cache is read" if offline() else "reading the hub needs network"
     return (f"{where}: {name!r} is not a local directory, and as a hub name {what} did not load ({hub}){reason}; "
             "give a local model directory or a hub name that exists")
+
+
+def model_folder_problem(name: str, where: str) -> str | None:
+    """Why `name` holds no model, found before transformers reads it (whose errors for these name
+    neither the folder nor the fix): nothing there, an empty folder, or a folder without
+    config.json (nor a LoRA adapter's); None otherwise, a hub name included (only loading checks
+    one)."""
+    folder = Path(name).expanduser()
+    if missing_path(name) or (folder.is_dir() and not any(folder.iterdir())):
+        return load_problem(name, where, "a model")
+    if folder.is_dir() and not any((folder / config).is_file() for config in ("config.json", "adapter_config.json")):
+        return f"{where}: {name!r} has no config.json, so it holds no transformers model; {UNFINISHED_FOLDER_FIX}"
+    return None
 
 
 def check_tokenizer(name: str, where: str, problems: list[str], notes: list[str], trust_remote_code: bool = False):
@@ -105,6 +125,21 @@ def check_tokenizer(name: str, where: str, problems: list[str], notes: list[str]
         else:
             problems.append(load_problem(name, where, "a tokenizer", exc))
         return None
+
+
+def check_model(model: str, tokenizer: str, where: str, problems: list[str], notes: list[str],
+                trust_remote_code: bool = False):
+    """The tokenizer of the model that the table at `where` names by its `model` and `tokenizer`
+    settings (`tokenizer` empty: the model's), or None with located problems or notes: the model's
+    folder (`model_folder_problem`), then the tokenizer (`check_tokenizer`), one problem for a folder
+    that is both."""
+    problem = model_folder_problem(model, f"{where}.model")
+    if problem:
+        problems.append(problem)
+        if not tokenizer:
+            return None
+    setting = f"{where}.tokenizer" if tokenizer else f"{where}.model"
+    return check_tokenizer(tokenizer or model, setting, problems, notes, trust_remote_code)
 
 
 def vocabulary_mismatch(expected, actual, ignore: tuple[str, ...] = ()) -> str | None:

@@ -62,7 +62,13 @@ class RunConfig:
     device: str = setting("auto", help="'auto' (GPU when there is one), 'cpu', 'cuda' or 'cuda:N'")
     checkpoint_every: int = setting(0, help="write a checkpoint every N iterations (0: only at the end)", validator=at_least(0))
     keep_checkpoints: int = setting(2, help="how many of the latest checkpoints to keep", validator=at_least(1))
-    sample_every: int = setting(10, help="log a table of sample prompts and responses every N iterations", validator=at_least(1))
+    sample_every: int = setting(
+        10, help="log a table of sample prompts and responses every N iterations (rows of the trained batch: "
+                 "no episode is played for it)", validator=at_least(1))
+    report_samples: int = setting(
+        5, help="the end-of-run report's samples: greedy episodes played before and after training on every "
+                "held-out prompt, else on the first N training prompts, of which it shows N; 0: none, and no "
+                "episode is played for the report", validator=at_least(0))
     threads: int = setting(0, help="CPU threads for torch (0: torch's default)", validator=at_least(0))
     mixed_precision: str = setting("no", help="accelerate's autocast: 'no', 'bf16' or 'fp16' (fp32 master weights; fp16 scales the loss)",
                                    validator=one_of("no", "bf16", "fp16"))

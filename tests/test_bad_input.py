@@ -62,6 +62,10 @@ type = "mlflow"
 uri = "sqlite:///store/mlflow.db"
 """
 
+# an agent's recipe: `rlkit check` reads the policy's tokenizer for its chat-template audit before it builds anything
+AGENT = BASE.replace('[reward]\ntype = "python"\nfunction = "reward.py:score"\n',
+                     '[environment]\ntype = "agent"\nharness = "agent.py:play"\nmax_turns = 1\n')
+
 
 @attrs.frozen
 class Case:
@@ -139,6 +143,23 @@ CASES = [
     Case("tokenizer-dir-missing", ("$.policy.tokenizer: no directory './nope'",), sets=('policy.tokenizer="./nope"',)),
     Case("reward-model-missing", ("$.reward.model: no directory './no-rm'",), sets=('reward={type="reward-model", model="./no-rm"}',)),
     Case("critic-missing", ("$.value_head.model: no directory './no-critic'",), sets=('value_head={type="separate", model="./no-critic"}',)),
+    # a model folder not written yet, or still being written (a warm start)
+    Case("model-dir-empty", ("$.policy.model: 'unwritten' is an empty folder", "save_pretrained"),
+         sets=('policy.model="unwritten"',)),
+    Case("model-dir-without-config", ("$.policy.model: 'tokenizer_only' has no config.json", "being written there"),
+         sets=('policy.model="tokenizer_only"',)),
+    Case("tokenizer-dir-empty", ("$.policy.tokenizer: 'unwritten' is an empty folder",),
+         sets=('policy.tokenizer="unwritten"',)),
+    Case("reward-model-dir-empty", ("$.reward.model: './unwritten' is an empty folder",),
+         sets=('reward={type="reward-model", model="./unwritten"}',)),
+    Case("reward-model-without-config", ("$.reward.model: 'tokenizer_only' has no config.json",),
+         sets=('reward={type="reward-model", model="tokenizer_only", tokenizer="model"}',)),
+    Case("critic-dir-without-config", ("$.value_head.model: 'tokenizer_only' has no config.json",),
+         sets=('value_head={type="separate", model="tokenizer_only"}',)),
+    Case("agent-model-dir-empty", ("$.policy.model: 'unwritten' is an empty folder",), text=AGENT,
+         sets=('policy.model="unwritten"',)),
+    Case("agent-model-dir-missing", ("$.policy.model: no directory './missing-model'",), text=AGENT,
+         sets=('policy.model="./missing-model"',)),
     # the python reward
     Case("reward-file-missing", ("$.reward.function: no file 'nope.py'",), sets=('reward.function="nope.py:score"',)),
     Case("reward-function-missing", ("$.reward.function: 'reward.py' has no function 'scores' (functions defined there: score)",),
@@ -198,6 +219,9 @@ CASES = [
 def write_sandbox(root: Path, tiny_model: Path) -> None:
     """A working directory with everything a recipe may point at, good and bad."""
     shutil.copytree(tiny_model, root / "model")
+    (root / "unwritten").mkdir()
+    shutil.copytree(tiny_model, root / "tokenizer_only", ignore=shutil.ignore_patterns("config.json", "*.safetensors"))
+    (root / "agent.py").write_text("def play(record, client):\n    return 1.0\n")
     (root / "reward.py").write_text(REWARD)
     (root / "wrong_signature.py").write_text("def score(texts):\n    return [0.0 for _ in texts]\n")
     (root / "broken_syntax.py").write_text("def score(prompts, responses:\n    return []\n")
@@ -305,6 +329,39 @@ def test_the_real_command_refuses_a_sample(name, sandbox):
                             cwd=sandbox, env=env, timeout=300)
     assert_refused(case, result.returncode, result.stdout, result.stderr)
     assert snapshot(sandbox) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["check", "run"])
+@pytest.mark.parametrize("name", ["agent-model-dir-empty", "agent-model-dir-missing"])
+def test_the_real_command_names_a_model_folder_not_written_yet_in_one_line(name, command, sandbox):
+    """A model folder that a warm start has not written yet, or is still writing: one located line,
+    as for any bad input, from both commands (`rlkit check` read the policy's tokenizer and config
+    for the plan before it checked them)."""
+    case = next(case for case in CASES if case.name == name)
+    recipe = sandbox / f"folder-{name}.toml"
+    recipe.write_text(recipe_text(case))
+    env = {**os.environ, **sandbox_env(sandbox)}
+    argv = arguments(attrs.evolve(case, recipe=recipe.name), command)
+    result = subprocess.run([sys.executable, "-m", "rlkit_core.runtime.cli", *argv], capture_output=True, text=True,
+                            cwd=sandbox, env=env, timeout=300)
+    assert_refused(case, result.returncode, result.stdout, result.stderr)
+    heading, *located = result.stderr.splitlines()
+    assert heading.endswith("1 problem in the recipe:") and len(located) == 1, result.stderr
+
+
+def test_a_folder_with_a_models_config_or_a_lora_adapters_is_a_model_folder(tmp_path):
+    """transformers loads a LoRA adapter's folder as its base model with the adapter applied."""
+    from rlkit_core.hf import model_folder_problem
+
+    for config in ("config.json", "adapter_config.json"):
+        folder = tmp_path / config
+        folder.mkdir()
+        (folder / config).write_text("{}")
+        assert model_folder_problem(str(folder), "$.policy.model") is None
+    (tmp_path / "weights_only").mkdir()
+    (tmp_path / "weights_only" / "model.safetensors").write_bytes(b"")
+    assert "has no config.json" in (model_folder_problem(str(tmp_path / "weights_only"), "$.policy.model") or "")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere: a folder without write permission stays writable")

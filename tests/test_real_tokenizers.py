@@ -330,10 +330,13 @@ def test_real_model_recipes_pass_check_offline(name, tmp_path):
 def test_check_names_a_reward_model_tokenizer_that_cannot_be_loaded(recipe_document, builtin_registry, gpt2_classifier, tmp_path):
     from rlkit_core.recipe.plan import describe_plan
 
-    empty = tmp_path / "no-tokenizer-here"
+    empty, other = tmp_path / "unwritten", tmp_path / "no-tokenizer-here"
     empty.mkdir()
+    other.mkdir()
+    (other / "notes.txt").write_text("not a tokenizer")
     for tokenizer, message in [(str(tmp_path / "missing"), r"\$\.reward\.tokenizer: no directory"),
-                               (str(empty), r"\$\.reward\.tokenizer: cannot load a tokenizer from")]:
+                               (str(empty), r"\$\.reward\.tokenizer: '.*unwritten' is an empty folder"),
+                               (str(other), r"\$\.reward\.tokenizer: cannot load a tokenizer from")]:
         recipe = parse_recipe(document(recipe_document, reward={"type": "reward-model", "model": str(gpt2_classifier),
                                                                 "tokenizer": tokenizer}), builtin_registry)
         with pytest.raises(RecipeError, match=message):

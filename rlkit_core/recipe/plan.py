@@ -166,7 +166,7 @@ def episode_plan(recipe: Recipe) -> list[str]:
     """An episode's bounds, and the audit of how the policy's chat template renders turns (which
     decides whether an episode stays one training sample), when the policy names a local tokenizer."""
     from rlkit_core.chat_format import audit, episode_format
-    from rlkit_core.hf import is_local
+    from rlkit_core.hf import LOAD_ERRORS, is_local
 
     settings = recipe["environment"].config
     budget = settings.max_episode_tokens or f"{recipe['generator'].config.max_new_tokens} × {settings.max_turns}"
@@ -179,7 +179,10 @@ def episode_plan(recipe: Recipe) -> list[str]:
                         "the run prints the audit"]
     from transformers import AutoTokenizer, GenerationConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except LOAD_ERRORS:  # the policy's check locates why
+        return [*lines, f"chat format         not audited: the tokenizer {name!r} does not load"]
     try:
         generation = GenerationConfig.from_pretrained(name).eos_token_id
     except OSError:  # no generation config: the tokenizer's end token alone

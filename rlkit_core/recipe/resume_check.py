@@ -23,7 +23,8 @@ from rlkit_core.records import ComponentChoice
 
 # settings that cannot change what a run trains; a table name covers all its keys
 HARMLESS = ("run.name", "run.output_dir", "run.checkpoint_every", "run.keep_checkpoints", "run.sample_every",
-            "run.on_bad_reward", "run.max_skips_in_a_row", "eval.every", "eval.metrics", "eval.greedy", "tracker", "health")
+            "run.report_samples", "run.on_bad_reward", "run.max_skips_in_a_row", "eval.every", "eval.metrics", "eval.greedy",
+            "tracker", "health")
 # schedules whose learning rate at a step does not depend on the run's total number of steps
 LENGTH_FREE_SCHEDULES = ("constant", "constant_with_warmup", "inverse_sqrt")
 _MISSING = object()

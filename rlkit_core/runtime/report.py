@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
-SAMPLES = 5  # prompts shown: in the report, and in each sample table the tracker gets
+SAMPLES = 5  # rows of each sample table the tracker gets (from the trained batch), and the report's default
 SAME_SCORE = 1e-6  # scores closer than this count as unchanged
 
 
@@ -30,9 +30,10 @@ def staleness_histogram(history: list[dict]) -> str:
     return "staleness " + ", ".join(f"{age}: {n}" for age, n in sorted(counts.items()))
 
 
-def print_report(history, samples, held_out, metrics_path, checkpoint_path, tracker, out) -> None:
+def print_report(history, samples, held_out, metrics_path, checkpoint_path, tracker, out, shown: int = SAMPLES) -> None:
     """`samples`: prompts with the greedy response and its score before and after training
-    (`held_out`: every held-out prompt, else a few training ones)."""
+    (`held_out`: every held-out prompt, else a few training ones; none: `run.report_samples` = 0),
+    of which the first `shown` are printed."""
     evaluations = [h for h in history if "eval/score" in h]
     history = [h for h in history if "score/mean" in h]  # rows of training iterations (not the evaluation before them)
     if not history:
@@ -61,7 +62,7 @@ def print_report(history, samples, held_out, metrics_path, checkpoint_path, trac
         higher, lower, same = score_changes(samples)
         print(f"greedy responses to {len(samples)} {'held-out' if held_out else 'training'} prompts, after training: "
               f"{higher} score higher, {lower} lower, {same} the same", file=out)
-    for i, sample in enumerate(samples[:SAMPLES], start=1):
+    for i, sample in enumerate(samples[:shown], start=1):
         print(f"\nsample {i}: {sample['prompt']!r}", file=out)
         for when in ("before", "after"):
             score = f" (score {sample[when + '_score']:.3f})" if when + "_score" in sample else ""

@@ -159,12 +159,10 @@ def _run_recipe(recipe: Recipe, quiet: bool, resume: str | None, overwrite: bool
         outputs.progress.close()
         outputs.tracker.finish(status)
 
-    records = _sample_records(prompts)
-    # every process: FSDP gathers the weights
-    after = sample_responses(engine, components, recipe, records, recipe.ppo.batch_size, prompts.max_tokens, greedy=True)
+    samples = _samples_after(trainer, samples_before) if samples_before else []
     if main:
-        samples = _scored(recipe, components, records, [{**before, "after": a} for before, a in zip(samples_before, after)])
-        print_report(outputs.history, samples, bool(prompts.held_out), outputs.metrics_log.path, final_checkpoint, outputs.tracker, out=out)
+        print_report(outputs.history, samples, bool(prompts.held_out), outputs.metrics_log.path, final_checkpoint,
+                     outputs.tracker, out=out, shown=recipe.run.report_samples)
     lock.release()  # before: with several processes, this process ends in the next line
     processes.exit_together()  # with several processes, this process ends here
     return outputs.history
@@ -389,23 +387,29 @@ def _skip_batch(trainer: Trainer, fault: BadReward) -> dict[str, float]:
     return {}
 
 
-def _sample_records(prompts: Prompts) -> list[dict]:
+def _sample_records(prompts: Prompts, shown: int) -> list[dict]:
     """The prompts the report compares before and after training, fixed before training: every
-    held-out one when there are (it shows the first few and counts how many got better), else the
-    first training ones. Their responses are greedy, the policy's best guess, so before and after
-    compare the policy rather than two draws."""
-    return prompts.held_out or prompts.train[:SAMPLES]
+    held-out one when there are (it shows the first `shown` and counts how many got better), else
+    the first `shown` training ones; none when `shown` is 0 (`run.report_samples`: each is an
+    episode, which may cost an agent's calls). Their responses are greedy, the policy's best guess,
+    so before and after compare the policy rather than two draws."""
+    return (prompts.held_out or prompts.train[:shown]) if shown else []
 
 
 def _samples_before(trainer: Trainer) -> list[dict]:
     """Responses of the starting policy to the sample prompts, kept on disk so a resumed run can
-    still show what the policy said before any training. Every process generates them (under
-    FSDP generation needs them all); the main process writes them."""
-    processes = trainer.engine.processes
+    still show what the policy said before any training; none on a resumed run that kept none (its
+    starting policy is gone). Every process generates them (under FSDP generation needs them all);
+    the main process writes them."""
+    processes, shown = trainer.engine.processes, trainer.recipe.run.report_samples
     path = Path(trainer.recipe.run.output_dir) / "samples_before.json"
+    if not shown:
+        return []
     if processes.gather_objects(path.exists())[0]:
         return json.loads(path.read_text())
-    records = _sample_records(trainer.prompts)
+    if trainer.state.iteration:  # resumed, from a run that played none
+        return []
+    records = _sample_records(trainer.prompts, shown)
     responses = sample_responses(trainer.engine, trainer.components, trainer.recipe, records, trainer.recipe.ppo.batch_size,
                                  trainer.prompts.max_tokens, greedy=True)
     samples = [{"prompt": r["prompt"], "before": b} for r, b in zip(records, responses)]
@@ -413,6 +417,18 @@ def _samples_before(trainer: Trainer) -> list[dict]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(samples, indent=2))
     return samples
+
+
+def _samples_after(trainer: Trainer, samples_before: list[dict]) -> list[dict]:
+    """`samples_before` with the trained policy's responses to the same prompts, scored on the main
+    process. Every process generates them (FSDP gathers the weights)."""
+    records = _sample_records(trainer.prompts, trainer.recipe.run.report_samples)[:len(samples_before)]
+    after = sample_responses(trainer.engine, trainer.components, trainer.recipe, records, trainer.recipe.ppo.batch_size,
+                             trainer.prompts.max_tokens, greedy=True)
+    samples = [{**before, "after": a} for before, a in zip(samples_before, after)]
+    if not trainer.engine.processes.is_main:
+        return samples
+    return _scored(trainer.recipe, trainer.components, records, samples)
 
 
 def _scored(recipe: Recipe, components: Components, records: list[dict], samples: list[dict]) -> list[dict]:
