@@ -385,18 +385,12 @@ class Session:
 
     def returned(self, timeout: float | None) -> HarnessEnded | None:
         """After `end`: the harness's return, waited for up to `timeout` seconds (None when it did not
-        come); a request that reaches the inbox meanwhile is refused as after the end."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self.lock:
-                if self.outcome is not None:
-                    return self.outcome
-            try:
-                event = self.inbox.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return None
-            if isinstance(event, Request):
-                event.settle(*_refusal(Refused(410, f"this episode has ended ({self.ended})", "episode_ended")))
+        come). No request is taken after the end (`submit` refuses it), so only the return can come."""
+        try:
+            event = self.next_event(timeout)
+        except TimeoutError:
+            return None
+        return event if isinstance(event, HarnessEnded) else None
 
     def _refuse(self, request: Request, refused: Refused) -> None:
         """Refuse the request in flight, counted once (the harness's end and the episode may race to answer it)."""
