@@ -207,7 +207,8 @@ def write_qwen_model(path: Path, size: str = "tiny", device: str = "cpu", dtype:
 
     shape = QWEN_SIZES[size]
     tokenizer = build_wide_chatml_tokenizer(shape["vocab_size"])
-    eos, pad = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    assert isinstance(eos, int) and isinstance(pad, int)
     config = Qwen2Config(**shape, tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=pad, eos_token_id=eos,
                          pad_token_id=pad)
     torch.manual_seed(seed)
@@ -228,13 +229,17 @@ def lift_end(model, end: int, mean_length: float, branch_scale: float = 0.01) ->
     end a response after about `mean_length` tokens, geometrically. A deep random model's hidden states follow the
     context, not the token (a lift along one direction ends some sequences at once and others never), so the
     blocks' output projections are scaled by `branch_scale`, which leaves each final hidden state mostly its own
-    token's embedding; every k-th id (k = mean_length − 1) gets a 1 in the embedding's first dimension and the end
-    token a 4: after one of those ids the end token's logit rises by about 4·√width, after the others by ±4·0.02·√…
-    (nothing). Ids are sampled about uniformly, so a response runs Geometric(1/k) tokens, then ends."""
+    token's embedding; the final norm's weights get random signs, so that with the tied embedding a token does not
+    predict itself; every k-th id (k = mean_length − 1) gets a 1 in the embedding's first dimension (its norm weight
+    +1) and the end token a 4: after one of those ids the end token's logit rises by about 4·√width, after the
+    others by a few tenths. Ids are then sampled about uniformly, so a response runs Geometric(1/k) tokens."""
     for name, module in model.named_modules():
         if name.endswith(("o_proj", "down_proj")):
             module.weight.mul_(branch_scale)
+    norm = model.base_model.norm.weight
+    signs = torch.randint(2, norm.shape, generator=torch.Generator().manual_seed(0)).to(norm) * 2 - 1
+    norm.copy_(signs)
+    norm[0] = 1.0
     weight = model.get_input_embeddings().weight
-    every = max(1, round(mean_length - 1))
-    weight[1::every, 0] = 1.0
+    weight[1::max(1, round(mean_length - 1)), 0] = 1.0
     weight[end, 0] = 4.0
