@@ -178,7 +178,9 @@ class Run:
         return [{"measure": measure, "variant": variant, **figures, **printed}]
 
     def bench(self, limit: float, ragged: bool) -> list[dict]:
-        command = [self.python, "benchmarks/bench_ppo.py", "--model-dir", str(self.model), "--device", self.args.device,
+        # the standard shape samples every response to its length (min_new_tokens): the model that seldom ends
+        model = self.model if ragged else self.work / "model-plain"
+        command = [self.python, "benchmarks/bench_ppo.py", "--model-dir", str(model), "--device", self.args.device,
                    "--dtype", self.shape["dtype"], "--generator", "hf"]
         if self.cuda:
             command += ["--steps", "3", "--batch", "64", "--response-len", "128",
@@ -286,7 +288,9 @@ def environment_report() -> None:
 
 
 def prepare(work: Path, device: str) -> None:
-    """The model folder, the prompts and one recipe per `rlkit run` variant (and `ppo-full-1`, one iteration)."""
+    """The model folders (`model` ends after about `mean_length` tokens, `model-plain` seldom: the standard shape
+    forbids the end token until its length, which the other would show as a log-prob gap), the prompts and one
+    recipe per `rlkit run` variant (and `ppo-full-1`, one iteration)."""
     import torch
 
     from rlkit_core.testing import recipe_toml
@@ -295,9 +299,11 @@ def prepare(work: Path, device: str) -> None:
     shape = SHAPES[device]
     started = time.monotonic()
     built_on = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
-    model = write_qwen_model(work / "model", shape["size"], device=built_on, dtype=getattr(torch, shape["dtype"]),
+    dtype = getattr(torch, shape["dtype"])
+    model = write_qwen_model(work / "model", shape["size"], device=built_on, dtype=dtype,
                              mean_length=shape["mean_length"])
     written = time.monotonic() - started
+    write_qwen_model(work / "model-plain", shape["size"], device=built_on, dtype=dtype)
     rng = random.Random(0)
     low, high = shape["prompt"]
     prompts = work / "prompts.jsonl"

@@ -25,6 +25,7 @@ the same style always gives the same vocabulary.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -224,15 +225,17 @@ def write_qwen_model(path: Path, size: str = "tiny", device: str = "cpu", dtype:
 
 
 @torch.no_grad()
-def lift_end(model, end: int, mean_length: float, branch_scale: float = 0.01) -> None:
+def lift_end(model, end: int, mean_length: float, branch_scale: float = 0.01, after_marker: float = 0.9) -> None:
     """Make a random Qwen/Llama-style model (tied embedding, RMSNorm: no bias to lift a logit with, as GPT-2's has)
     end a response after about `mean_length` tokens, geometrically. A deep random model's hidden states follow the
     context, not the token (a lift along one direction ends some sequences at once and others never), so the
     blocks' output projections are scaled by `branch_scale`, which leaves each final hidden state mostly its own
-    token's embedding; the final norm's weights get random signs, so that with the tied embedding a token does not
-    predict itself; every k-th id (k = mean_length − 1) gets a 1 in the embedding's first dimension (its norm weight
-    +1) and the end token a 4: after one of those ids the end token's logit rises by about 4·√width, after the
-    others by a few tenths. Ids are then sampled about uniformly, so a response runs Geometric(1/k) tokens."""
+    token's embedding, and the final norm's weights get random signs, so that (the embedding being tied) a token
+    does not predict itself. Every k-th id is a marker, a 1 in the embedding's first dimension (the end token: 4):
+    after a marker the first dimension of the normed hidden state is H (set through its norm weight), which lifts
+    the end token's logit by 4·H and each marker's by H, so that p(end) = `after_marker`; after other ids, by
+    nothing much. Ids are sampled about uniformly, so a response ends after about k / `after_marker` tokens; a
+    sampler that forbids the end token (`min_new_tokens`) differs from the model by −log(1 − after_marker) there."""
     for name, module in model.named_modules():
         if name.endswith(("o_proj", "down_proj")):
             module.weight.mul_(branch_scale)
@@ -241,5 +244,17 @@ def lift_end(model, end: int, mean_length: float, branch_scale: float = 0.01) ->
     norm.copy_(signs)
     norm[0] = 1.0
     weight = model.get_input_embeddings().weight
-    weight[1::max(1, round(mean_length - 1)), 0] = 1.0
+    vocab, every = weight.shape[0], max(1, round(after_marker * (mean_length - 1)))
+    markers = torch.arange(1, vocab, every, device=weight.device)
+    markers = markers[markers != end]
+    weight[markers, 0] = 1.0
     weight[end, 0] = 4.0
+    first = float(model.base_model(input_ids=markers[None, :256]).last_hidden_state[..., 0].float().mean())
+
+    def p_end(lift: float) -> float:  # the end token's logit 4·lift, the markers' lift, the rest about 0
+        return 1 / (1 + (len(markers) * math.exp(-3 * lift) + (vocab - len(markers) - 1) * math.exp(-4 * lift)))
+
+    low, high = 0.0, 64.0
+    for _ in range(60):
+        low, high = ((low + high) / 2, high) if p_end((low + high) / 2) < after_marker else (low, (low + high) / 2)
+    norm[0] = low / first
