@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -132,8 +133,9 @@ def iteration_flops(config, batch: int, prompt: int, response: int, epochs: int)
     floor is a lower bound. Training = forward + backward = 3 × forward.
     """
     d, layers, vocab = config.n_embd, config.n_layer, config.vocab_size
-    body = 2 * 12 * d * d * layers  # per token
-    attend = 4 * d * layers  # per (token, attended key)
+    # a model folder's own counts (`flop_config`): its layers' matrix weights, its attention's query width
+    body = 2 * getattr(config, "layer_weights", 12 * d * d) * layers  # per token
+    attend = 4 * getattr(config, "attention_width", d) * layers  # per (token, attended key)
     head = 2 * d * vocab  # per position whose logits are used
     length = prompt + response
 
@@ -147,6 +149,25 @@ def iteration_flops(config, batch: int, prompt: int, response: int, epochs: int)
         "forward": 2 * sequence,  # old log-probs + values (one pass), reference log-probs
         "train": 3 * epochs * sequence,
     }
+
+
+def flop_config(args) -> SimpleNamespace:
+    """What `iteration_flops` reads, for the shape's GPT-2 or for any causal LM in `--model-dir` (from its
+    config alone, on the meta device): width, layers, vocabulary, one layer's matrix weights, attention width."""
+    if not args.model_dir:
+        config = model_config(args)
+        return SimpleNamespace(n_embd=config.n_embd, n_layer=config.n_layer, vocab_size=config.vocab_size)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.model_dir).get_text_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embeddings = {id(p) for module in (model.get_input_embeddings(), model.get_output_embeddings()) if module is not None
+                  for p in module.parameters()}
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings)
+    heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return SimpleNamespace(n_embd=config.hidden_size, n_layer=config.num_hidden_layers, vocab_size=config.vocab_size,
+                           layer_weights=matrices // config.num_hidden_layers, attention_width=heads * head_dim)
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype, repeats: int = 3) -> tuple[float, float]:
@@ -183,6 +204,7 @@ def parse_args():
                         help="ppo.max_tokens_per_forward (-1: the shape's: 0 standard, 16384 ragged: the whole batch of 64 in one piece)")
     parser.add_argument("--pack", default="shape", choices=["shape", "on", "off"], help="ppo.pack_sequences (shape: on for ragged, off for standard)")
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--minibatch", type=int, default=16, help="ppo.minibatch_size")
     parser.add_argument("--response-len", type=int, default=32, help="standard shape: every response's length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -209,7 +231,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from rlkit_core.recipe.document import parse_recipe
-    from rlkit_core.recipe.plan import model_size
+    from rlkit_core.recipe.plan import memory_parts, model_size
     from rlkit_core.recipe.plugins import load_registry
     from rlkit_core.runtime.forward import PositionCount
     from rlkit_core.runtime.metrics_log import MetricsLog
@@ -227,7 +249,7 @@ def main() -> None:
         document = {
             "run": {"steps": args.steps, "seed": args.seed, "output_dir": str(Path(tmp) / "run"), "device": args.device,
                     "threads": args.threads},
-            "ppo": {"batch_size": args.batch, "minibatch_size": 16, "epochs": 4, "max_tokens_per_microbatch": micro_budget,
+            "ppo": {"batch_size": args.batch, "minibatch_size": args.minibatch, "epochs": 4, "max_tokens_per_microbatch": micro_budget,
                     "max_tokens_per_forward": forward_budget, "pack_sequences": args.pack == "on" or (args.pack == "shape" and ragged)},
             "optim": {"learning_rate": 1e-4, "max_grad_norm": 0.0},
             "policy": {"type": "hf", "model": str(model_dir), "dtype": args.dtype, "gradient_checkpointing": args.gradient_checkpointing},
@@ -265,13 +287,15 @@ def main() -> None:
         if args.profile:
             print(profile_table(trainer, args.profile), file=sys.stderr)
         estimate = model_size(recipe)
+        longest_prompt = max(p for h in history for p, _ in h["lengths"])
+        parts = memory_parts(recipe, int(longest_prompt))
     peaks.append(matmul_peak(device, dtype))
 
     steady = history[1:] or history
     per_iteration = statistics.median(h["time/iteration"] + h["time/tracking"] for h in steady)
     phases = {phase: statistics.median(h[f"time/{phase}"] for h in steady) for phase in PHASES}
     # the work of the real tokens only: each rollout's own prompt and response, in the median iteration
-    config = model_config(args)
+    config = flop_config(args)
     per_step = [{phase: sum(iteration_flops(config, 1, p, r, 4)[phase] for p, r in h["lengths"]) for phase in ("generate", "forward", "train")}
                 for h in steady]
     flops = sorted(per_step, key=lambda f: sum(f.values()))[len(per_step) // 2]
@@ -318,7 +342,10 @@ def main() -> None:
         "check_logprob_gap": round(statistics.median(h["check/logprob_gap"] for h in steady), 5),
         "weight_sync_seconds": round(statistics.median(h.get("time/weight_sync", 0.0) for h in steady), 4),
         "memory_estimate": estimate,
+        # `rlkit check`'s estimate of this process's peak, for the longest prompt seen, against torch's count on a GPU
+        "estimate_peak_mib": None if parts is None else round(parts[0]["peak"] / 2**20),
         "peak_gpu_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20) if cuda else None,
+        "train_vs_matmul": round(flops["train"] / phases["train"] / peak, 4),
     }
     if args.peak_tflops:
         report["train_mfu"] = round(flops["train"] / phases["train"] / (args.peak_tflops * 1e12), 4)

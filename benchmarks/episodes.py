@@ -5,6 +5,10 @@ same prompts.
     python benchmarks/episodes.py --steps 6              # the recipe as shipped, 2 threads
     python benchmarks/episodes.py --steps 4 --threads 1
     python benchmarks/episodes.py --whole-prefill        # every turn prefills its whole stream (no kept KV cache)
+    python benchmarks/episodes.py --model DIR --device cuda --dtype bfloat16 --max-turns 4 --max-new-tokens 32 --steps 1
+
+`--model` plays the games with an `hf` policy from that folder instead of the warm-started toy (a random
+model says no number, so every game runs its `--max-turns`; benchmarks/gpu_run.py uses it so on a GPU).
 
 Prints one JSON line. `phases`: medians over the iterations after the first (generate, environment
 = the environment's own calls, forward = old, reference and value passes, train, iteration).
@@ -78,15 +82,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output-dir", default="/tmp/rlkit-bench-episodes")
     parser.add_argument("--whole-prefill", action="store_true", help="keep no KV cache between an episode's turns")
+    parser.add_argument("--model", default="", help="an hf policy's model folder instead of the recipe's warm start")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the --model policy's weights")
+    parser.add_argument("--batch", type=int, default=0, help="episodes an iteration (0: the recipe's)")
+    parser.add_argument("--max-turns", type=int, default=0, help="turns an episode (0: the recipe's)")
+    parser.add_argument("--max-new-tokens", type=int, default=0, help="sampled tokens a turn (0: the recipe's)")
+    parser.add_argument("--episode-tokens", type=int, default=0, help="environment.max_episode_tokens (0: the recipe's)")
     args = parser.parse_args()
     if args.whole_prefill:
         HFGenerator.continuing_streams = Generator.continuing_streams  # pyright: ignore[reportAttributeAccessIssue]
     document = tomllib.loads(RECIPE.read_text())
-    document["run"].update({"threads": args.threads, "output_dir": args.output_dir})
+    document["run"].update({"threads": args.threads, "output_dir": args.output_dir, "device": args.device})
     document["tracker"] = {"type": "none"}
+    if args.model:
+        document["policy"] = {"type": "hf", "model": args.model, "dtype": args.dtype}
+    overrides = {("ppo", "batch_size"): args.batch, ("environment", "max_turns"): args.max_turns,
+                 ("generator", "max_new_tokens"): args.max_new_tokens, ("environment", "max_episode_tokens"): args.episode_tokens}
+    for (table, key), value in overrides.items():
+        if value:
+            document[table][key] = value
     trainer = Trainer(parse_recipe(document, load_registry(environ={"RLKIT_PLUGINS": "none"})))
     rows = [trainer.step() for _ in range(args.steps)]
-    phases = {name.removeprefix("time/"): round(statistics.median(r[name] for r in rows[1:]), 4) for name in PHASES}
+    phases = {name.removeprefix("time/"): round(statistics.median(r[name] for r in rows[1:] or rows), 4) for name in PHASES}
     torch.manual_seed(0)
     print(json.dumps({"recipe": str(RECIPE.name), "threads": args.threads, "kept_streams": not args.whole_prefill, "iterations": args.steps, "phases": phases,
                       "turns": round(statistics.mean(r["env/turns"] for r in rows), 3),

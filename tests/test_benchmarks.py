@@ -2,11 +2,13 @@
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ppo.py"
 
@@ -195,3 +197,50 @@ def test_the_client_floor_benchmark_sends_every_request_and_prices_them():
     figures = json.loads(done.stdout)
     assert figures["agents"] == 2 and figures["requests_each"] == 3 and figures["wall_ms_per_request"] > 0
     assert figures["share_of_an_iteration"] == pytest.approx(figures["wall_ms_per_request"] * 500 / 1000, abs=2e-3)
+
+
+GPU_RUN = BENCH.with_name("gpu_run.py")
+
+
+def test_the_flop_count_reads_a_model_folders_own_layers(tmp_path):
+    from rlkit_core.testing.offline_models import write_qwen_model
+
+    bench = load_bench()
+    model = write_qwen_model(tmp_path / "qwen", "tiny", dtype=torch.float32)
+    config = bench.flop_config(SimpleNamespace(model_dir=str(model)))
+    # width 64, 4 heads of 16, 2 KV heads (k and v 64 → 32), MLP 128: q 64·64 + k 64·32 + v 64·32 + o 64·64
+    # + gate, up, down 3·64·128 = 4096 + 2048 + 2048 + 4096 + 24576 = 36864 matrix weights a layer
+    assert (config.layer_weights, config.attention_width, config.n_layer, config.vocab_size) == (36864, 64, 2, 512)
+
+
+def test_the_wide_tokenizer_decodes_every_id_and_encodes_a_token_a_byte():
+    from rlkit_core.testing.offline_models import build_wide_chatml_tokenizer
+
+    tokenizer = build_wide_chatml_tokenizer(1000)
+    assert len(tokenizer) == 1000 and tokenizer.decode([999]) == "w999"
+    assert len(tokenizer("héllo").input_ids) == 6  # é is two bytes
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert rendered.startswith("<|im_start|>user")
+
+
+@pytest.mark.slow
+def test_the_gpu_run_runs_every_step_on_a_cpu(tmp_path):
+    """benchmarks/gpu_run.py end to end on tiny shapes: every step records its measures, and each is ok."""
+    out = tmp_path / "out"
+    command = [sys.executable, str(GPU_RUN), "--device", "cpu", "--out", str(out), "--work", str(tmp_path / "work")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    lines = [json.loads(line) for line in (out / "gpu_run.jsonl").read_text().splitlines()]
+    assert [line for line in lines if line["status"] != "ok"] == [] and done.returncode == 0, done.stderr[-2000:]
+    steps = {line["step"]: line for line in lines}
+    assert list(steps) == ["install", "model", "pytest", "rlkit:ppo-full", "rlkit:ppo-lora-ckpt",
+                           "rlkit:grpo-full-ckpt", "rlkit:grpo-lora", "bench:standard", "bench:ragged", "episodes",
+                           "fsdp", "ddp", "total"]
+    assert steps["pytest"]["counts"]["skipped"] == 3 and "failed" not in steps["pytest"]["counts"]  # no CUDA here
+    for name in ("rlkit:ppo-full", "rlkit:grpo-lora", "fsdp", "ddp"):
+        assert steps[name]["seconds_per_iteration"] > 0 and steps[name]["tokens_per_second_in"]["generate"] > 0
+        assert steps[name]["estimate_peak_mib"] > 0
+    assert steps["fsdp"]["processes"] == steps["ddp"]["processes"] == 2
+    assert steps["bench:standard"]["train_vs_matmul"] > 0
+    assert steps["bench:ragged"]["padding_share"]["train"]["after"] is not None
+    assert steps["episodes"]["turns_vs_one"]["ratio"] > 0 and steps["episodes"]["turns"] > 1

@@ -204,9 +204,16 @@ def model_size(recipe: Recipe) -> list[str]:
 
 def memory_estimate(recipe: Recipe, prompt_tokens: int, launch: Launch = ONE_PROCESS) -> list[str]:
     """Per-process memory, when the policy plugin can say its model's shape (see rlkit_core.memory)."""
+    parts = memory_parts(recipe, prompt_tokens, launch)
+    return [] if parts is None else describe_memory(*parts)
+
+
+def memory_parts(recipe: Recipe, prompt_tokens: int, launch: Launch = ONE_PROCESS) -> tuple[dict[str, int], int] | None:
+    """(bytes per process by part, shards) that `rlkit check` prints; None when the policy cannot say its shape.
+    The benchmarks compare its "peak" with measured peaks."""
     shape = recipe["policy"].component.factory.shape(recipe["policy"].config)
     if shape is None:
-        return []
+        return None
     ppo, processes = recipe.ppo, launch.processes
     generator = recipe["generator"].config
     work = Workload(
@@ -221,4 +228,4 @@ def memory_estimate(recipe: Recipe, prompt_tokens: int, launch: Launch = ONE_PRO
         micro_tokens=ppo.max_tokens_per_microbatch,
         forward_tokens=ppo.max_tokens_per_forward,
     )
-    return describe_memory(estimate(shape, work), work.shards)
+    return estimate(shape, work), work.shards

@@ -15,12 +15,17 @@ in about a second each:
   tool calls, and strips the `<think>` blocks of assistant turns before the last user message; a
   Llama model with spare rows whose generation config stops on `<|im_end|>` and `<|endoftext|>`.
 
+For measuring, `write_qwen_model` builds a random Qwen2 of a real size (Qwen2.5-0.5B's shape) with
+`build_wide_chatml_tokenizer`: the "chatml" specials and template over a vocabulary as wide as the
+model's, so that the LM head costs what the real one does and every id a random model samples decodes.
+
 The BPE is trained with the `tokenizers` library (a transformers dependency) on a fixed text, so
 the same style always gives the same vocabulary.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +167,94 @@ def write_tiny_model(path: Path, style: str = "byt5", classifier: bool = False, 
     tokenizer.save_pretrained(path)
     return Path(path)
 
+
+
+# Qwen2.5-0.5B's shape (494 M parameters with its 151,936-row tied embedding), and a tiny one for CPUs
+QWEN_SIZES: dict[str, dict[str, Any]] = {
+    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0, "vocab_size": 151936},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 1024, "rope_theta": 1000000.0, "vocab_size": 512},
+}
+
+
+def build_wide_chatml_tokenizer(vocab_size: int = 151936):
+    """The "chatml" style's specials, tags and template over `vocab_size` ids: the 256 byte-level symbols (text
+    encodes one token a byte, no merges), the specials and tags, then fillers `w<id>` that only sampling produces."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials, names = STYLES["chatml"]
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for token in specials + CHATML_TAGS:
+        vocab[token] = len(vocab)
+    if vocab_size < len(vocab):
+        raise ValueError(f"vocab_size {vocab_size}: at least {len(vocab)} (the bytes, specials and tags)")
+    vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    backend.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in CHATML_TAGS])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **names)
+
+
+def write_qwen_model(path: Path, size: str = "tiny", device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                     seed: int = 0, mean_length: float = 0.0) -> Path:
+    """A random-initialised Qwen2 of `size` (`QWEN_SIZES`) with its wide ChatML tokenizer, saved in `dtype`;
+    built on `device` (a GPU initialises 0.5 B weights in a moment), stopping on `<|im_end|>` and `<|endoftext|>`.
+    `mean_length`: sampling ends a response or turn after about that many tokens (`lift_end`); 0: almost never."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = QWEN_SIZES[size]
+    tokenizer = build_wide_chatml_tokenizer(shape["vocab_size"])
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    assert isinstance(eos, int) and isinstance(pad, int)
+    config = Qwen2Config(**shape, tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=pad, eos_token_id=eos,
+                         pad_token_id=pad)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model: Any = Qwen2ForCausalLM(config)
+        if mean_length:
+            lift_end(model, eos, mean_length)
+    model.to(dtype)
+    model.generation_config.eos_token_id = [eos, pad]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
+@torch.no_grad()
+def lift_end(model, end: int, mean_length: float, branch_scale: float = 0.01, after_marker: float = 0.9) -> None:
+    """Make a random Qwen/Llama-style model (tied embedding, RMSNorm: no bias to lift a logit with, as GPT-2's has)
+    end a response after about `mean_length` tokens, geometrically. A deep random model's hidden states follow the
+    context, not the token (a lift along one direction ends some sequences at once and others never), so the
+    blocks' output projections are scaled by `branch_scale`, which leaves each final hidden state mostly its own
+    token's embedding, and the final norm's weights get random signs, so that (the embedding being tied) a token
+    does not predict itself. Every k-th id is a marker, a 1 in the embedding's first dimension (the end token: 4):
+    after a marker the first dimension of the normed hidden state is H (set through its norm weight), which lifts
+    the end token's logit by 4·H and each marker's by H, so that p(end) = `after_marker`; after other ids, by
+    nothing much. Ids are sampled about uniformly, so a response ends after about k / `after_marker` tokens; a
+    sampler that forbids the end token (`min_new_tokens`) differs from the model by −log(1 − after_marker) there."""
+    for name, module in model.named_modules():
+        if name.endswith(("o_proj", "down_proj")):
+            module.weight.mul_(branch_scale)
+    norm = model.base_model.norm.weight
+    signs = torch.randint(2, norm.shape, generator=torch.Generator().manual_seed(0)).to(norm) * 2 - 1
+    norm.copy_(signs)
+    norm[0] = 1.0
+    weight = model.get_input_embeddings().weight
+    vocab, every = weight.shape[0], max(1, round(after_marker * (mean_length - 1)))
+    markers = torch.arange(1, vocab, every, device=weight.device)
+    markers = markers[markers != end]
+    weight[markers, 0] = 1.0
+    weight[end, 0] = 4.0
+    first = float(model.base_model(input_ids=markers[None, :256]).last_hidden_state[..., 0].float().mean())
+
+    def p_end(lift: float) -> float:  # the end token's logit 4·lift, the markers' lift, the rest about 0
+        return 1 / (1 + (len(markers) * math.exp(-3 * lift) + (vocab - len(markers) - 1) * math.exp(-4 * lift)))
+
+    low, high = 0.0, 64.0
+    for _ in range(60):
+        low, high = ((low + high) / 2, high) if p_end((low + high) / 2) < after_marker else (low, (low + high) / 2)
+    norm[0] = low / first
