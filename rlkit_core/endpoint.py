@@ -38,6 +38,10 @@ from rlkit_core.messages import Reply
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ENDED_KEPT = 100_000  # ended sessions remembered, so that a late request reads why
+# an idle connection is kept longer than a client keeps it (httpx, under the openai client: 5 s), so that the client, not
+# the server, closes it: at equal limits a request sent as the server closes it fails as a connection error, and with no
+# retries the episode is an error (once in 960 episodes of the default agent recipe under load, before this was set)
+KEEP_ALIVE_S = 75
 
 
 class Refused(Exception):
@@ -484,7 +488,8 @@ class Endpoint:
 
         app = Starlette(routes=[Route("/sessions/{session_id}/v1/models", models, methods=["GET"]),
                                 Route("/sessions/{session_id}/v1/chat/completions", chat_completions, methods=["POST"])])
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                                timeout_keep_alive=KEEP_ALIVE_S))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True, name="rlkit-endpoint")
         thread.start()
         while not server.started:

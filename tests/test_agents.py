@@ -509,6 +509,26 @@ def test_the_endpoint_lists_the_model_and_names_what_it_refuses_before_an_episod
     session.end("closed")
 
 
+def test_the_endpoint_keeps_an_idle_connection_longer_than_a_client_does():
+    """A connection idle past httpx's 5 s expiry is still open on the server, so the client is the
+    one that closes it and a request never meets a connection the server is closing."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from rlkit_core.endpoint import Limits, agent_endpoint
+
+    session = agent_endpoint().open(Limits(max_turns=2, max_new_tokens=8, temperature=1.0))
+    url = urlsplit(session.base_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    for _ in range(2):  # the second on the same connection, 6 s later: a closed one raises RemoteDisconnected
+        connection.request("GET", f"{url.path}/models", headers={"Authorization": f"Bearer {session.key}"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.read()
+        time.sleep(6)
+    connection.close()
+    session.end("closed")
+
+
 REFUSED_SETTINGS = [
     ({"top_p": 0.9}, "sampling_unsupported", "'top_p' 0.9 is not served: the policy samples with top_p = 1"),
     ({"presence_penalty": 0.5}, "sampling_unsupported", "leave 'presence_penalty' out or send 0"),
